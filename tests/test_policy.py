@@ -68,7 +68,8 @@ MNNVL_ROWS = [
     ({"world_size": 6, "hosts": ("n0",) * 6}, "world size 6"),
     ({"multicast": False}, "no NVSwitch multicast"),
     ({"multicast": None}, "multicast unknown"),
-    ({"world_size": 16, "hosts": ("a",) * 8 + ("b",) * 8, "fabric": False}, "without an MNNVL fabric"),
+    ({"world_size": 16, "hosts": ("a",) * 8 + ("b",) * 8, "fabric": False},
+     "without an MNNVL fabric"),
 ]
 
 

@@ -1,6 +1,8 @@
 """Collective CLI commands (run, bench, doctor)."""
 from __future__ import annotations
-import argparse
+
 from typing import Any
+
+
 def add_subcommands(sub: Any, *helpers: Any) -> None:
     del sub, helpers

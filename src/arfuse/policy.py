@@ -6,7 +6,7 @@ The table is DESIGN 3.3; each rule cites the field failure it designs out.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,8 +219,14 @@ def _auto_order(topo: Topology) -> tuple[str, ...]:
     return ("mnnvl", "trtllm") if topo.device == "cuda" else ("shm",)
 
 
-def resolve(settings: Settings, topology: Topology, spec: Spec) -> Plan:
-    """The plan for ``spec`` on ``topology`` under ``settings`` (DESIGN 3.3)."""
+def resolve(settings: Settings, topology: Topology, spec: Spec,
+            unavailable: Mapping[str, str] | None = None) -> Plan:
+    """The plan for ``spec`` on ``topology`` under ``settings`` (DESIGN 3.3).
+
+    ``unavailable`` names backends this installation or some rank's probe cannot run, with why;
+    they are listed but never offered.
+    """
+    unavailable = unavailable or {}
     requested = settings.backend
     explicit = requested != "auto"
     if requested == "trtllm" and topology.node_count > 1:
@@ -236,7 +242,7 @@ def resolve(settings: Settings, topology: Topology, spec: Spec) -> Plan:
     else:
         order = _auto_order(topology)
     for backend in order:
-        why = requirement(backend, topology, spec)
+        why = requirement(backend, topology, spec) or unavailable.get(backend, "")
         if not why and backend == "trtllm" and not explicit and not topology.nvlink_all_pairs:
             # R3: without NVLink between every pair, trtllm fusion is slower than not fusing.
             why = ("auto skips trtllm without NVLink between all pairs: it measured ~10x slower "

@@ -38,7 +38,9 @@ def parse_quant(value: object, name: str = "quant") -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be None, 'none', 'fp8' or 'nvfp4', got {type(value).__name__}")
+        raise TypeError(
+            f"{name} must be None, 'none', 'fp8' or 'nvfp4', got {type(value).__name__}"
+        )
     text = value.strip().lower()
     if text in ("", "none"):
         return None
@@ -70,7 +72,8 @@ class Spec:
                 raise ValueError("quant='nvfp4' needs dtype bf16 or fp16, not fp32")
             if self.hidden % NVFP4_BLOCK:
                 raise ValueError(
-                    f"quant='nvfp4' needs hidden a multiple of {NVFP4_BLOCK}, got hidden={self.hidden}"
+                    f"quant='nvfp4' needs hidden a multiple of {NVFP4_BLOCK}, "
+                    f"got hidden={self.hidden}"
                 )
 
     @property

@@ -8,6 +8,7 @@ is pure: a capability counts only when every rank has it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -23,7 +24,7 @@ _FIELDS = ("device", "world_size", "hosts", "sm", "gpu", "multicast", "nvlink_al
 
 @dataclass(frozen=True)
 class Topology:
-    """See DESIGN 3.2. ``None`` on a capability means "unknown", which the policy treats as absent."""
+    """See DESIGN 3.2. ``None`` on a capability means "unknown"; the policy treats it as absent."""
 
     device: str = "cpu"
     world_size: int = 1
@@ -37,7 +38,9 @@ class Topology:
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
-            raise ValueError(f"device={self.device!r} is not valid; use one of {', '.join(DEVICES)}")
+            raise ValueError(
+                f"device={self.device!r} is not valid; use one of {', '.join(DEVICES)}"
+            )
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
             raise TypeError(f"world_size must be an int, got {type(self.world_size).__name__}")
         if self.world_size < 1:
@@ -182,10 +185,8 @@ def _all_of(values: Any) -> bool | None:
 def host_identity() -> str:
     """Hostname plus kernel boot id: two containers of one kernel with one hostname are one host."""
     boot = ""
-    try:
+    with contextlib.suppress(OSError):
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
-    except OSError:
-        pass
     name = socket.gethostname()
     return f"{name}:{boot}" if boot else name
 

@@ -1,0 +1,1 @@
+"""Backends: torch (unfused reference), shm (CPU shared memory), flashinfer (trtllm, mnnvl)."""

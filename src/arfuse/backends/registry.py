@@ -1,0 +1,15 @@
+"""The backends this installation has, by name (imported lazily: flashinfer loads CUDA)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from .base import Backend
+
+
+@cache
+def all_backends() -> dict[str, Backend]:
+    from .torch_dist import TorchBackend
+
+    backends: list[Backend] = [TorchBackend()]
+    return {b.name: b for b in backends}

@@ -1,0 +1,269 @@
+"""The collective protocol (DESIGN 3.4): gather facts, resolve, try candidates, vote, time out.
+
+Every rank of the group calls ``negotiate`` in the same order with the same spec. Facts come
+from every rank, so every rank computes the same plan (R7); each creation and each validation
+ends in a vote, so either every rank keeps a backend or every rank moves on; every exchange
+has a deadline and names the ranks that stayed silent (R8); only the given group's store and
+ranks are used (R9).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from . import faults, log, policy, topology
+from .backends import registry as backend_registry
+from .backends.base import Backend, GroupContext, Workspace
+from .policy import Plan
+from .rendezvous import Channel, NegotiationTimeout
+from .settings import Settings
+from .spec import Spec
+from .topology import LocalFacts, Topology
+
+
+class NegotiationError(RuntimeError):
+    """Ranks disagree (spec, settings) or no candidate could be created on every rank."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    backend: str
+    ok: bool
+    phase: str
+    failures: Mapping[int, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.ok:
+            return f"{self.backend}: ok"
+        ranks = ", ".join(f"rank {r}: {why}" for r, why in sorted(self.failures.items()))
+        return f"{self.backend}: failed at {self.phase} ({ranks})"
+
+
+@dataclass
+class Outcome:
+    plan: Plan
+    topology: Topology
+    unavailable: Mapping[str, str]
+    workspace: Workspace
+    attempts: tuple[Attempt, ...]
+    seconds: float
+
+
+# --- the group's context ------------------------------------------------------------------------
+
+
+def group_key(group: Any) -> str:
+    if group is None:
+        return "single-process"
+    name = getattr(group, "group_name", None)
+    return str(name) if name else f"group@{id(group):x}"
+
+
+def make_context(group: Any, device: str | None, settings: Settings) -> GroupContext:
+    """Rank, size, device and a timed channel for ``group`` (``None``: WORLD, or one process)."""
+    import torch.distributed as dist
+
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    if group is None:
+        rank, world, store = 0, 1, None
+    else:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if rank < 0:
+            raise ValueError("group: this process is not a member of the given group")
+        store = dist.distributed_c10d._get_process_group_store(group)
+    if device is None:
+        device = _device_of(group)
+    elif device not in topology.DEVICES:
+        raise ValueError(f"device={device!r} is not valid; use cpu or cuda")
+    key = group_key(group)
+    channel = Channel(store, f"arfuse/{key}", rank, world, settings.timeout_s)
+    return GroupContext(group=group, rank=rank, world_size=world, device=device, key=key,
+                        channel=channel, settings=settings,
+                        fault_table=faults.parse(settings.faults))
+
+
+def _device_of(group: Any) -> str:
+    """NCCL groups carry CUDA tensors; gloo groups CPU tensors; mixed: CUDA if present."""
+    import torch
+    import torch.distributed as dist
+
+    if group is None:
+        return "cpu"
+    name = str(dist.get_backend(group)).lower()
+    if "nccl" in name and ("gloo" not in name or torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
+# --- the protocol -------------------------------------------------------------------------------
+
+
+def _local_payload(ctx: GroupContext, spec: Spec,
+                   backends: Mapping[str, Backend]) -> dict[str, Any]:
+    settings = ctx.settings
+    facts = topology.local_facts(ctx.device)
+    file_topology = (topology.load(settings.topology_path).to_dict()
+                     if settings.topology_path else None)
+    probes: dict[str, str] = {}
+    for name, backend in backends.items():
+        why = backend.unavailable()
+        if not why:
+            why = _probe(ctx, backend, spec)
+        if why:
+            probes[name] = why
+    return {
+        "spec": asdict(spec),
+        "settings": {"backend": settings.backend, "strict": settings.strict},
+        "facts": asdict(facts),
+        "file_topology": file_topology,
+        "probes": probes,
+    }
+
+
+def _probe(ctx: GroupContext, backend: Backend, spec: Spec) -> str:
+    try:
+        if ctx.fault(backend.name, "probe") == "none":
+            return "probe returned nothing"
+        return backend.probe(ctx, spec)
+    except Exception as exc:  # a failed probe is a reason, not a crash
+        return f"probe failed: {type(exc).__name__}: {exc}"
+    except MemoryError as exc:
+        return f"probe failed: MemoryError: {exc}"
+
+
+def _agree(payloads: list[dict[str, Any]], key: str, what: str) -> None:
+    reference = payloads[0][key]
+    differ = [r for r, p in enumerate(payloads) if p[key] != reference]
+    if differ:
+        details = "; ".join(f"rank {r}: {payloads[r][key]}" for r in differ)
+        raise NegotiationError(f"ranks passed different {what}: rank 0: {reference}; {details}. "
+                               "Every rank of the group must ask for the same thing")
+
+
+def _topology_of(ctx: GroupContext, payloads: list[dict[str, Any]]) -> Topology:
+    if payloads[0]["file_topology"] is not None:
+        _agree(payloads, "file_topology", "topology files (ARFUSE_TOPOLOGY)")
+        topo = Topology.from_dict(payloads[0]["file_topology"])
+        if topo.world_size != ctx.world_size:
+            raise ValueError(f"ARFUSE_TOPOLOGY describes world_size={topo.world_size} but the "
+                             f"group has {ctx.world_size} ranks")
+        return topo
+    facts = [LocalFacts(**p["facts"]) for p in payloads]
+    return topology.merge(facts)
+
+
+def _unavailable(payloads: list[dict[str, Any]]) -> dict[str, str]:
+    merged: dict[str, str] = {}
+    for rank, payload in enumerate(payloads):
+        for name, why in payload["probes"].items():
+            merged.setdefault(name, f"rank {rank}: {why}")
+    return merged
+
+
+def negotiate(ctx: GroupContext, spec: Spec,
+              backends: Mapping[str, Backend] | None = None) -> Outcome:
+    """Collective: every rank ends with the same backend, or every rank raises."""
+    started = time.perf_counter()
+    backends = backends if backends is not None else backend_registry.all_backends()
+    payloads = ctx.channel.all_gather("facts", _local_payload(ctx, spec, backends))
+    _agree(payloads, "spec", "specs (max_token_num, hidden_dim, dtype, quant)")
+    _agree(payloads, "settings", "settings (ARFUSE_BACKEND / ARFUSE_STRICT or backend=)")
+    topo = _topology_of(ctx, payloads)
+    unavailable = _unavailable(payloads)
+    plan = policy.resolve(ctx.settings, topo, spec, unavailable)
+    log.once(_level(ctx, logging.INFO), (ctx.key, spec, ctx.settings.backend),
+             "arfuse group %s: plan for %s\n%s", ctx.key, _spec_text(spec), plan.explain())
+    attempts: list[Attempt] = []
+    for name in plan.viable:
+        attempt, workspace = _try(ctx, backends[name], spec)
+        attempts.append(attempt)
+        if workspace is not None:
+            seconds = time.perf_counter() - started
+            _log_outcome(ctx, spec, workspace, attempts, seconds)
+            return Outcome(plan, topo, unavailable, workspace, tuple(attempts), seconds)
+        log.logger.log(_level(ctx, logging.WARNING), "arfuse group %s: %s; trying the next "
+                       "candidate", ctx.key, attempt.describe())
+    tried = "; ".join(a.describe() for a in attempts)
+    raise NegotiationError(f"arfuse group {ctx.key}: no candidate could be created on every "
+                           f"rank ({tried})" + (" and ARFUSE_STRICT=1 forbids the unfused path"
+                                                if ctx.settings.strict else ""))
+
+
+def _try(ctx: GroupContext, backend: Backend,
+         spec: Spec) -> tuple[Attempt, Workspace | None]:
+    """Create, vote, validate, vote. Returns the workspace only if every rank succeeded."""
+    name = backend.name
+    workspace: Workspace | None = None
+    try:
+        why = ""
+        try:
+            workspace = backend.create(ctx, spec)
+            if workspace is None:
+                why = "creation returned nothing"
+        except (Exception, MemoryError) as exc:
+            if isinstance(exc, NegotiationTimeout):
+                raise
+            why = f"{type(exc).__name__}: {exc}"
+        failures = _vote(ctx, "create", name, why)
+        if failures:
+            _drop(workspace)
+            return Attempt(name, False, "create", failures), None
+        assert workspace is not None
+        why = ""
+        try:
+            mode = ctx.fault(name, "validate")
+            if mode == "null":
+                workspace.poison()
+            workspace.validate()
+            if mode == "none":
+                why = "validation returned nothing"
+        except (Exception, MemoryError) as exc:
+            if isinstance(exc, NegotiationTimeout):
+                raise
+            why = f"{type(exc).__name__}: {exc}"
+        failures = _vote(ctx, "validate", name, why)
+        if failures:
+            _drop(workspace)
+            return Attempt(name, False, "validate", failures), None
+        return Attempt(name, True, "validate"), workspace
+    except BaseException:
+        _drop(workspace)
+        raise
+
+
+def _vote(ctx: GroupContext, phase: str, backend: str, why: str) -> dict[int, str]:
+    """MIN of success across the group; returns the failing ranks with their reasons."""
+    reasons = ctx.channel.all_gather(f"vote/{phase}/{backend}", why, backend)
+    return {rank: reason for rank, reason in enumerate(reasons) if reason}
+
+
+def _drop(workspace: Workspace | None) -> None:
+    if workspace is not None:
+        try:
+            workspace.destroy()
+        except Exception as exc:  # destroying a half-made workspace must not mask the cause
+            log.logger.warning("arfuse: destroying a failed %s workspace raised %s: %s",
+                               workspace.backend, type(exc).__name__, exc)
+
+
+def _level(ctx: GroupContext, level: int) -> int:
+    """Decisions are the same on every rank: group rank 0 tells them, the others at debug."""
+    return level if ctx.rank == 0 else logging.DEBUG
+
+
+def _spec_text(spec: Spec) -> str:
+    return (f"max_tokens={spec.max_tokens} hidden={spec.hidden} dtype={spec.dtype} "
+            f"quant={spec.quant or 'none'}")
+
+
+def _log_outcome(ctx: GroupContext, spec: Spec, workspace: Workspace,
+                 attempts: list[Attempt], seconds: float) -> None:
+    tried = ", ".join(a.backend for a in attempts)
+    log.once(_level(ctx, logging.INFO), (ctx.key, spec, workspace.backend, id(workspace)),
+             "arfuse group %s (%d ranks): using %s (tried %s) in %.1f ms; %s", ctx.key,
+             ctx.world_size, workspace.backend, tried, seconds * 1e3, workspace.describe())

@@ -1,0 +1,143 @@
+"""FP8 and NVFP4 formats with FlashInfer's all-reduce-fusion semantics, in plain torch.
+
+The rules (FlashInfer 0.6.13, ``trtllm_allreduce_fusion.cuh`` / ``quantization_utils.cuh``):
+
+* FP8 (e4m3): ``scale`` is the *dequantisation* scale: ``q = e4m3(x * (1/scale))``, the
+  reciprocal taken once in fp32, round-to-nearest-even, saturating to +-448.
+* NVFP4: blocks of 16 along a row; ``scale`` is the *global encode* scale (typically
+  ``448*6/amax``) and is multiplied: ``sf = e4m3(scale * (amax * f32(1/6)))``; element scale
+  ``scale / sf`` (0 when ``sf`` rounds to 0); values rounded to e2m1 {0,.5,1,1.5,2,3,4,6}
+  nearest-even, saturating to +-6; two codes per byte, the even element in the low nibble.
+  Block scales are e4m3 bytes in the ``linear`` ``[T, H/16]`` or the ``swizzled_128x4``
+  layout ``[round_up(T,128), round_up(H/16,4)]`` (padding zero).
+
+Inputs are the values already rounded to the activation dtype, as in FlashInfer. CUDA kernels
+built with fast-math may differ from these exact-IEEE rules by one ulp in rare ties.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+E2M1_MAX = 6.0
+NVFP4_BLOCK = 16
+LAYOUTS = ("swizzled_128x4", "linear")
+_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()  # f32(1/6), as the kernels use
+# Magnitude code thresholds: code = number of thresholds passed. Ties go to the even code,
+# hence alternating strict (>) and non-strict (>=) comparisons.
+_E2M1_STRICT = (0.25, 1.25, 2.5, 5.0)
+_E2M1_LOOSE = (0.75, 1.75, 3.5)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _round_up(value: int, to: int) -> int:
+    return (value + to - 1) // to * to
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not valid; use one of {', '.join(LAYOUTS)}")
+    return layout
+
+
+def scale_value(scale: float | torch.Tensor, name: str = "scale") -> float:
+    """A scale as a Python float (a one-element tensor or a number), checked positive."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, "
+                             f"got shape {tuple(scale.shape)}")
+        value = float(scale.item())
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        value = float(scale)
+    else:
+        raise TypeError(f"{name} must be a float or a one-element tensor, got "
+                        f"{type(scale).__name__}")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name}={value} is not valid; it must be a finite number > 0")
+    return value
+
+
+def to_e4m3(values: torch.Tensor) -> torch.Tensor:
+    """fp32 -> float8_e4m3fn, nearest-even, saturating (torch's cast alone does not saturate)."""
+    return values.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``e4m3(x * (1/scale))`` with ``scale`` the dequantisation scale."""
+    inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32)
+    return to_e4m3(x.float() * inv.to(x.device))
+
+
+def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
+    """fp32 -> 4-bit e2m1 codes (uint8 0..15), nearest-even, saturating to +-6."""
+    mag = values.abs()
+    code = torch.zeros(values.shape, dtype=torch.uint8, device=values.device)
+    for threshold in _E2M1_STRICT:
+        code += (mag > threshold).to(torch.uint8)
+    for threshold in _E2M1_LOOSE:
+        code += (mag >= threshold).to(torch.uint8)
+    return code | (torch.signbit(values).to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes -> fp32 values (for tests and dequantisation)."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    mag = table[(codes & 7).long()]
+    return torch.where((codes & 8).bool(), -mag, mag)
+
+
+def nvfp4_quantize(x: torch.Tensor, global_scale: float,
+                   layout: str = "swizzled_128x4") -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, H]`` -> (packed codes ``[T, H/2]`` uint8, block scales uint8 in ``layout``)."""
+    check_layout(layout)
+    tokens, hidden = x.shape
+    if hidden % NVFP4_BLOCK:
+        raise ValueError(f"nvfp4 needs hidden a multiple of {NVFP4_BLOCK}, got {hidden}")
+    gs = torch.tensor(global_scale, dtype=torch.float32, device=x.device)
+    blocks = x.float().reshape(tokens, hidden // NVFP4_BLOCK, NVFP4_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    sf = to_e4m3(gs * (amax * _SIXTH))
+    sf_f = sf.float()
+    elem_scale = torch.where(sf_f != 0, gs / sf_f, torch.zeros_like(sf_f))
+    codes = e2m1_codes(blocks * elem_scale).reshape(tokens, hidden)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scales = sf.reshape(tokens, hidden // NVFP4_BLOCK).view(torch.uint8)
+    return packed, (swizzle_128x4(scales) if layout == "swizzled_128x4" else scales)
+
+
+def swizzle_128x4(linear: torch.Tensor) -> torch.Tensor:
+    """Linear ``[T, K]`` scale bytes -> the ``[round_up(T,128), round_up(K,4)]`` swizzled tile
+    layout: ``offset = (m//128)*Kp*128 + (k//4)*512 + (m%32)*16 + ((m%128)//32)*4 + k%4``."""
+    rows, cols = linear.shape
+    rows_p, cols_p = _round_up(rows, 128), _round_up(cols, 4)
+    padded = torch.zeros((rows_p, cols_p), dtype=linear.dtype, device=linear.device)
+    padded[:rows, :cols] = linear
+    tiles = padded.view(rows_p // 128, 4, 32, cols_p // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().view(rows_p, cols_p)
+
+
+def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of ``swizzle_128x4``, trimmed to ``[rows, cols]``."""
+    rows_p, cols_p = swizzled.shape
+    tiles = swizzled.reshape(rows_p // 128, cols_p // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().view(rows_p, cols_p)[:rows, :cols]
+
+
+def nvfp4_scale_shape(tokens: int, hidden: int, layout: str) -> tuple[int, int]:
+    cols = hidden // NVFP4_BLOCK
+    if layout == "linear":
+        return tokens, cols
+    return _round_up(tokens, 128), _round_up(cols, 4)
+
+
+def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: float,
+                     layout: str, hidden: int) -> torch.Tensor:
+    """Back to fp32: ``e2m1 * sf / global_scale`` (for tests and error measurement)."""
+    tokens = packed.shape[0]
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(tokens, hidden)
+    cols = hidden // NVFP4_BLOCK
+    linear = scales if layout == "linear" else unswizzle_128x4(scales, tokens, cols)
+    sf = linear.contiguous().view(torch.float8_e4m3fn).float()
+    values = e2m1_decode(codes).reshape(tokens, cols, NVFP4_BLOCK)
+    return (values * sf.unsqueeze(-1) / global_scale).reshape(tokens, hidden)

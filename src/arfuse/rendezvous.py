@@ -1,0 +1,72 @@
+"""Exchanges among the ranks of one group that cannot hang (R8) and use only that group (R9).
+
+Each exchange is keyed by a per-channel sequence number, so every rank must make the same
+exchanges in the same order (they do: negotiation is collective). Values travel through the
+group's own c10d store as JSON; waiting polls with a deadline, so a timeout names exactly the
+ranks that never answered, on every rank that waited.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+
+class NegotiationTimeout(TimeoutError):
+    """A collective step saw silent ranks; the message names phase, backend and ranks."""
+
+    def __init__(self, phase: str, backend: str, silent: Sequence[int], timeout_s: float):
+        self.phase, self.backend, self.silent = phase, backend, tuple(silent)
+        super().__init__(
+            f"arfuse negotiation timed out after {timeout_s:g}s in phase {phase!r} "
+            f"(backend {backend}): rank(s) {', '.join(map(str, silent))} of the group did not "
+            "answer (dead, hung, or not calling the same collective); raise ARFUSE_TIMEOUT_S "
+            "if they are only slow"
+        )
+
+
+class _Store(Protocol):
+    def set(self, key: str, value: bytes | str) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def check(self, keys: list[str]) -> bool: ...
+
+
+class Channel:
+    """All-gather of small JSON values among ``world_size`` ranks over a key-value store."""
+
+    def __init__(self, store: Any, prefix: str, rank: int, world_size: int,
+                 timeout_s: float):
+        if world_size > 1 and store is None:
+            raise ValueError("a channel among several ranks needs a store")
+        self.store, self.prefix = store, prefix
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self._seq = 0
+
+    def all_gather(self, phase: str, value: Any, backend: str = "-") -> list[Any]:
+        """Every rank's ``value`` in rank order; ``NegotiationTimeout`` if some never arrive."""
+        self._seq += 1
+        if self.world_size == 1:
+            return [value]
+        store: _Store = self.store
+        base = f"{self.prefix}/{self._seq}/{phase}"
+        store.set(f"{base}/{self.rank}", json.dumps(value))
+        pending = [r for r in range(self.world_size) if r != self.rank]
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0002
+        while pending:
+            pending = [r for r in pending if not store.check([f"{base}/{r}"])]
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                raise NegotiationTimeout(phase, backend, pending, self.timeout_s)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+        out: list[Any] = []
+        for r in range(self.world_size):
+            out.append(value if r == self.rank else json.loads(store.get(f"{base}/{r}")))
+        return out
+
+    def barrier(self, phase: str, backend: str = "-") -> None:
+        self.all_gather(phase, None, backend)

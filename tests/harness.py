@@ -1,0 +1,119 @@
+"""Launch real ranks over gloo with short timeouts, so a bug fails a test instead of hanging CI."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "arfuse"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RankResult:
+    rank: int
+    ok: bool
+    value: Any = None
+    error: str = ""
+    exitcode: int | None = None
+    seconds: float = 0.0
+
+    def __repr__(self) -> str:
+        state = "ok" if self.ok else f"error={self.error[-600:]!r} exitcode={self.exitcode}"
+        return f"RankResult(rank={self.rank}, {state})"
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[str, str],
+           args: tuple[Any, ...], results: Any, init: bool) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    try:
+        if init:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world, timeout=datetime.timedelta(seconds=30))
+        value = fn(rank, world, *args)
+        # plain pickle copies tensor data: torch's queue reducers would share memory that dies
+        # with this process
+        results.put((rank, True, pickle.dumps(value), "", time.perf_counter() - started))
+    except BaseException as exc:  # report everything, including timeouts, to the parent
+        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        results.put((rank, False, None, text, time.perf_counter() - started))
+    finally:
+        if init and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, env: dict[str, str] | None = None,
+              timeout: float = 90.0, init: bool = True,
+              expect: int | None = None) -> list[RankResult]:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes; never waits past ``timeout``.
+
+    ``expect``: stop waiting once that many ranks reported (the rest are hung on purpose).
+    """
+    expect = world if expect is None else expect
+    results = _CTX.Queue()
+    port = free_port()
+    procs = [_CTX.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), args,
+                                                results, init), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, RankResult] = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < expect and time.monotonic() < deadline:
+        try:
+            rank, ok, value, error, seconds = results.get(timeout=0.2)
+            out[rank] = RankResult(rank, ok, _load(value), error, seconds=seconds)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs):
+                # drain what is left, then stop waiting for ranks that died
+                try:
+                    while True:
+                        rank, ok, value, error, seconds = results.get(timeout=0.5)
+                        out[rank] = RankResult(rank, ok, _load(value), error, seconds=seconds)
+                except queue.Empty:
+                    break
+    grace = deadline if expect == world else time.monotonic() + 1.0
+    for p in procs:
+        p.join(timeout=max(0.1, grace - time.monotonic()) if p.is_alive() else 0.1)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    final = []
+    for r, p in enumerate(procs):
+        res = out.get(r, RankResult(r, False, error="no result (killed, hung or died)"))
+        res.exitcode = p.exitcode
+        final.append(res)
+    return final
+
+
+def _load(value: Any) -> Any:
+    return pickle.loads(value) if isinstance(value, bytes) else value
+
+
+def values(results: list[RankResult]) -> list[Any]:
+    """The values, asserting every rank succeeded (with every rank's error in the message)."""
+    bad = [r for r in results if not r.ok]
+    assert not bad, "\n".join(f"rank {r.rank}: {r.error}" for r in bad)
+    return [r.value for r in results]

@@ -1,0 +1,136 @@
+"""An independent float64 reference and independent quantisers, written apart from arfuse's own
+code (element-wise loops over the e2m1 table, offsets from the layout formula) so that a bug in
+``arfuse.quant`` or ``arfuse.epilogue`` cannot hide behind itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    tokens: int
+    hidden: int
+    pattern: str  # plain | norm | norm_bias | fp8 | nvfp4_linear | nvfp4_swizzled
+    residual: bool = True
+
+    @property
+    def weight_bias(self) -> float:
+        return 1.0 if self.pattern == "norm_bias" else 0.0
+
+    @property
+    def quant(self) -> str | None:
+        if self.pattern == "fp8":
+            return "fp8"
+        return "nvfp4" if self.pattern.startswith("nvfp4") else None
+
+    @property
+    def layout(self) -> str:
+        return "linear" if self.pattern == "nvfp4_linear" else "swizzled_128x4"
+
+
+PATTERNS = ("plain", "norm", "norm_bias", "fp8", "nvfp4_linear", "nvfp4_swizzled")
+EPS = 1e-5
+FP8_SCALE = 0.0625  # dequantisation scale: values up to ~28 fit e4m3 without saturating much
+NVFP4_SCALE = 448.0 * 6.0 / 8.0  # global encode scale for |values| up to ~8
+
+
+def inputs(case: Case, world: int, seed: int = 1234) -> dict[str, Any]:
+    """Every rank's input plus the shared residual and weight, the same in every process."""
+    gen = torch.Generator().manual_seed(seed + 7919 * case.tokens + 31 * case.hidden)
+    dtype = DTYPES[case.dtype]
+    xs = [(torch.randn(case.tokens, case.hidden, generator=gen) * (r + 1) * 0.5).to(dtype)
+          for r in range(world)]
+    residual = torch.randn(case.tokens, case.hidden, generator=gen).to(dtype)
+    weight = (torch.rand(case.hidden, generator=gen) * 1.5 + 0.25).to(dtype)
+    return {"xs": xs, "residual": residual, "weight": weight}
+
+
+def reference(case: Case, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """float64, no intermediate rounding."""
+    total = sum(x.double() for x in data["xs"])
+    assert isinstance(total, torch.Tensor)
+    abs_sum = sum(x.double().abs() for x in data["xs"])
+    if case.pattern == "plain":
+        return {"out": total, "abs_sum": abs_sum}
+    pre = total + data["residual"].double() if case.residual else total
+    inv = torch.rsqrt((pre * pre).mean(dim=-1, keepdim=True) + EPS)
+    out = pre * inv * (data["weight"].double() + case.weight_bias)
+    return {"out": out, "residual_out": pre, "sum": total, "abs_sum": abs_sum}
+
+
+def ulp_eps(dtype: str) -> float:
+    return {"bf16": 2.0**-7, "fp16": 2.0**-10, "fp32": 2.0**-23}[dtype]
+
+
+def fp8_codes_independent(values: torch.Tensor, scale: float) -> torch.Tensor:
+    """e4m3 by search over every finite code (float64), nearest, ties to even code."""
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    finite = torch.isfinite(table)
+    codes = torch.arange(256)[finite]
+    vals = table[finite]
+    v = (values.double() * float(torch.tensor(1.0, dtype=torch.float32)
+                                 / torch.tensor(scale, dtype=torch.float32))).flatten()
+    v = v.clamp(-448.0, 448.0)
+    dist = (v[:, None] - vals[None, :]).abs()
+    best = dist.min(dim=1, keepdim=True).values
+    tie = dist == best
+    # among the nearest, prefer the even mantissa (bit 0 clear); keep the sign of v
+    sign_ok = (vals[None, :] < 0) == (v[:, None] < 0) | (vals[None, :] == 0)
+    cand = tie & sign_ok
+    pick = torch.where(cand & ((codes[None, :] & 1) == 0), 2, cand.int()).argmax(dim=1)
+    return codes[pick].to(torch.uint8).view(values.shape)
+
+
+def nvfp4_independent(values: torch.Tensor, global_scale: float) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+    """(codes [T, H] uint8 unpacked, scale bytes [T, H/16]) by the written rules, element-wise."""
+    t, h = values.shape
+    vals = values.float()
+    codes = torch.zeros((t, h), dtype=torch.uint8)
+    sfs = torch.zeros((t, h // 16), dtype=torch.uint8)
+    gs = torch.tensor(global_scale, dtype=torch.float32)
+    sixth = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(6.0, dtype=torch.float32)
+    for row in range(t):
+        for blk in range(h // 16):
+            block = vals[row, blk * 16:(blk + 1) * 16]
+            amax = block.abs().max()
+            sf_f = gs * (amax * sixth)
+            sf_byte = sf_f.clamp(max=448.0).to(torch.float8_e4m3fn)
+            sfs[row, blk] = sf_byte.view(torch.uint8)
+            sf_q = sf_byte.float()
+            es = gs / sf_q if sf_q.item() != 0 else torch.tensor(0.0)
+            for i in range(16):
+                v = float((block[i] * es).item())
+                mag = min(abs(v), 6.0)
+                best = min(range(8), key=lambda k: (abs(E2M1[k] - mag), k % 2))
+                code = best | (8 if math.copysign(1.0, v) < 0 else 0)
+                codes[row, blk * 16 + i] = code
+    return codes, sfs
+
+
+def swizzle_offset(m: int, k: int, cols: int) -> int:
+    """The 128x4 layout's byte offset, straight from the formula."""
+    k_tiles = (cols + 3) // 4
+    return (m // 128) * k_tiles * 512 + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 \
+        + (k % 4)
+
+
+def digest(*tensors: torch.Tensor | None) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        if t is None:
+            h.update(b"none")
+        else:
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
