@@ -12,7 +12,7 @@ from reference import DTYPES, EPS, FP8_SCALE, NVFP4_SCALE, Case, digest, inputs,
 
 
 def numerics(rank: int, world: int, backend: str, cases: list[Case],
-             max_tokens: int) -> dict[Case, dict[str, Any]]:
+             max_tokens: int, mode: str | None = None) -> dict[Case, dict[str, Any]]:
     """Run every case; return per case a digest of the outputs and the errors vs float64."""
     import arfuse
 
@@ -24,6 +24,8 @@ def numerics(rank: int, world: int, backend: str, cases: list[Case],
             by_shape[key] = arfuse.FusedAllReduce(
                 max_token_num=max_tokens, hidden_dim=case.hidden, dtype=DTYPES[case.dtype],
                 backend=backend, timeout_s=30)
+            if mode is not None:
+                by_shape[key].workspace.set_mode(mode)  # type: ignore[attr-defined]
         comm = by_shape[key]
         data = inputs(case, world)
         x = data["xs"][rank]
@@ -51,6 +53,7 @@ def numerics(rank: int, world: int, backend: str, cases: list[Case],
             "quant_out": None if res.quant_out is None else res.quant_out.view(torch.uint8),
             "scale_out": None if res.scale_out is None else res.scale_out.clone(),
             "out_raw": res.out.clone(),
+            "path": getattr(comm.workspace, "path", ""),
         }
         results[case] = entry
     stats = {k: c.stats() for k, c in by_shape.items()}

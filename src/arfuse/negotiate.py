@@ -109,7 +109,8 @@ def _local_payload(ctx: GroupContext, spec: Spec,
     facts = topology.local_facts(ctx.device)
     file_topology = (topology.load(settings.topology_path).to_dict()
                      if settings.topology_path else None)
-    probes: dict[str, str] = {}
+    probes: dict[str, str] = {name: "not part of this arfuse installation"
+                              for name in policy.FUSED_BACKENDS if name not in backends}
     for name, backend in backends.items():
         why = backend.unavailable()
         if not why:

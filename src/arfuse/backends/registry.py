@@ -9,7 +9,8 @@ from .base import Backend
 
 @cache
 def all_backends() -> dict[str, Backend]:
+    from .shm import ShmBackend
     from .torch_dist import TorchBackend
 
-    backends: list[Backend] = [TorchBackend()]
+    backends: list[Backend] = [ShmBackend(), TorchBackend()]
     return {b.name: b for b in backends}

@@ -1,0 +1,327 @@
+"""CPU shared-memory backend: one segment per group, a fused C++ kernel (or a pure-torch path).
+
+Lifecycle of the segment: group rank 0 creates ``/dev/shm/arfuse-<pid>-<start>-<random>``
+(name sent to the others over the group's channel), every rank maps it, and rank 0 unlinks it
+as soon as every rank answered. From then on the segment has no name: the kernel frees it when
+the last mapping goes, even if the job is killed. Segments left by a creator that died between
+create and unlink are removed by the next creation on the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import sizing
+from ..epilogue import FusedOutput, apply, rank_order_sum
+from ..rendezvous import NegotiationTimeout
+from ..sizing import ShmLayout
+from ..spec import Spec
+from . import shm_build
+from .base import Backend, CreationFailed, GroupContext, Workspace
+
+SHM_DIR = Path(os.environ.get("ARFUSE_SHM_DIR", "/dev/shm"))
+PREFIX = "arfuse-"
+LINE = 64
+MAX_WORLD = 16
+# One-shot (every rank reduces every row) up to this many bytes per rank, two-shot above.
+# Measured with benchmarks/shm_threshold.py on the 2-core dev machine: see README.
+ONESHOT_MAX_BYTES = 32 * 1024
+_DTYPE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
+_QUANT_CODE = {None: 0, "fp8": 1, "nvfp4": 2}
+_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def process_identity(pid: int | None = None) -> tuple[int, int]:
+    """(pid, start time in clock ticks): a pid alone can be reused by another process."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return pid, -1
+    fields = text[text.rindex(")") + 2:].split()
+    return pid, int(fields[19])
+
+
+def _alive(pid: int, start: int) -> bool:
+    _got_pid, got_start = process_identity(pid)
+    return got_start >= 0 and got_start == start
+
+
+def clean_stale_segments(directory: Path = SHM_DIR) -> list[str]:
+    """Remove ``arfuse-*`` segments whose creating process is gone; returns their names."""
+    removed: list[str] = []
+    try:
+        entries = list(directory.glob(f"{PREFIX}*"))
+    except OSError:
+        return removed
+    for entry in entries:
+        parts = entry.name[len(PREFIX):].split("-")
+        try:
+            pid, start = int(parts[0]), int(parts[1])
+        except (IndexError, ValueError):
+            continue
+        if not _alive(pid, start):
+            with contextlib.suppress(OSError):
+                entry.unlink()
+                removed.append(entry.name)
+    return removed
+
+
+class ShmWorkspace(Workspace):
+    backend = "shm"
+    fuses_quant = True
+
+    def __init__(self, ctx: GroupContext, spec: Spec, layout: ShmLayout, name: str, fd: int,
+                 mapping: mmap.mmap):
+        super().__init__(ctx, spec, nbytes=sizing.ceil_div(layout.total_bytes, ctx.world_size),
+                         capacity=spec.max_tokens)
+        self.layout, self.name, self._fd, self._mmap = layout, name, fd, mapping
+        self._view: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._base = self._view.data_ptr()
+        self._private: torch.Tensor | None = None
+        self._dtype = _TORCH_DTYPE[spec.dtype]
+        self.kernel = shm_build.load()
+        self._comm: Any = None
+        self._seq = 0
+        self.force_mode: str | None = None  # "oneshot" | "twoshot": tests cross the threshold
+        if self.kernel is not None:
+            self._comm = self.kernel.ShmComm(
+                self._base, ctx.world_size, ctx.rank, spec.max_tokens, spec.hidden,
+                _DTYPE_CODE[spec.dtype], sizing.SHM_HEADER_BYTES, layout.slot_bytes,
+                layout.input_bytes, layout.chunk_rows, ctx.settings.timeout_s,
+                ONESHOT_MAX_BYTES)
+        if self._comm is None:
+            self.use_pure_path()
+
+    # --- identity and liveness ----------------------------------------------------------------
+
+    def _identity_view(self) -> torch.Tensor:
+        view = self._view_or_private()
+        return view[LINE:LINE * (1 + MAX_WORLD)].view(torch.int64).view(MAX_WORLD, LINE // 8)
+
+    def _view_or_private(self) -> torch.Tensor:
+        view = self._private if self._private is not None else self._view
+        assert view is not None
+        return view
+
+    def publish_identity(self) -> None:
+        pid, start = process_identity()
+        ids = self._identity_view()
+        ids[self.ctx.rank, 0], ids[self.ctx.rank, 1] = pid, start
+
+    def peers(self) -> tuple[list[int], list[int], bool]:
+        """Every rank's (pid, start) and whether this rank can watch them all."""
+        ids = self._identity_view()
+        pids = [int(ids[r, 0]) for r in range(self.ctx.world_size)]
+        starts = [int(ids[r, 1]) for r in range(self.ctx.world_size)]
+        visible = all(_alive(p, s) for p, s in zip(pids, starts, strict=False))
+        return pids, starts, visible
+
+    # --- validation -----------------------------------------------------------------------------
+
+    def _token_view(self, rank: int) -> torch.Tensor:
+        offset = self.layout.slot_offset(rank, 0)
+        return self._view_or_private()[offset:offset + 16].view(torch.int64)
+
+    def validate(self) -> None:
+        """Every rank writes a token into its slot and reads every other rank's (R2)."""
+        nonce = self.ctx.channel.all_gather("validate-nonce", secrets.randbits(48),
+                                            self.backend)[0]
+        self._token_view(self.ctx.rank)[0] = nonce + self.ctx.rank
+        self._token_view(self.ctx.rank)[1] = self.ctx.rank
+        self.ctx.channel.barrier("validate", self.backend)
+        wrong = [r for r in range(self.ctx.world_size)
+                 if int(self._token_view(r)[0]) != nonce + r or int(self._token_view(r)[1]) != r]
+        # everyone has read before anyone's slot is reused by a call
+        self.ctx.channel.barrier("validate-read", self.backend)
+        if wrong:
+            raise CreationFailed(f"shared memory check failed: rank {self.ctx.rank} cannot see "
+                                 f"the token of rank(s) {wrong} (not one shared segment)")
+        pids, starts, visible = self.peers()
+        if self._comm is not None:
+            self._comm.set_peers(pids, starts, visible)
+        self._peers = (pids, starts, visible)
+
+    def poison(self) -> None:
+        """Like a mapping that is not shared: this rank sees private memory of the same size."""
+        self._private = torch.zeros(self.layout.total_bytes, dtype=torch.uint8)
+        if self._comm is not None:
+            self._comm.set_base(self._private.data_ptr())
+
+    # --- the op ----------------------------------------------------------------------------------
+
+    def mode(self, tokens: int) -> str:
+        if self.force_mode:
+            return self.force_mode
+        if self._comm is not None:
+            return "oneshot" if self._comm.oneshot(tokens) else "twoshot"
+        return "oneshot"
+
+    def set_mode(self, mode: str | None) -> None:
+        """Force one-shot or two-shot (tests and the threshold benchmark); ``None``: automatic."""
+        if mode not in (None, "oneshot", "twoshot"):
+            raise ValueError(f"mode={mode!r} is not valid; use oneshot, twoshot or None")
+        self.force_mode = mode
+        if self._comm is not None:
+            limit = {None: ONESHOT_MAX_BYTES, "oneshot": 2**62, "twoshot": -1}[mode]
+            self._comm.set_oneshot_max_bytes(limit)
+
+    def use_pure_path(self) -> None:
+        """Run the pure-torch path (no compiler here, or on some rank of the group)."""
+        self._comm = None
+        self.run = self._run_pure  # type: ignore[method-assign]
+
+    @property
+    def path(self) -> str:
+        return "c++" if self._comm is not None else "pure-torch"
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None,
+            weight: torch.Tensor | None, eps: float, weight_bias: float,
+            quant: str | None, scale: float | None, layout: str) -> FusedOutput:
+        return FusedOutput(*self._comm.run(x, residual, weight, eps, weight_bias,
+                                           _QUANT_CODE[quant], scale or 0.0,
+                                           layout == "swizzled_128x4"))
+
+    def _run_pure(self, x: torch.Tensor, residual: torch.Tensor | None,
+                  weight: torch.Tensor | None, eps: float, weight_bias: float,
+                  quant: str | None, scale: float | None, layout: str) -> FusedOutput:
+        """One-shot in torch: same protocol and flags as the kernel, the reference epilogue."""
+        tokens, world = x.shape[0], self.ctx.world_size
+        if tokens == 0:
+            return apply(x.float(), x.dtype, residual, weight, eps, weight_bias, quant, scale,
+                         layout)
+        self._seq += 1
+        seq, buf = self._seq, self._seq & 1
+        view = self._view_or_private()
+        row_bytes = self.spec.row_bytes
+        slots = [view[self.layout.slot_offset(r, buf):
+                      self.layout.slot_offset(r, buf) + tokens * row_bytes]
+                 .view(self._dtype).view(tokens, self.spec.hidden) for r in range(world)]
+        slots[self.ctx.rank].copy_(x)
+        flags = view[LINE * (1 + MAX_WORLD):LINE * (1 + 2 * MAX_WORLD)].view(torch.int64)
+        flags = flags.view(MAX_WORLD, LINE // 8)[:, 0]
+        flags[self.ctx.rank] = seq  # x86-64 stores are ordered: the copy lands first
+        self._wait(flags, seq)
+        acc = rank_order_sum(torch.stack(slots))
+        return apply(acc, x.dtype, residual, weight, eps, weight_bias, quant, scale, layout)
+
+    def _wait(self, flags: torch.Tensor, seq: int) -> None:
+        deadline = time.monotonic() + self.ctx.settings.timeout_s
+        spins = 0
+        while True:
+            silent = [r for r in range(self.ctx.world_size) if int(flags[r]) < seq]
+            if not silent:
+                return
+            spins += 1
+            if spins > 100:
+                time.sleep(0)
+            if spins % 256 == 0 and time.monotonic() > deadline:
+                raise NegotiationTimeout("call", self.backend, silent,
+                                         self.ctx.settings.timeout_s)
+
+    def _free(self) -> None:
+        self._comm = None
+        self._private = None
+        self._view = None
+        try:
+            self._mmap.close()
+        except (BufferError, ValueError) as exc:  # a live view: the mapping goes with it
+            from .. import log
+
+            log.logger.debug("arfuse shm: mapping of %s not closed yet: %s", self.name, exc)
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        if self.ctx.rank == 0:  # normally already unlinked at creation
+            with contextlib.suppress(OSError):
+                (SHM_DIR / self.name).unlink()
+
+
+class ShmBackend(Backend):
+    name = "shm"
+
+    def probe(self, ctx: GroupContext, spec: Spec) -> str:
+        if not SHM_DIR.is_dir() or not os.access(SHM_DIR, os.W_OK):
+            return f"{SHM_DIR} is not a writable directory"
+        need = sizing.shm_layout(ctx.world_size, spec).total_bytes
+        stat = os.statvfs(SHM_DIR)
+        free = stat.f_bavail * stat.f_frsize
+        if free < need:
+            return (f"{SHM_DIR} has {free / 2**20:.0f} MiB free, the segment needs "
+                    f"{need / 2**20:.0f} MiB (docker: --shm-size)")
+        shm_build.load()  # build (or fail to build) before any timed step
+        return ""
+
+    def create(self, ctx: GroupContext, spec: Spec) -> Workspace | None:
+        """Collective: rank 0 creates, everyone maps, rank 0 unlinks once everyone answered."""
+        layout = sizing.shm_layout(ctx.world_size, spec)
+        name, error, mode = "", "", None
+        if ctx.rank == 0:
+            try:
+                mode = ctx.fault(self.name, "create")
+                clean_stale_segments()
+                pid, start = process_identity()
+                name = f"{PREFIX}{pid}-{start}-{secrets.token_hex(6)}"
+                fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    # reserve the pages now: a full /dev/shm must fail here, not SIGBUS later
+                    os.posix_fallocate(fd, 0, layout.total_bytes)
+                finally:
+                    os.close(fd)
+            except (Exception, MemoryError) as exc:
+                name, error = "", f"{type(exc).__name__}: {exc}"
+        shared = ctx.channel.all_gather("shm-name", {"name": name, "error": error},
+                                        self.name)[0]
+        if not shared["name"]:
+            raise CreationFailed(f"rank 0 could not create the segment: {shared['error']}")
+        workspace: ShmWorkspace | None = None
+        why = ""
+        try:
+            if ctx.rank != 0:
+                mode = ctx.fault(self.name, "create")
+            if mode != "none":
+                workspace = self._map(ctx, spec, layout, shared["name"])
+                workspace.publish_identity()
+        except (Exception, MemoryError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        try:
+            mapped = ctx.channel.all_gather("shm-mapped", {"why": why, "kernel": bool(
+                workspace is not None and workspace.kernel is not None)}, self.name)
+        except NegotiationTimeout:
+            if workspace is not None:
+                workspace.destroy()
+            raise
+        finally:
+            if ctx.rank == 0:
+                with contextlib.suppress(OSError):
+                    (SHM_DIR / shared["name"]).unlink()
+        if why:
+            raise CreationFailed(why)
+        if workspace is not None and not all(m["kernel"] for m in mapped if not m["why"]):
+            workspace.use_pure_path()  # one protocol for the whole group
+        if workspace is not None and mode == "null":
+            workspace.poison()
+        return workspace
+
+    @staticmethod
+    def _map(ctx: GroupContext, spec: Spec, layout: ShmLayout, name: str) -> ShmWorkspace:
+        fd = os.open(SHM_DIR / name, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size != layout.total_bytes:
+                raise CreationFailed(f"segment has {size} bytes, expected "
+                                     f"{layout.total_bytes} (ranks disagree on the layout)")
+            mapping = mmap.mmap(fd, layout.total_bytes, mmap.MAP_SHARED,
+                                mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        return ShmWorkspace(ctx, spec, layout, name, fd, mapping)
+

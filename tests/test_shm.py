@@ -1,0 +1,146 @@
+"""The shm backend: numerics on both sides of the one-/two-shot threshold, C++ vs pure-torch,
+bit-identical ranks, and its failure modes (killed ranks, leftover segments)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import workers
+from harness import run_ranks, values
+from numerics_check import check_case
+from reference import PATTERNS, Case
+
+
+def shm_cases(tokens: int) -> list[Case]:
+    out = []
+    for dtype in ("bf16", "fp16", "fp32"):
+        for hidden in (48, 208):
+            for pattern in PATTERNS:
+                if pattern.startswith("nvfp4") and dtype == "fp32":
+                    continue
+                out.append(Case(dtype, tokens, hidden, pattern))
+        out.append(Case(dtype, tokens, 37, "norm"))  # odd hidden
+        out.append(Case(dtype, tokens, 37, "plain"))
+        out.append(Case(dtype, tokens, 48, "norm", residual=False))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("mode", ["oneshot", "twoshot"])
+def test_shm_numerics(world: int, mode: str) -> None:
+    # 9 tokens: uneven two-shot blocks on 2 and 4 ranks; 130 more than one swizzle tile
+    cases = [*shm_cases(9), Case("bf16", 130, 48, "nvfp4_swizzled"),
+             Case("fp16", 130, 48, "nvfp4_linear")]
+    results = values(run_ranks(workers.numerics, world, "shm", cases, 256, mode))
+    for case in cases:
+        entries = [r[case] for r in results]
+        assert all(e["path"] == "c++" for e in entries)
+        check_case(case, entries, "shm")
+    stats = results[0][Case("stats", 0, 0, "plain")]["stats"]
+    assert all(s["fused"] == s["calls"] for s in stats.values())
+
+
+def test_shm_automatic_threshold_both_sides() -> None:
+    """Without forcing: small calls one-shot, large calls two-shot, same results as reference."""
+    from arfuse.backends.shm import ONESHOT_MAX_BYTES
+
+    big = ONESHOT_MAX_BYTES // (208 * 2) + 3
+    cases = [Case("bf16", 1, 208, "norm"), Case("bf16", big, 208, "norm"),
+             Case("bf16", big, 208, "fp8")]
+    results = values(run_ranks(workers.numerics, 2, "shm", cases, big, None))
+    for case in cases:
+        check_case(case, [r[case] for r in results], "shm")
+
+
+def test_cxx_and_pure_torch_paths_agree() -> None:
+    """Documented tolerance (README): residual_out and plain sums bit-equal; out within 1 ulp in
+    bf16/fp16 and 8 ulp in fp32; quant codes equal but for a small fraction. The only
+    difference is the order in which the sum of squares is added up."""
+    cases = [Case(d, 9, 208, p) for d in ("bf16", "fp32") for p in ("plain", "norm", "fp8")]
+    cases.append(Case("bf16", 9, 208, "nvfp4_linear"))
+    cxx = values(run_ranks(workers.numerics, 2, "shm", cases, 64, None))
+    pure = values(run_ranks(workers.numerics, 2, "shm", cases, 64, None,
+                            env={"ARFUSE_SHM_PURE_TORCH": "1"}))
+    assert pure[0][cases[0]]["path"] == "pure-torch" and cxx[0][cases[0]]["path"] == "c++"
+    for case in cases:
+        a, b = cxx[0][case], pure[0][case]
+        if a["residual_out"] is not None:
+            assert torch.equal(a["residual_out"], b["residual_out"]), case
+        assert ulps_apart(a["out_raw"], b["out_raw"]).max() <= (8 if case.dtype == "fp32" else 1)
+        if case.pattern == "plain":
+            assert torch.equal(a["out_raw"], b["out_raw"]), case
+        if a["quant_out"] is not None:
+            differ = (a["quant_out"] != b["quant_out"]).float().mean().item()
+            assert differ <= 0.01, f"{case}: {differ:.2%} quant codes differ"
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many units in the last place of ``b`` separate ``a`` from ``b``."""
+    bits = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}[b.dtype]
+    _, exponent = torch.frexp(b.float())
+    ulp = torch.ldexp(torch.ones_like(b, dtype=torch.float64), exponent.long() - bits)
+    return ((a.double() - b.double()).abs() / ulp).round()
+
+
+def _kill_mid_call(rank: int, world: int) -> dict[str, object]:
+    import signal
+    import time
+
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=64, dtype=torch.float32,
+                                 timeout_s=8)
+    name = comm.workspace.name  # type: ignore[attr-defined]
+    x = torch.ones(4, 64)
+    comm(x)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        comm(x)
+    except RuntimeError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - started, "name": name}
+    return {"error": "", "seconds": time.monotonic() - started, "name": name}
+
+
+def test_rank_killed_mid_call_others_fail_clearly_and_nothing_is_left() -> None:
+    results = run_ranks(_kill_mid_call, 2, timeout=60)
+    survivor = results[0]
+    assert survivor.ok, survivor.error
+    err = survivor.value["error"]
+    assert "rank 1" in err and ("died" in err or "timed out" in err), err
+    assert survivor.value["seconds"] < 8.5
+    assert results[1].exitcode == -9
+    assert not (os.path.exists(f"/dev/shm/{survivor.value['name']}"))
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("arfuse-")]
+
+
+def _normal_exit(rank: int, world: int) -> str:
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=4, hidden_dim=32, dtype=torch.float32)
+    comm(torch.ones(1, 32))
+    return str(comm.workspace.name)  # type: ignore[attr-defined]
+
+
+def test_no_segment_outlives_the_job() -> None:
+    names = values(run_ranks(_normal_exit, 2))
+    assert names[0] == names[1]
+    assert not os.path.exists(f"/dev/shm/{names[0]}")
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("arfuse-")]
+
+
+def test_stale_segment_of_a_dead_creator_is_cleaned(tmp_path) -> None:
+    from arfuse.backends import shm
+
+    stale = tmp_path / "arfuse-999999999-1-deadbeef0000"
+    stale.write_bytes(b"x")
+    pid, start = shm.process_identity()
+    live = tmp_path / f"arfuse-{pid}-{start}-cafe00000000"
+    live.write_bytes(b"x")
+    removed = shm.clean_stale_segments(tmp_path)
+    assert removed == [stale.name]
+    assert live.exists() and not stale.exists()
