@@ -100,6 +100,10 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, env: dict[str, str
         if p.is_alive():
             p.kill()
             p.join(5)
+    with contextlib.suppress(queue.Empty, EOFError, OSError):
+        while len(out) < world:  # reports that arrived while we joined
+            rank, ok, value, error, seconds = results.get(timeout=0.2)
+            out[rank] = RankResult(rank, ok, _load(value), error, seconds=seconds)
     final = []
     for r, p in enumerate(procs):
         res = out.get(r, RankResult(r, False, error="no result (killed, hung or died)"))

@@ -80,3 +80,93 @@ def negotiate_once(rank: int, world: int, backend: str | None, hidden: int = 64,
               "pid": os.getpid()}
     comm.close()
     return result
+
+
+def fault_sequence(rank: int, world: int, clauses: list[str]) -> list[dict[str, Any]]:
+    """Negotiate once per ``ARFUSE_FAULTS`` value, in one process (non-fatal faults only)."""
+    out = []
+    for clause in clauses:
+        os.environ["ARFUSE_FAULTS"] = clause
+        try:
+            out.append(negotiate_once(rank, world, None) | {"clause": clause})
+        finally:
+            os.environ.pop("ARFUSE_FAULTS", None)
+    return out
+
+
+def expect_failure(rank: int, world: int, backend: str | None = None) -> dict[str, Any]:
+    """Negotiate (faults from the environment) and report the error this rank ends with."""
+    started = time.monotonic()
+    try:
+        result = negotiate_once(rank, world, backend)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started}
+    return {"error": "", "result": result, "seconds": time.monotonic() - started}
+
+
+def mismatched_spec(rank: int, world: int) -> str:
+    import arfuse
+
+    try:
+        arfuse.FusedAllReduce(max_token_num=16, hidden_dim=64 + 16 * rank, dtype=torch.float32,
+                              timeout_s=10)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def registry_story(rank: int, world: int) -> dict[str, Any]:
+    """Reuse, growth (R4), one workspace for plain + quant (R5), destroy frees (R10)."""
+    import arfuse
+    from arfuse.registry import REGISTRY
+
+    story: dict[str, Any] = {}
+    a = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.bfloat16)
+    b = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.bfloat16, quant="fp8")
+    story["plain_and_quant_share"] = a.workspace is b.workspace
+    story["live_after_two"] = len(REGISTRY.live_workspaces())
+    x = torch.ones(4, 64, dtype=torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    q = b(x, weight=w, quant="fp8", scale=1.0)
+    story["quant_ok"] = q.quant_out is not None and q.quant_out.dtype == torch.float8_e4m3fn
+    c = arfuse.FusedAllReduce(max_token_num=4, hidden_dim=64, dtype=torch.bfloat16)
+    story["smaller_reuses"] = c.workspace is a.workspace
+    d = arfuse.FusedAllReduce(max_token_num=32, hidden_dim=64, dtype=torch.bfloat16)
+    story["larger_is_new"] = d.workspace is not a.workspace
+    story["larger_capacity"] = d.capacity
+    story["old_still_works"] = bool(torch.all(a(x).out == world))
+    e = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.bfloat16)
+    story["after_growth_reuses_largest"] = e.workspace is d.workspace
+    f = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=96, dtype=torch.bfloat16)
+    story["other_hidden_is_new"] = f.workspace is not d.workspace
+    over = torch.ones(40, 64, dtype=torch.bfloat16)
+    story["over_capacity_result_ok"] = bool(torch.all(d(over).out == world))
+    story["over_capacity_stats"] = d.stats()
+    old = a.workspace
+    for comm in (a, b, c):
+        comm.close()
+    story["old_destroyed_after_last_user"] = old.destroyed
+    story["live_before_destroy_all"] = len(REGISTRY.live_workspaces())
+    arfuse.destroy_all()
+    story["live_after_destroy_all"] = len(REGISTRY.live_workspaces())
+    story["closed_op_error"] = ""
+    try:
+        d(x)
+    except RuntimeError as exc:
+        story["closed_op_error"] = str(exc)
+    return story
+
+
+def call_then_report(rank: int, world: int) -> dict[str, Any]:
+    """Two calls on shm (faults from the environment); report how each rank's second call ends."""
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32)
+    started = time.monotonic()
+    try:
+        comm(torch.ones(2, 64))
+        comm(torch.ones(2, 64))
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started,
+                "backend": comm.backend}
+    return {"error": "", "seconds": time.monotonic() - started, "backend": comm.backend}

@@ -171,6 +171,7 @@ def negotiate(ctx: GroupContext, spec: Spec,
     """Collective: every rank ends with the same backend, or every rank raises."""
     started = time.perf_counter()
     backends = backends if backends is not None else backend_registry.all_backends()
+    epoch = ctx.channel.next_epoch()
     payloads = ctx.channel.all_gather("facts", _local_payload(ctx, spec, backends))
     _agree(payloads, "spec", "specs (max_token_num, hidden_dim, dtype, quant)")
     _agree(payloads, "settings", "settings (ARFUSE_BACKEND / ARFUSE_STRICT or backend=)")
@@ -181,6 +182,7 @@ def negotiate(ctx: GroupContext, spec: Spec,
              "arfuse group %s: plan for %s\n%s", ctx.key, _spec_text(spec), plan.explain())
     attempts: list[Attempt] = []
     for name in plan.viable:
+        ctx.channel.begin(f"n{epoch}/{name}")
         attempt, workspace = _try(ctx, backends[name], spec)
         attempts.append(attempt)
         if workspace is not None:
@@ -210,6 +212,8 @@ def _try(ctx: GroupContext, backend: Backend,
             if isinstance(exc, NegotiationTimeout):
                 raise
             why = f"{type(exc).__name__}: {exc}"
+        if why:
+            ctx.channel.abort(why)
         failures = _vote(ctx, "create", name, why)
         if failures:
             _drop(workspace)
@@ -227,6 +231,8 @@ def _try(ctx: GroupContext, backend: Backend,
             if isinstance(exc, NegotiationTimeout):
                 raise
             why = f"{type(exc).__name__}: {exc}"
+        if why:
+            ctx.channel.abort(why)
         failures = _vote(ctx, "validate", name, why)
         if failures:
             _drop(workspace)
@@ -239,7 +245,7 @@ def _try(ctx: GroupContext, backend: Backend,
 
 def _vote(ctx: GroupContext, phase: str, backend: str, why: str) -> dict[int, str]:
     """MIN of success across the group; returns the failing ranks with their reasons."""
-    reasons = ctx.channel.all_gather(f"vote/{phase}/{backend}", why, backend)
+    reasons = ctx.channel.all_gather(f"vote/{phase}", why, backend, abortable=False)
     return {rank: reason for rank, reason in enumerate(reasons) if reason}
 
 

@@ -282,7 +282,7 @@ class ShmBackend(Backend):
         if not shared["name"]:
             raise CreationFailed(f"rank 0 could not create the segment: {shared['error']}")
         workspace: ShmWorkspace | None = None
-        why = ""
+        failure: BaseException | None = None
         try:
             if ctx.rank != 0:
                 mode = ctx.fault(self.name, "create")
@@ -290,7 +290,8 @@ class ShmBackend(Backend):
                 workspace = self._map(ctx, spec, layout, shared["name"])
                 workspace.publish_identity()
         except (Exception, MemoryError) as exc:
-            why = f"{type(exc).__name__}: {exc}"
+            failure = exc
+        why = "" if failure is None else f"{type(failure).__name__}: {failure}"
         try:
             mapped = ctx.channel.all_gather("shm-mapped", {"why": why, "kernel": bool(
                 workspace is not None and workspace.kernel is not None)}, self.name)
@@ -302,8 +303,8 @@ class ShmBackend(Backend):
             if ctx.rank == 0:
                 with contextlib.suppress(OSError):
                     (SHM_DIR / shared["name"]).unlink()
-        if why:
-            raise CreationFailed(why)
+        if failure is not None:
+            raise failure
         if workspace is not None and not all(m["kernel"] for m in mapped if not m["why"]):
             workspace.use_pure_path()  # one protocol for the whole group
         if workspace is not None and mode == "null":

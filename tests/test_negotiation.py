@@ -1,0 +1,114 @@
+"""Negotiation under injected faults (R7, R8), spec checks, and the registry (R4, R5, R10)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from arfuse import faults
+
+import workers
+from harness import run_ranks, values
+
+NON_FATAL = [
+    f"shm.{phase}@{ranks}={mode}"
+    for phase, modes in (("create", ("raise", "none", "null", "oom")),
+                         ("validate", ("raise", "none", "null", "oom")),
+                         ("probe", ("raise", "none", "oom")))
+    for mode in modes
+    for ranks in ("1", "*")
+]
+
+
+def test_non_fatal_faults_every_rank_ends_on_the_same_backend() -> None:
+    results = values(run_ranks(workers.fault_sequence, 2, NON_FATAL, timeout=240))
+    for i, clause in enumerate(NON_FATAL):
+        per_rank = [r[i] for r in results]
+        backends = {p["backend"] for p in per_rank}
+        assert backends == {"torch"}, (clause, per_rank)
+        assert all(p["correct"] for p in per_rank), clause
+        if not clause.startswith("shm.probe"):
+            assert per_rank[0]["attempts"][0].startswith("shm: failed"), per_rank[0]
+    # and without faults, shm is what the group negotiates
+    clean = values(run_ranks(workers.fault_sequence, 2, [""]))
+    assert {r[0]["backend"] for r in clean} == {"shm"}
+
+
+def test_fault_on_three_ranks_names_the_failing_rank() -> None:
+    results = values(run_ranks(workers.fault_sequence, 3, ["shm.create@2=oom"]))
+    first = results[0][0]
+    assert {r[0]["backend"] for r in results} == {"torch"}
+    assert "rank 2: MemoryError" in first["attempts"][0]
+
+
+@pytest.mark.parametrize(("clause", "backend"), [
+    ("shm.create@1=hang", None), ("shm.create@1=exit", None), ("shm.validate@1=exit", None),
+    ("torch.validate@1=hang", "torch"), ("torch.create@1=exit", "torch"),
+    ("shm.probe@1=exit", None)])
+def test_hang_or_exit_times_out_naming_the_rank(clause: str, backend: str | None) -> None:
+    env = {"ARFUSE_FAULTS": clause, "ARFUSE_TIMEOUT_S": "3"}
+    results = run_ranks(workers.expect_failure, 2, backend, env=env, timeout=60, expect=1)
+    survivor = results[0].value
+    assert survivor is not None, results
+    assert "NegotiationTimeout" in survivor["error"], survivor
+    assert "rank(s) 1" in survivor["error"]
+    phase = clause.split(".")[1].split("@")[0]
+    backend = clause.split(".")[0]
+    assert f"backend {backend}" in survivor["error"] or phase == "probe"
+    assert survivor["seconds"] < 3 + 5  # the timeout plus process start, never a hang
+    if clause.endswith("exit"):
+        assert results[1].exitcode == faults.EXIT_CODE
+
+
+def test_strict_explicit_backend_failure_raises_on_every_rank() -> None:
+    env = {"ARFUSE_FAULTS": "shm.create@1=raise", "ARFUSE_STRICT": "1"}
+    results = values(run_ranks(workers.expect_failure, 2, "shm", env=env))
+    for r in results:
+        assert "NegotiationError" in r["error"] and "ARFUSE_STRICT=1" in r["error"], r
+
+
+def test_spec_mismatch_is_a_clear_error_not_a_hang() -> None:
+    errors = values(run_ranks(workers.mismatched_spec, 2))
+    for err in errors:
+        assert "NegotiationError" in err and "different specs" in err and "rank 1" in err
+
+
+def test_topology_file_of_two_hosts_means_no_shm(tmp_path) -> None:
+    topo = tmp_path / "two-hosts.json"
+    topo.write_text(json.dumps({"device": "cpu", "world_size": 2, "hosts": ["a", "b"]}))
+    results = values(run_ranks(workers.fault_sequence, 2, [""], env={"ARFUSE_TOPOLOGY": str(topo)}))
+    assert {r[0]["backend"] for r in results} == {"torch"}
+
+
+def test_registry_reuse_growth_sharing_and_destroy() -> None:
+    stories = values(run_ranks(workers.registry_story, 2))
+    for story in stories:
+        assert story["plain_and_quant_share"] and story["live_after_two"] == 1
+        assert story["quant_ok"]
+        assert story["smaller_reuses"]
+        assert story["larger_is_new"] and story["larger_capacity"] == 32
+        assert story["old_still_works"]
+        assert story["after_growth_reuses_largest"]
+        assert story["other_hidden_is_new"]
+        assert story["over_capacity_result_ok"]
+        assert story["over_capacity_stats"]["unfused_over_capacity"] == 1
+        assert story["old_destroyed_after_last_user"]
+        assert story["live_before_destroy_all"] == 2
+        assert story["live_after_destroy_all"] == 0
+        assert "closed" in story["closed_op_error"]
+
+
+@pytest.mark.parametrize("text", ["shm.create@1", "gpu.create@1=raise", "shm.build@1=raise",
+                                  "shm.create@x=raise", "shm.call@1=null", "shm.create@-1=raise"])
+def test_fault_strings_are_parsed_strictly(text: str) -> None:
+    with pytest.raises(ValueError, match="ARFUSE_FAULTS"):
+        faults.parse(text)
+
+
+def test_fault_string_grammar() -> None:
+    parsed = faults.parse("shm.create@1,2=raise; mnnvl.validate@*=null")
+    assert faults.mode_for(parsed, "shm", "create", 2) == "raise"
+    assert faults.mode_for(parsed, "shm", "create", 0) is None
+    assert faults.mode_for(parsed, "mnnvl", "validate", 7) == "null"
+    assert faults.parse("") == () and faults.parse(None) == ()
