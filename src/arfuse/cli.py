@@ -108,7 +108,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     conf = settings.load(backend=args.backend, strict=args.strict)
     topo = _explain_topology(args, conf)
     spec = Spec(max_tokens=args.max_tokens, hidden=args.hidden, dtype=args.dtype, quant=args.quant)
-    plan = policy.resolve(conf, topo, spec)
+    from .backends.registry import missing
+
+    plan = policy.resolve(conf, topo, spec, missing())
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:

@@ -9,11 +9,12 @@ ranks are used (R9).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from . import faults, log, policy, topology
 from .backends import registry as backend_registry
@@ -173,9 +174,12 @@ def negotiate(ctx: GroupContext, spec: Spec,
     backends = backends if backends is not None else backend_registry.all_backends()
     epoch = ctx.channel.next_epoch()
     payloads = ctx.channel.all_gather("facts", _local_payload(ctx, spec, backends))
-    _agree(payloads, "spec", "specs (max_token_num, hidden_dim, dtype, quant)")
-    _agree(payloads, "settings", "settings (ARFUSE_BACKEND / ARFUSE_STRICT or backend=)")
-    topo = _topology_of(ctx, payloads)
+    try:
+        _agree(payloads, "spec", "specs (max_token_num, hidden_dim, dtype, quant)")
+        _agree(payloads, "settings", "settings (ARFUSE_BACKEND / ARFUSE_STRICT or backend=)")
+        topo = _topology_of(ctx, payloads)
+    except (NegotiationError, ValueError) as exc:
+        _fail_together(ctx, "facts", exc)
     unavailable = _unavailable(payloads)
     plan = policy.resolve(ctx.settings, topo, spec, unavailable)
     log.once(_level(ctx, logging.INFO), (ctx.key, spec, ctx.settings.backend),
@@ -192,9 +196,18 @@ def negotiate(ctx: GroupContext, spec: Spec,
         log.logger.log(_level(ctx, logging.WARNING), "arfuse group %s: %s; trying the next "
                        "candidate", ctx.key, attempt.describe())
     tried = "; ".join(a.describe() for a in attempts)
-    raise NegotiationError(f"arfuse group {ctx.key}: no candidate could be created on every "
-                           f"rank ({tried})" + (" and ARFUSE_STRICT=1 forbids the unfused path"
-                                                if ctx.settings.strict else ""))
+    _fail_together(ctx, "end", NegotiationError(
+        f"arfuse group {ctx.key}: no candidate could be created on every rank ({tried})"
+        + (" and ARFUSE_STRICT=1 forbids the unfused path" if ctx.settings.strict else "")))
+
+
+def _fail_together(ctx: GroupContext, phase: str, error: Exception) -> NoReturn:
+    """Every rank reached the same verdict from the same facts; wait until all have read them
+    before raising, so that no rank's exit (rank 0 hosts the store) cuts another off mid-read."""
+    ctx.channel.begin(f"{ctx.channel.scope}/fail")
+    with contextlib.suppress(Exception):
+        ctx.channel.barrier(f"{phase}-ack")
+    raise error
 
 
 def _try(ctx: GroupContext, backend: Backend,

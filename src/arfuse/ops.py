@@ -48,7 +48,11 @@ class FusedAllReduce:
         self._fuses_quant = ws.fuses_quant and quant_fusion(ws.backend, outcome.topology,
                                                             spec)
         self._unfused: TorchWorkspace | None = None
-        self._calls = self._fused_calls = self._over_capacity = 0
+        self._calls = self._fused_calls = self._over_capacity = self._fast_calls = 0
+        # the kernel's own checked entry, unless faults must fire on calls or quantisation
+        # must run as a separate step
+        self._fast = ws.fast_call if not ws.call_fault and (
+            self._fuses_quant or spec.quant is None) else None
 
     # --- what was decided --------------------------------------------------------------------
 
@@ -80,7 +84,9 @@ class FusedAllReduce:
         return self.workspace.capacity
 
     def stats(self) -> dict[str, int]:
-        return {"calls": self._calls, "fused": self._fused_calls,
+        """Calls so far: fused, and unfused (over capacity, or an unfused backend)."""
+        fast = self._fast_calls
+        return {"calls": self._calls + fast, "fused": self._fused_calls + fast,
                 "unfused_over_capacity": self._over_capacity,
                 "unfused": self._calls - self._fused_calls}
 
@@ -91,6 +97,19 @@ class FusedAllReduce:
                  weight_bias: float = 0.0, quant: str | None = None,
                  scale: float | torch.Tensor | None = None,
                  layout: str = "swizzled_128x4") -> FusedOutput:
+        """See DESIGN 3.6. ``layout`` is the NVFP4 scale layout (``swizzled_128x4``, ``linear``)."""
+        fast = self._fast
+        if fast is not None:
+            result: FusedOutput | None = fast(x, residual, weight, eps, weight_bias, quant,
+                                              scale, layout)
+            if result is not None:
+                self._fast_calls += 1
+                return result
+        return self._call(x, residual, weight, eps, weight_bias, quant, scale, layout)
+
+    def _call(self, x: Any, residual: Any, weight: Any, eps: Any, weight_bias: Any,
+              quant: Any, scale: Any, layout: str) -> FusedOutput:
+        """Checked Python path: every error names its argument; over capacity runs unfused."""
         ws = self._ws
         if ws is None or ws.destroyed:
             raise RuntimeError("this FusedAllReduce is closed (close() or destroy_all())")
@@ -180,6 +199,7 @@ class FusedAllReduce:
         if self._lease is not None:
             REGISTRY.release(self._lease)
         self._ws = None
+        self._fast = None
 
     def __enter__(self) -> FusedAllReduce:
         return self

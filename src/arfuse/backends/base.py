@@ -56,6 +56,12 @@ class Workspace(ABC):
         self.destroyed = False
         self.call_fault = faults.mode_for(ctx.fault_table, self.backend, "call", ctx.rank)
 
+    @property
+    def fast_call(self) -> Any:
+        """An optional entry that checks and runs a call in one step (no Python on the hot
+        path); it returns ``None`` whenever the checked Python path must take over."""
+        return None
+
     @abstractmethod
     def validate(self) -> None:
         """Functional check after creation (R2); raises ``CreationFailed`` if broken.

@@ -14,3 +14,12 @@ def all_backends() -> dict[str, Backend]:
 
     backends: list[Backend] = [ShmBackend(), TorchBackend()]
     return {b.name: b for b in backends}
+
+
+def missing() -> dict[str, str]:
+    """Fused backends the policy knows that this installation cannot create, with why."""
+    from ..policy import FUSED_BACKENDS
+
+    have = all_backends()
+    return {name: "not part of this arfuse installation" for name in FUSED_BACKENDS
+            if name not in have}

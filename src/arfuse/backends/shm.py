@@ -98,6 +98,7 @@ class ShmWorkspace(Workspace):
                 _DTYPE_CODE[spec.dtype], sizing.SHM_HEADER_BYTES, layout.slot_bytes,
                 layout.input_bytes, layout.chunk_rows, ctx.settings.timeout_s,
                 ONESHOT_MAX_BYTES)
+            self._comm.set_result_type(FusedOutput)
         if self._comm is None:
             self.use_pure_path()
 
@@ -173,6 +174,12 @@ class ShmWorkspace(Workspace):
         if self._comm is not None:
             limit = {None: ONESHOT_MAX_BYTES, "oneshot": 2**62, "twoshot": -1}[mode]
             self._comm.set_oneshot_max_bytes(limit)
+
+    @property
+    def fast_call(self) -> Any:
+        """The kernel's checked entry (``None`` on the pure-torch path): it returns ``None``
+        for anything unusual, and ``FusedAllReduce`` then takes its Python path."""
+        return None if self._comm is None else self._comm.call
 
     def use_pure_path(self) -> None:
         """Run the pure-torch path (no compiler here, or on some rank of the group)."""

@@ -23,7 +23,7 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -36,7 +36,7 @@ def _cpu_flags() -> set[str]:
 def compile_flags() -> list[str]:
     """-O3, no FP contraction (results must not depend on FMA), and the ISA the CPU has."""
     flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c++17"]
-    cpu = _cpu_flags()
+    cpu = cpu_flags()
     for flag, option in (("avx2", "-mavx2"), ("f16c", "-mf16c"), ("fma", "-mfma")):
         if flag in cpu:
             flags.append(option)
@@ -58,7 +58,7 @@ def build_key() -> str:
     digest.update(SOURCE.read_bytes())
     digest.update(" ".join(compile_flags()).encode())
     digest.update(torch.__version__.encode())
-    digest.update(" ".join(sorted(_cpu_flags())).encode())
+    digest.update(" ".join(sorted(cpu_flags())).encode())
     return digest.hexdigest()[:16]
 
 

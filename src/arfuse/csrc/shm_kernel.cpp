@@ -18,6 +18,7 @@
 //   nvfp4: per 16: sf = e4m3(gs * (amax * f32(1/6))); q = e2m1_rne_sat(f32(out) * gs / sf)
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
@@ -26,6 +27,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <new>
 #include <sched.h>
 #include <signal.h>
 #include <sstream>
@@ -47,6 +52,7 @@ namespace {
 constexpr int kMaxWorld = 16;
 constexpr int kLine = 64;
 constexpr int kLanes = 8;
+constexpr int64_t kStreamBytes = 1 << 20;
 enum DType { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
 enum Quant { kNone = 0, kFP8 = 1, kNVFP4 = 2 };
 
@@ -107,6 +113,84 @@ template <> struct Elem<kFP32> {
   static float load(T v) { return v; }
   static T store(float f) { return f; }
 };
+
+// ---- 8-wide vector forms (AVX2): same rounding as the scalar forms, lane h % 8 -----------
+
+#if defined(__AVX2__)
+#define ARFUSE_VEC 1
+constexpr bool kCanStream = true;
+inline __m256 bf16x8_load(const uint16_t* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline __m128i bf16x8_round(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+  __m256i t = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+#if defined(__F16C__)
+inline __m256 fp16x8_load(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+// pack: round 8 floats to the dtype (its bits); unpack: back to floats; put: store the bits,
+// streaming (non-temporal) when asked, which needs 16-byte (32 for fp32) aligned addresses.
+template <int D> struct Vec;
+template <> struct Vec<kBF16> {
+  static constexpr bool ok = true;
+  using B = __m128i;
+  static B pack(__m256 v) { return bf16x8_round(v); }
+  static __m256 unpack(B b) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+  }
+  static __m256 load(const uint16_t* p) { return bf16x8_load(p); }
+  static void put(uint16_t* p, B b, bool stream) {
+    if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(p), b);
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b);
+  }
+};
+template <> struct Vec<kFP32> {
+  static constexpr bool ok = true;
+  using B = __m256;
+  static B pack(__m256 v) { return v; }
+  static __m256 unpack(B b) { return b; }
+  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static void put(float* p, B b, bool stream) {
+    if (stream) _mm256_stream_ps(p, b);
+    else _mm256_storeu_ps(p, b);
+  }
+};
+#if defined(__F16C__)
+template <> struct Vec<kFP16> {
+  static constexpr bool ok = true;
+  using B = __m128i;
+  static B pack(__m256 v) {
+    return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static __m256 unpack(B b) { return _mm256_cvtph_ps(b); }
+  static __m256 load(const uint16_t* p) { return fp16x8_load(p); }
+  static void put(uint16_t* p, B b, bool stream) {
+    if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(p), b);
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b);
+  }
+};
+#else
+template <> struct Vec<kFP16> { static constexpr bool ok = false; };
+#endif
+#else
+constexpr bool kCanStream = false;
+#endif
+
+inline void stream_fence() {
+#ifdef ARFUSE_VEC
+  _mm_sfence();
+#endif
+}
 
 // ---- quantisation ---------------------------------------------------------------------------
 
@@ -181,6 +265,42 @@ long long proc_start_time(long long pid, char* state) {
   return value;
 }
 
+// Free buffers by size; bounded, thread-safe (tensors may die on any thread).
+class OutputPool {
+ public:
+  static constexpr size_t kKeep = 16;
+  ~OutputPool() {
+    for (auto& entry : free_) std::free(entry.second);
+  }
+  void* take(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (size_t i = 0; i < free_.size(); ++i) {
+        if (free_[i].first == bytes) {
+          void* p = free_[i].second;
+          free_.erase(free_.begin() + long(i));
+          return p;
+        }
+      }
+    }
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, bytes) != 0 || p == nullptr) throw std::bad_alloc();
+    return p;
+  }
+  void give(void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (free_.size() >= kKeep) {
+      std::free(free_.front().second);
+      free_.erase(free_.begin());
+    }
+    free_.emplace_back(bytes, p);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::pair<size_t, void*>> free_;
+};
+
 struct Call {  // one call's arguments, resolved to raw pointers
   int64_t tokens;
   const void* residual;
@@ -230,6 +350,76 @@ class ShmComm {
     return tokens < world_ || tokens * hidden_ * elem_ <= oneshot_max_bytes_;
   }
 
+  // The op's fast path: checks every argument (cheaply, in C++) and runs; returns None when
+  // anything is unusual (bad input, over capacity, a tensor scale...), so the Python slow path
+  // re-checks, raises the error that names the argument, or runs unfused.
+  py::object call(py::handle x_obj, py::handle residual_obj, py::handle weight_obj,
+                  py::handle eps_obj, py::handle bias_obj, py::handle quant_obj,
+                  py::handle scale_obj, py::handle layout_obj) {
+    if (!broken_.empty() || !THPVariable_Check(x_obj.ptr())) return py::none();
+    const at::Tensor& x = THPVariable_Unpack(x_obj.ptr());
+    if (x.dim() != 2 || x.scalar_type() != scalar_type() || x.size(1) != hidden_ ||
+        x.size(0) < 1 || x.size(0) > max_tokens_ || !x.is_cpu() || !x.is_contiguous()) {
+      return py::none();
+    }
+    const at::Tensor* residual = nullptr;
+    const at::Tensor* weight = nullptr;
+    if (!weight_obj.is_none()) {
+      if (!THPVariable_Check(weight_obj.ptr())) return py::none();
+      weight = &THPVariable_Unpack(weight_obj.ptr());
+      if (weight->dim() != 1 || weight->size(0) != hidden_ ||
+          weight->scalar_type() != x.scalar_type() || !weight->is_cpu() ||
+          !weight->is_contiguous()) {
+        return py::none();
+      }
+    }
+    if (!residual_obj.is_none()) {
+      if (!weight || !THPVariable_Check(residual_obj.ptr())) return py::none();
+      residual = &THPVariable_Unpack(residual_obj.ptr());
+      if (residual->sizes() != x.sizes() || residual->scalar_type() != x.scalar_type() ||
+          !residual->is_cpu() || !residual->is_contiguous()) {
+        return py::none();
+      }
+    }
+    double eps = 0.0, bias = 0.0, scale = 0.0;
+    if (weight && (!plain_number(eps_obj, &eps) || !(eps > 0.0) ||
+                   !plain_number(bias_obj, &bias))) {
+      return py::none();
+    }
+    int quant = kNone;
+    bool swizzled = true;
+    if (!quant_obj.is_none()) {
+      if (!PyUnicode_Check(quant_obj.ptr())) return py::none();
+      std::string q = py::cast<std::string>(quant_obj);
+      if (q == "fp8") quant = kFP8;
+      else if (q == "nvfp4") quant = kNVFP4;
+      else if (q != "none") return py::none();
+    }
+    if (quant != kNone) {
+      if (!plain_number(scale_obj, &scale) || !(scale > 0.0) || !std::isfinite(scale)) {
+        return py::none();
+      }
+      if (quant == kNVFP4) {
+        if (dtype_ == kFP32 || hidden_ % 16 != 0 || !PyUnicode_Check(layout_obj.ptr())) {
+          return py::none();
+        }
+        std::string layout = py::cast<std::string>(layout_obj);
+        if (layout == "linear") swizzled = false;
+        else if (layout != "swizzled_128x4") return py::none();
+      }
+    }
+    std::vector<at::Tensor> r = run(x, residual ? c10::optional<at::Tensor>(*residual)
+                                                : c10::nullopt,
+                                    weight ? c10::optional<at::Tensor>(*weight) : c10::nullopt,
+                                    eps, bias, quant, scale, swizzled);
+    auto wrap = [](const at::Tensor& t) -> py::object {
+      return t.defined() ? py::cast(t) : py::none();
+    };
+    return result_type_(wrap(r[0]), wrap(r[1]), wrap(r[2]), wrap(r[3]));
+  }
+
+  void set_result_type(py::object cls) { result_type_ = std::move(cls); }
+
   std::vector<at::Tensor> run(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                               const c10::optional<at::Tensor>& weight, double eps,
                               double weight_bias, int64_t quant, double scale,
@@ -248,29 +438,31 @@ class ShmComm {
     c.quant = int(quant);
     c.scale = float(scale);
     c.swizzled = swizzled;
-    at::Tensor out = at::empty_like(x);
+    at::Tensor out = output({tokens, hidden_}, x.options());
     at::Tensor residual_out, quant_out, scale_out;
     c.out = out.data_ptr();
     if (norm) {
-      residual_out = at::empty_like(x);
+      residual_out = output({tokens, hidden_}, x.options());
       c.residual_out = residual_out.data_ptr();
     }
     if (quant == kFP8) {
-      quant_out = at::empty({tokens, hidden_}, x.options().dtype(at::kFloat8_e4m3fn));
+      quant_out = output({tokens, hidden_}, x.options().dtype(at::kFloat8_e4m3fn));
       c.quant_out = reinterpret_cast<uint8_t*>(quant_out.data_ptr());
     } else if (quant == kNVFP4) {
       const int64_t cols = hidden_ / 16;
-      quant_out = at::empty({tokens, hidden_ / 2}, x.options().dtype(at::kByte));
+      quant_out = output({tokens, hidden_ / 2}, x.options().dtype(at::kByte));
       if (swizzled) {
-        scale_out = at::zeros({(tokens + 127) / 128 * 128, (cols + 3) / 4 * 4},
-                              x.options().dtype(at::kByte));
+        scale_out = output({(tokens + 127) / 128 * 128, (cols + 3) / 4 * 4},
+                           x.options().dtype(at::kByte));
+        scale_out.zero_();  // padding must read as zero
       } else {
-        scale_out = at::empty({tokens, cols}, x.options().dtype(at::kByte));
+        scale_out = output({tokens, cols}, x.options().dtype(at::kByte));
       }
       c.quant_out = quant_out.data_ptr<uint8_t>();
       c.scale_out = scale_out.data_ptr<uint8_t>();
     }
     if (tokens > 0) {
+      py::gil_scoped_release no_gil;  // other Python threads run while we wait for peers
       switch (dtype_) {
         case kBF16: exchange<kBF16>(x.data_ptr(), c); break;
         case kFP16: exchange<kFP16>(x.data_ptr(), c); break;
@@ -281,6 +473,41 @@ class ShmComm {
   }
 
  private:
+  at::ScalarType scalar_type() const {
+    return dtype_ == kBF16 ? at::kBFloat16 : dtype_ == kFP16 ? at::kHalf : at::kFloat;
+  }
+
+  static bool plain_number(py::handle obj, double* out) {  // a float or int, not a bool
+    PyObject* p = obj.ptr();
+    if (PyFloat_Check(p)) {
+      *out = PyFloat_AS_DOUBLE(p);
+      return true;
+    }
+    if (PyLong_Check(p) && !PyBool_Check(p)) {
+      *out = PyLong_AsDouble(p);
+      if (*out == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return false;
+      }
+      return true;
+    }
+    return false;
+  }
+
+  // Output tensors come from a small pool of buffers that go back to the pool (not to the OS)
+  // when the last tensor or view using them dies. A fresh multi-MiB buffer per call would cost
+  // a page fault per 4 KiB on every call; reuse is safe because a buffer only returns to the
+  // pool once nothing refers to it.
+  at::Tensor output(at::IntArrayRef shape, const at::TensorOptions& options) {
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    const size_t bytes = size_t(std::max<int64_t>(numel, 1)) * options.dtype().itemsize();
+    void* data = pool_->take(bytes);
+    std::shared_ptr<OutputPool> pool = pool_;
+    return at::from_blob(data, shape, [pool, bytes](void* p) { pool->give(p, bytes); },
+                         options);
+  }
+
   std::atomic<int64_t>* flag(int which, int r) const {  // which: 0 arrive, 1 done
     int64_t offset = int64_t(kLine) * (1 + kMaxWorld * (1 + which) + r);
     return reinterpret_cast<std::atomic<int64_t>*>(base_ + offset);
@@ -355,6 +582,9 @@ class ShmComm {
     const int64_t seq = ++seq_;
     const int64_t buf = seq & 1;
     const int64_t row_bytes = hidden_ * elem_;
+    // Large outputs bypass the cache (no read-for-ownership); small ones stay hot for the
+    // next layer.
+    const bool stream = kCanStream && c.tokens * row_bytes >= kStreamBytes;
     std::memcpy(input_slot(rank_, buf), x, size_t(c.tokens * row_bytes));
     flag(0, rank_)->store(seq, std::memory_order_release);
     wait_all(0, seq);
@@ -366,8 +596,9 @@ class ShmComm {
       for (int64_t row = 0; row < c.tokens; ++row) {
         finish_row<D>(inputs, row, c, static_cast<T*>(c.out) + row * hidden_,
                       c.residual_out ? static_cast<T*>(c.residual_out) + row * hidden_ : nullptr,
-                      row, c.quant_out, c.scale_out, c.swizzled);
+                      row, c.quant_out, c.scale_out, c.swizzled, stream);
       }
+      if (stream) stream_fence();
       return;
     }
     // two-shot: my block of rows into my result slot, then gather every block
@@ -383,8 +614,9 @@ class ShmComm {
                                   : nullptr;
       uint8_t* qbase = reinterpret_cast<uint8_t*>(mine + 2 * chunk_rows_ * row_bytes);
       finish_row<D>(inputs, row, c, out_row, res_row, local, qbase,
-                    qbase + chunk_rows_ * (hidden_ / 2), false);
+                    qbase + chunk_rows_ * (hidden_ / 2), false, stream);
     }
+    if (stream) stream_fence();  // streaming stores are not ordered by the release below
     flag(1, rank_)->store(seq, std::memory_order_release);
     wait_all(1, seq);
     for (int j = 0; j < world_; ++j) {
@@ -418,57 +650,83 @@ class ShmComm {
 
   // Reduce one row over the ranks and run the whole epilogue on it.
   // quant rows are written at row index `qrow` of (q, s); s is linear unless `swizzled`.
+  // The vector and scalar loops compute the same values in the same order (lane = h % 8).
   template <int D>
   void finish_row(const typename Elem<D>::T* const* inputs, int64_t row, const Call& c,
                   typename Elem<D>::T* out, typename Elem<D>::T* residual_out, int64_t qrow,
-                  uint8_t* q, uint8_t* s, bool swizzled) {
+                  uint8_t* q, uint8_t* s, bool swizzled, bool stream) {
     using E = Elem<D>;
     using T = typename E::T;
     const int64_t H = hidden_;
+    const int64_t off = row * H;
     float* acc = scratch_.data();
-    const T* first = inputs[0] + row * H;
-    for (int64_t h = 0; h < H; ++h) acc[h] = E::load(first[h]);
-    for (int j = 1; j < world_; ++j) {
-      const T* in = inputs[j] + row * H;
-      for (int64_t h = 0; h < H; ++h) acc[h] += E::load(in[h]);
-    }
-    if (!c.weight) {
-      for (int64_t h = 0; h < H; ++h) out[h] = E::store(acc[h]);
-      quantize_row<D>(out, c, qrow, q, s, swizzled);
-      return;
-    }
-    const T* res = c.residual ? static_cast<const T*>(c.residual) + row * H : nullptr;
+    const T* res = c.residual ? static_cast<const T*>(c.residual) + off : nullptr;
+    const bool norm = c.weight != nullptr;
     float lanes[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t h = 0;
-    for (; h + kLanes <= H; h += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        float pre = E::load(E::store(acc[h + l]));
-        if (res) pre += E::load(res[h + l]);
-        T rounded = E::store(pre);
-        residual_out[h + l] = rounded;
-        float r = E::load(rounded);
-        acc[h + l] = r;
-        float sq = r * r;
-        lanes[l] += sq;
+#ifdef ARFUSE_VEC
+    if constexpr (Vec<D>::ok) {
+      using V = Vec<D>;
+      __m256 vl = _mm256_setzero_ps();
+      const bool stream_res = stream && H % kLanes == 0;
+      const bool stream_out = stream_res && c.quant == kNone;  // quant re-reads out
+      for (; h + kLanes <= H; h += kLanes) {
+        __m256 a = V::load(inputs[0] + off + h);
+        for (int j = 1; j < world_; ++j) a = _mm256_add_ps(a, V::load(inputs[j] + off + h));
+        if (!norm) {
+          V::put(out + h, V::pack(a), stream_out);
+          continue;
+        }
+        __m256 pre = V::unpack(V::pack(a));
+        if (res) pre = _mm256_add_ps(pre, V::load(res + h));
+        typename V::B rounded = V::pack(pre);
+        V::put(residual_out + h, rounded, stream_res);
+        __m256 r = V::unpack(rounded);
+        _mm256_storeu_ps(acc + h, r);
+        vl = _mm256_add_ps(vl, _mm256_mul_ps(r, r));
       }
+      _mm256_storeu_ps(lanes, vl);
     }
-    for (int l = 0; h < H; ++h, ++l) {
-      float pre = E::load(E::store(acc[h]));
+#endif
+    for (; h < H; ++h) {
+      float a = E::load(inputs[0][off + h]);
+      for (int j = 1; j < world_; ++j) a += E::load(inputs[j][off + h]);
+      if (!norm) {
+        out[h] = E::store(a);
+        continue;
+      }
+      float pre = E::load(E::store(a));
       if (res) pre += E::load(res[h]);
       T rounded = E::store(pre);
       residual_out[h] = rounded;
       float r = E::load(rounded);
       acc[h] = r;
       float sq = r * r;
-      lanes[l] += sq;
+      lanes[h % kLanes] += sq;
     }
-    float ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-               ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-    const float inv = 1.0f / std::sqrt(ss / float(H) + c.eps);
-    const T* w = static_cast<const T*>(c.weight);
-    for (int64_t k = 0; k < H; ++k) {
-      float scaled = acc[k] * inv;
-      out[k] = E::store(scaled * (c.weight_bias + E::load(w[k])));
+    if (norm) {
+      float ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                 ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+      const float inv = 1.0f / std::sqrt(ss / float(H) + c.eps);
+      const T* w = static_cast<const T*>(c.weight);
+      int64_t k = 0;
+#ifdef ARFUSE_VEC
+      if constexpr (Vec<D>::ok) {
+        using V = Vec<D>;
+        const __m256 vinv = _mm256_set1_ps(inv);
+        const __m256 vb = _mm256_set1_ps(c.weight_bias);
+        const bool stream_out = stream && H % kLanes == 0 && c.quant == kNone;
+        for (; k + kLanes <= H; k += kLanes) {
+          __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(acc + k), vinv);
+          V::put(out + k, V::pack(_mm256_mul_ps(scaled, _mm256_add_ps(vb, V::load(w + k)))),
+                 stream_out);
+        }
+      }
+#endif
+      for (; k < H; ++k) {
+        float scaled = acc[k] * inv;
+        out[k] = E::store(scaled * (c.weight_bias + E::load(w[k])));
+      }
     }
     quantize_row<D>(out, c, qrow, q, s, swizzled);
   }
@@ -519,6 +777,8 @@ class ShmComm {
   bool check_pids_ = false;
   std::vector<int64_t> pids_, starts_;
   std::vector<float> scratch_;
+  std::shared_ptr<OutputPool> pool_ = std::make_shared<OutputPool>();
+  py::object result_type_;
   std::string broken_;
 };
 
@@ -538,5 +798,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("oneshot", &ShmComm::oneshot)
       .def("seq", &ShmComm::seq)
       .def("broken", &ShmComm::broken)
-      .def("run", &ShmComm::run);
+      .def("run", &ShmComm::run)
+      .def("call", &ShmComm::call)
+      .def("set_result_type", &ShmComm::set_result_type);
 }

@@ -1,0 +1,337 @@
+"""``arfuse bench``: latency sweep of the fused op against what users run without arfuse.
+
+Rows, measured side by side in one run on the same ranks (each rank pinned to one core and one
+thread when the machine has a core per rank; warm-up excluded):
+
+* ``shm``: arfuse's fused all-reduce + residual + RMSNorm on the shm backend;
+* ``torch``: ``torch.distributed.all_reduce`` (gloo) + eager add + RMSNorm: the baseline;
+* ``deepspeed``: ``deepspeed.comm.inference_all_reduce`` alone, and ``deepspeed+norm`` with the
+  eager add + RMSNorm, when deepspeed is importable.
+
+Also measured: arfuse's Python overhead per call on top of the kernel (the op against a direct
+call of the compiled kernel, alternating), and negotiation time.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EPS = 1e-6
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BASELINE = "torch"
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    world_size: int
+    tokens: tuple[int, ...]
+    hidden: int
+    dtypes: tuple[str, ...]
+    backends: tuple[str, ...]
+    out: str
+    min_seconds: float = 0.3
+    max_iters: int = 400
+
+
+def _iters(seconds_per_call: float, opts: BenchOptions) -> int:
+    return int(min(opts.max_iters, max(10, opts.min_seconds / max(seconds_per_call, 1e-7))))
+
+
+def _rmsnorm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    pre = x + residual
+    pf = pre.float()
+    return (pf * torch.rsqrt(pf.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()).to(x.dtype)
+
+
+def _measure(fn: Any, opts: BenchOptions, reset: Any = None) -> list[float]:
+    """Per-call microseconds after warm-up; every rank runs the same count (collectives)."""
+    import torch.distributed as dist
+
+    for _ in range(5):
+        if reset:
+            reset()
+        fn()
+    start = time.perf_counter()
+    fn()
+    probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX)  # the same iteration count on every rank
+    iters = _iters(float(probe.item()), opts)
+    dist.barrier()
+    times = []
+    for _ in range(iters):
+        if reset:
+            reset()
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return times
+
+
+def _summary(times: list[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    return {"median_us": statistics.median(ordered),
+            "p90_us": ordered[min(len(ordered) - 1, int(0.9 * (len(ordered) - 1) + 0.5))],
+            "iters": len(ordered)}
+
+
+def _deepspeed_setup(rank: int) -> tuple[Any, str]:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+        import deepspeed.comm as ds_dist
+        from deepspeed.comm import comm as ds_comm
+    except Exception as exc:
+        return None, f"deepspeed not importable: {type(exc).__name__}: {exc}"
+    deepspeed.init_distributed(dist_backend="gloo")
+    level = getattr(ds_comm.cdb, "shm_vector_kernel_level", None)
+    return ds_dist, f"deepspeed {deepspeed.__version__}, shm kernel level {level}"
+
+
+def _deepspeed_path(dtype: str, note: str) -> str:
+    """DeepSpeed's CPU guard: fp32 needs kernel level 1 (AVX2), bf16/fp16 level 2 (AVX-512)."""
+    try:
+        level = int(note.rsplit(" ", 1)[-1])
+    except ValueError:
+        return "unknown"
+    need = 1 if dtype == "fp32" else 2
+    return "shm kernel" if level >= need else "gloo fallback (no AVX-512 for 16-bit here)"
+
+
+def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
+    import torch.distributed as dist
+
+    import arfuse
+    from arfuse.launch import init_from_env, pin_to_core
+
+    torch.set_num_threads(1)
+    pinned = pin_to_core(rank, world)
+    ds, ds_note = (None, "not requested")
+    if "deepspeed" in opts.backends:
+        ds, ds_note = _deepspeed_setup(rank)
+    init_from_env("cpu")
+    progress = _progress(rank, opts)
+    results: list[dict[str, Any]] = []
+    overhead: dict[str, Any] = {}
+    negotiation: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(1234 + rank)
+    for dname in opts.dtypes:
+        dtype = _DTYPES[dname]
+        comm = None
+        if "shm" in opts.backends:
+            t0 = time.perf_counter()
+            comm = arfuse.FusedAllReduce(max_token_num=max(opts.tokens), hidden_dim=opts.hidden,
+                                         dtype=dtype, backend="shm", strict=True)
+            negotiation[dname] = {"seconds": time.perf_counter() - t0,
+                                  "path": getattr(comm.workspace, "path", "")}
+        weight = (torch.rand(opts.hidden, generator=gen) + 0.5).to(dtype)
+        for tokens in opts.tokens:
+            x = torch.randn(tokens, opts.hidden, generator=gen).to(dtype)
+            residual = torch.randn(tokens, opts.hidden, generator=gen).to(dtype)
+            work = x.clone()
+
+            def reset(work: torch.Tensor = work, x: torch.Tensor = x) -> None:
+                work.copy_(x)  # in-place collectives: keep the values bounded (not timed)
+
+            rows: dict[str, list[float]] = {}
+            if comm is not None:
+                mode = comm.workspace.mode(tokens)  # type: ignore[attr-defined]
+                rows["shm"] = _measure(lambda c=comm, x=x, r=residual, w=weight: c(
+                    x, residual=r, weight=w, eps=EPS), opts)
+            if "torch" in opts.backends:
+                rows["torch"] = _measure(lambda w_=work, r=residual, w=weight: _rmsnorm_add(
+                    _all_reduce(dist, w_), r, w), opts, reset)
+            if ds is not None:
+                rows["deepspeed"] = _measure(lambda w_=work: ds.inference_all_reduce(w_),
+                                             opts, reset)
+                rows["deepspeed+norm"] = _measure(
+                    lambda w_=work, r=residual, w=weight: _rmsnorm_add(
+                        _ds_all_reduce(ds, w_), r, w), opts, reset)
+            for backend, times in rows.items():
+                entry = {"dtype": dname, "tokens": tokens, "backend": backend,
+                         "bytes_per_rank": tokens * opts.hidden * x.element_size(),
+                         **_summary(times)}
+                if backend == "shm":
+                    entry["mode"] = mode
+                if backend.startswith("deepspeed"):
+                    entry["path"] = _deepspeed_path(dname, ds_note)
+                results.append(entry)
+            if progress is not None:
+                progress.update(1)
+        if comm is not None:
+            overhead[dname] = _overhead(comm, weight, opts)
+            comm.close()
+    if progress is not None:
+        progress.close()
+    dist.barrier()
+    if rank == 0:
+        report = {"machine": _machine(pinned, world), "options": asdict(opts),
+                  "deepspeed": ds_note, "baseline": BASELINE, "results": results,
+                  "python_overhead": overhead, "negotiation": negotiation}
+        _write(report, Path(opts.out))
+    if ds is not None and rank == 0:
+        _clean_deepspeed_segments()
+    return 0
+
+
+def _all_reduce(dist: Any, tensor: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def _ds_all_reduce(ds: Any, tensor: torch.Tensor) -> torch.Tensor:
+    ds.inference_all_reduce(tensor)  # in place; the return value differs by path
+    return tensor
+
+
+def _overhead(comm: Any, weight: torch.Tensor, opts: BenchOptions) -> dict[str, float]:
+    """The op against a direct call of the compiled kernel, 1 token, alternating call by call."""
+    ws = comm.workspace
+    kernel = getattr(ws, "_comm", None)
+    if kernel is None:
+        return {}
+    x = torch.randn(1, opts.hidden).to(weight.dtype)
+    residual = torch.randn(1, opts.hidden).to(weight.dtype)
+    op_t, raw_t = [], []
+    for i in range(2000 + 200):
+        t0 = time.perf_counter_ns()
+        comm(x, residual=residual, weight=weight, eps=EPS)
+        t1 = time.perf_counter_ns()
+        kernel.run(x, residual, weight, EPS, 0.0, 0, 0.0, True)
+        t2 = time.perf_counter_ns()
+        if i >= 200:
+            op_t.append((t1 - t0) / 1e3)
+            raw_t.append((t2 - t1) / 1e3)
+    op_med, raw_med = statistics.median(op_t), statistics.median(raw_t)
+    return {"op_median_us": op_med, "kernel_median_us": raw_med,
+            "overhead_us": op_med - raw_med, "calls": len(op_t)}
+
+
+def _machine(pinned: bool, world: int) -> dict[str, Any]:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from arfuse.backends import shm_build
+
+    return {"cpu": model or platform.processor(), "cores": os.cpu_count(),
+            "isa": " ".join(f for f in ("avx512f", "avx512bw", "avx2", "fma", "f16c")
+                            if f in shm_build.cpu_flags()),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(), "ranks_pinned": pinned, "world_size": world,
+            "threads_per_rank": 1, "date": time.strftime("%Y-%m-%d")}
+
+
+def _progress(rank: int, opts: BenchOptions) -> Any:
+    if rank != 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=len(opts.dtypes) * len(opts.tokens), desc="arfuse bench", unit="size",
+                file=sys.stderr)
+
+
+def _clean_deepspeed_segments() -> None:
+    """DeepSpeed never unlinks its /dev/shm buffers; remove the ones of this run's port."""
+    port = os.environ.get("MASTER_PORT", "")
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def table(report: dict[str, Any]) -> str:
+    """Median and p90 per backend and size, with the ratio to the baseline."""
+    lines = []
+    results = report["results"]
+    for dname in report["options"]["dtypes"]:
+        rows = [r for r in results if r["dtype"] == dname]
+        backends = list(dict.fromkeys(r["backend"] for r in rows))
+        lines.append(f"\n{dname}, hidden {report['options']['hidden']}, world size "
+                     f"{report['options']['world_size']} (us: median / p90; x = {BASELINE} "
+                     "median / this median)")
+        head = f"{'tokens':>7}" + "".join(f" {b:>26}" for b in backends)
+        lines.append(head)
+        for tokens in report["options"]["tokens"]:
+            by = {r["backend"]: r for r in rows if r["tokens"] == tokens}
+            base = by.get(BASELINE, {}).get("median_us")
+            cells = []
+            for b in backends:
+                r = by.get(b)
+                if r is None:
+                    cells.append(f" {'-':>26}")
+                    continue
+                ratio = f"{base / r['median_us']:.1f}x" if base else ""
+                cells.append(f" {r['median_us']:>9.1f} / {r['p90_us']:>8.1f} {ratio:>6}")
+            lines.append(f"{tokens:>7}" + "".join(cells))
+    for dname, o in report.get("python_overhead", {}).items():
+        if o:
+            lines.append(f"\npython overhead ({dname}, 1 token): op {o['op_median_us']:.2f} us "
+                         f"- kernel {o['kernel_median_us']:.2f} us = {o['overhead_us']:.2f} us")
+    for dname, n in report.get("negotiation", {}).items():
+        lines.append(f"negotiation ({dname}): {n['seconds'] * 1e3:.1f} ms ({n['path']} path)")
+    if report.get("deepspeed"):
+        lines.append(f"deepspeed: {report['deepspeed']}")
+    m = report["machine"]
+    lines.append(f"machine: {m['cpu']}, {m['cores']} cores, {m['isa']}, torch {m['torch']}, "
+                 f"ranks pinned: {m['ranks_pinned']}")
+    return "\n".join(lines)
+
+
+def _write(report: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    text = table(report)
+    (out / "bench.txt").write_text(text + "\n")
+    print(text, flush=True)
+    try:
+        plot(report, out / "bench.png")
+        print(f"\nwrote {out / 'bench.json'}, {out / 'bench.txt'}, {out / 'bench.png'}")
+    except ImportError:
+        print(f"\nwrote {out / 'bench.json'}, {out / 'bench.txt'} (no plot: pip install "
+              "'arfuse[bench]' for matplotlib)")
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = report["options"]["dtypes"]
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
+    for ax, dname in zip(axes[0], dtypes):
+        rows = [r for r in report["results"] if r["dtype"] == dname]
+        for backend in dict.fromkeys(r["backend"] for r in rows):
+            pts = sorted((r["tokens"], r["median_us"]) for r in rows if r["backend"] == backend)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per call")
+        ax.set_ylabel("median latency (us)")
+        ax.set_title(f"{dname}, hidden {report['options']['hidden']}, "
+                     f"{report['options']['world_size']} ranks")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    m = report["machine"]
+    fig.suptitle(f"arfuse bench on {m['cpu']} ({m['cores']} cores), {m['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

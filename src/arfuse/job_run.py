@@ -1,0 +1,185 @@
+"""``arfuse run``: the main job. A row-parallel linear layer on every rank, then the fused
+all-reduce + residual + RMSNorm (+ quantisation), checked against a single-process float64
+reference of the whole layer, and timed against the unfused path, side by side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+EPS = 1e-6
+# max |out - reference| / max |reference| allowed, per dtype: a few roundings of the dtype
+TOLERANCE = {"bf16": 8 * 2.0**-8, "fp16": 8 * 2.0**-11, "fp32": 1e-4}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    world_size: int
+    tokens: tuple[int, ...]
+    hidden: int
+    dtype: str
+    quant: str | None
+    steps: int
+    backend: str | None
+    device: str
+    strict: bool | None = None
+
+
+def _say(rank: int, text: str = "") -> None:
+    if rank == 0:
+        print(text, flush=True)
+
+
+def _digest(*tensors: torch.Tensor | None) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        if t is not None:
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _rmsnorm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()).to(x.dtype)
+
+
+def run_body(rank: int, world: int, opts: RunOptions) -> int:
+    import torch.distributed as dist
+
+    import arfuse
+    from arfuse import quant as q
+    from arfuse.launch import init_from_env, pin_to_core
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world) if opts.device == "cpu" else 1)
+    pinned = pin_to_core(rank, world) if opts.device == "cpu" else False
+    init_from_env(opts.device)
+    device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" \
+        else torch.device("cpu")
+    dtype = _DTYPES[opts.dtype]
+    comm = arfuse.FusedAllReduce(max_token_num=max(opts.tokens), hidden_dim=opts.hidden,
+                                 dtype=dtype, backend=opts.backend, quant=opts.quant,
+                                 strict=opts.strict, device=opts.device)
+    _say(rank, comm.plan.explain())
+    _say(rank, f"negotiated: {comm.backend} ({'; '.join(a.describe() for a in comm.attempts)})"
+         f"{'; ranks pinned to cores' if pinned else ''}")
+    in_features = 2 * opts.hidden // world * world or world
+    shard = in_features // world
+    gen = torch.Generator().manual_seed(20261129)
+    weight_full = (torch.randn(opts.hidden, in_features, generator=gen) /
+                   math.sqrt(in_features)).to(dtype)
+    gamma = (torch.rand(opts.hidden, generator=gen) + 0.5).to(dtype).to(device)
+    w_shard = weight_full[:, rank * shard:(rank + 1) * shard].contiguous().to(device)
+    failures = 0
+    rows = []
+    for tokens in opts.tokens:
+        act = torch.randn(tokens, in_features, generator=gen).to(dtype)
+        residual = torch.randn(tokens, opts.hidden, generator=gen).to(dtype).to(device)
+        a_shard = act[:, rank * shard:(rank + 1) * shard].contiguous().to(device)
+        partial = a_shard @ w_shard.t()
+        first = comm(partial, residual=residual, weight=gamma, eps=EPS)
+        scale = None
+        if opts.quant:
+            amax = first.out.abs().max().float().item()
+            scale = amax / 448.0 if opts.quant == "fp8" else 448.0 * 6.0 / amax
+        result = comm(partial, residual=residual, weight=gamma, eps=EPS, quant=opts.quant,
+                      scale=scale)
+        digests: list[Any] = [None] * world
+        dist.all_gather_object(digests, _digest(result.out, result.residual_out,
+                                                result.quant_out, result.scale_out))
+        identical = len(set(digests)) == 1
+        # the whole layer in one process, float64
+        ref_pre = act.double() @ weight_full.double().t() + residual.double().cpu()
+        ref_out = (ref_pre * torch.rsqrt(ref_pre.pow(2).mean(-1, keepdim=True) + EPS)
+                   * gamma.double().cpu())
+        out_err = ((result.out.double().cpu() - ref_out).abs().max() /
+                   ref_out.abs().max()).item()
+        res_err = ((result.residual_out.double().cpu() - ref_pre).abs().max() /  # type: ignore[union-attr]
+                   ref_pre.abs().max()).item()
+        quant_ok = True
+        if opts.quant == "fp8":
+            assert scale is not None
+            expected = q.fp8_quantize(result.out.cpu(), scale)
+            quant_ok = _mostly_equal(result.quant_out, expected)
+        elif opts.quant == "nvfp4":
+            assert scale is not None
+            packed, scales = q.nvfp4_quantize(result.out.cpu(), scale)
+            quant_ok = _mostly_equal(result.quant_out, packed) and _mostly_equal(
+                result.scale_out, scales)
+        ok = identical and quant_ok and max(out_err, res_err) <= TOLERANCE[opts.dtype]
+        failures += not ok
+        fused_us, unfused_us = _time_side_by_side(comm, partial, residual, gamma, opts, scale)
+        rows.append((tokens, out_err, res_err, identical, quant_ok, fused_us, unfused_us, ok))
+    _say(rank, "")
+    _say(rank, f"{'tokens':>7} {'max err':>9} {'resid err':>9} {'identical':>9} "
+         f"{'quant':>5} {'fused us':>10} {'unfused us':>10} {'speedup':>8}  check")
+    for tokens, out_err, res_err, identical, quant_ok, fused, unfused, ok in rows:
+        _say(rank, f"{tokens:>7} {out_err:>9.2e} {res_err:>9.2e} {'yes' if identical else 'NO':>9} "
+             f"{('ok' if quant_ok else 'BAD') if opts.quant else '-':>5} {fused:>10.1f} "
+             f"{unfused:>10.1f} {unfused / fused:>7.1f}x  {'ok' if ok else 'MISMATCH'}")
+    _say(rank, f"\nworld size {world}, hidden {opts.hidden}, {opts.dtype}, quant "
+         f"{opts.quant or 'none'}, {opts.steps} steps per size; latency = median per call on "
+         f"rank 0; unfused = torch.distributed all_reduce + add + RMSNorm"
+         f"{' + quantisation' if opts.quant else ''}; stats {comm.stats()}")
+    comm.close()
+    dist.barrier()
+    if failures:
+        print(f"arfuse run: rank {rank}: {failures} size(s) did not match the reference",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _mostly_equal(got: torch.Tensor | None, expected: torch.Tensor) -> bool:
+    """Quantised codes equal but for rare one-ulp ties (at most 0.1% of them)."""
+    if got is None:
+        return False
+    a = got.cpu().view(torch.uint8)
+    b = expected.view(torch.uint8)
+    return a.shape == b.shape and (a != b).float().mean().item() <= 1e-3
+
+
+def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
+                       gamma: torch.Tensor, opts: RunOptions,
+                       scale: float | None) -> tuple[float, float]:
+    """Median microseconds of the fused op and of the unfused path, alternating per step."""
+    import torch.distributed as dist
+
+    from arfuse.epilogue import quantize
+
+    def fused() -> None:
+        comm(partial, residual=residual, weight=gamma, eps=EPS, quant=opts.quant, scale=scale)
+
+    def unfused() -> None:
+        summed = partial.clone()
+        dist.all_reduce(summed)
+        pre = summed + residual
+        out = _rmsnorm(pre, gamma)
+        if opts.quant:
+            quantize(out, opts.quant, scale, "swizzled_128x4")
+
+    sync = torch.cuda.synchronize if partial.is_cuda else (lambda: None)
+    for _ in range(3):
+        fused()
+        unfused()
+    sync()
+    fused_t, unfused_t = [], []
+    for _ in range(opts.steps):
+        start = time.perf_counter_ns()
+        fused()
+        sync()
+        fused_t.append(time.perf_counter_ns() - start)
+        start = time.perf_counter_ns()
+        unfused()
+        sync()
+        unfused_t.append(time.perf_counter_ns() - start)
+    return statistics.median(fused_t) / 1e3, statistics.median(unfused_t) / 1e3
