@@ -14,6 +14,7 @@ call of the compiled kernel, alternating), and negotiation time.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -251,10 +252,8 @@ def _clean_deepspeed_segments() -> None:
     """DeepSpeed never unlinks its /dev/shm buffers; remove the ones of this run's port."""
     port = os.environ.get("MASTER_PORT", "")
     for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
 
 
 def table(report: dict[str, Any]) -> str:
@@ -317,7 +316,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     dtypes = report["options"]["dtypes"]
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
-    for ax, dname in zip(axes[0], dtypes):
+    for ax, dname in zip(axes[0], dtypes, strict=True):
         rows = [r for r in report["results"] if r["dtype"] == dname]
         for backend in dict.fromkeys(r["backend"] for r in rows):
             pts = sorted((r["tokens"], r["median_us"]) for r in rows if r["backend"] == backend)

@@ -167,7 +167,9 @@ def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
         if opts.quant:
             quantize(out, opts.quant, scale, "swizzled_128x4")
 
-    sync = torch.cuda.synchronize if partial.is_cuda else (lambda: None)
+    def sync() -> None:
+        if partial.is_cuda:
+            torch.cuda.synchronize()
     for _ in range(3):
         fused()
         unfused()
