@@ -45,14 +45,16 @@ def test_shm_numerics(world: int, mode: str) -> None:
 
 def test_shm_automatic_threshold_both_sides() -> None:
     """Without forcing: small calls one-shot, large calls two-shot, same results as reference."""
-    from arfuse.backends.shm import ONESHOT_MAX_BYTES
+    from arfuse.backends.shm import oneshot_max_bytes
 
-    big = ONESHOT_MAX_BYTES // (208 * 2) + 3
-    cases = [Case("bf16", 1, 208, "norm"), Case("bf16", big, 208, "norm"),
-             Case("bf16", big, 208, "fp8")]
+    big = oneshot_max_bytes("bf16", 2) // (1040 * 2) + 3
+    cases = [Case("bf16", 1, 1040, "norm"), Case("bf16", big, 1040, "norm"),
+             Case("bf16", big, 1040, "plain")]
     results = values(run_ranks(workers.numerics, 2, "shm", cases, big, None))
     for case in cases:
         check_case(case, [r[case] for r in results], "shm")
+    assert results[0][cases[0]]["mode"] == "oneshot"
+    assert results[0][cases[1]]["mode"] == "twoshot"
 
 
 def test_cxx_and_pure_torch_paths_agree() -> None:

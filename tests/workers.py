@@ -54,6 +54,7 @@ def numerics(rank: int, world: int, backend: str, cases: list[Case],
             "scale_out": None if res.scale_out is None else res.scale_out.clone(),
             "out_raw": res.out.clone(),
             "path": getattr(comm.workspace, "path", ""),
+            "mode": comm.workspace.mode(case.tokens) if comm.backend == "shm" else "",  # type: ignore[attr-defined]
         }
         results[case] = entry
     stats = {k: c.stats() for k, c in by_shape.items()}

@@ -55,27 +55,35 @@ def _rmsnorm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) 
     return (pf * torch.rsqrt(pf.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()).to(x.dtype)
 
 
-def _measure(fn: Any, opts: BenchOptions, reset: Any = None) -> list[float]:
-    """Per-call microseconds after warm-up; every rank runs the same count (collectives)."""
+ROUNDS = 5
+
+
+def _measure(rows: dict[str, tuple[Any, Any]], opts: BenchOptions) -> dict[str, list[float]]:
+    """Per-call microseconds of every row, after warm-up, interleaved in rounds so that drift
+    of a shared machine hits every row alike. Every rank runs the same counts (collectives)."""
     import torch.distributed as dist
 
-    for _ in range(5):
-        if reset:
-            reset()
+    counts: dict[str, int] = {}
+    for name, (fn, reset) in rows.items():
+        for _ in range(5):
+            if reset:
+                reset()
+            fn()
+        start = time.perf_counter()
         fn()
-    start = time.perf_counter()
-    fn()
-    probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX)  # the same iteration count on every rank
-    iters = _iters(float(probe.item()), opts)
+        probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+        counts[name] = max(2, _iters(float(probe.item()), opts) // ROUNDS)
+    times: dict[str, list[float]] = {name: [] for name in rows}
     dist.barrier()
-    times = []
-    for _ in range(iters):
-        if reset:
-            reset()
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append((time.perf_counter_ns() - t0) / 1e3)
+    for _ in range(ROUNDS):
+        for name, (fn, reset) in rows.items():
+            for _ in range(counts[name]):
+                if reset:
+                    reset()
+                t0 = time.perf_counter_ns()
+                fn()
+                times[name].append((time.perf_counter_ns() - t0) / 1e3)
     return times
 
 
@@ -144,20 +152,20 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
             def reset(work: torch.Tensor = work, x: torch.Tensor = x) -> None:
                 work.copy_(x)  # in-place collectives: keep the values bounded (not timed)
 
-            rows: dict[str, list[float]] = {}
+            candidates: dict[str, tuple[Any, Any]] = {}
             if comm is not None:
                 mode = comm.workspace.mode(tokens)  # type: ignore[attr-defined]
-                rows["shm"] = _measure(lambda c=comm, x=x, r=residual, w=weight: c(
-                    x, residual=r, weight=w, eps=EPS), opts)
+                candidates["shm"] = (lambda c=comm, x=x, r=residual, w=weight: c(
+                    x, residual=r, weight=w, eps=EPS), None)
             if "torch" in opts.backends:
-                rows["torch"] = _measure(lambda w_=work, r=residual, w=weight: _rmsnorm_add(
-                    _all_reduce(dist, w_), r, w), opts, reset)
+                candidates["torch"] = (lambda w_=work, r=residual, w=weight: _rmsnorm_add(
+                    _all_reduce(dist, w_), r, w), reset)
             if ds is not None:
-                rows["deepspeed"] = _measure(lambda w_=work: ds.inference_all_reduce(w_),
-                                             opts, reset)
-                rows["deepspeed+norm"] = _measure(
+                candidates["deepspeed"] = (lambda w_=work: ds.inference_all_reduce(w_), reset)
+                candidates["deepspeed+norm"] = (
                     lambda w_=work, r=residual, w=weight: _rmsnorm_add(
-                        _ds_all_reduce(ds, w_), r, w), opts, reset)
+                        _ds_all_reduce(ds, w_), r, w), reset)
+            rows = _measure(candidates, opts)
             for backend, times in rows.items():
                 entry = {"dtype": dname, "tokens": tokens, "backend": backend,
                          "bytes_per_rank": tokens * opts.hidden * x.element_size(),

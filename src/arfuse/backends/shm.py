@@ -31,9 +31,19 @@ SHM_DIR = Path(os.environ.get("ARFUSE_SHM_DIR", "/dev/shm"))
 PREFIX = "arfuse-"
 LINE = 64
 MAX_WORLD = 16
-# One-shot (every rank reduces every row) up to this many bytes per rank, two-shot above.
-# Measured with benchmarks/shm_threshold.py on the 2-core dev machine: see README.
-ONESHOT_MAX_BYTES = 32 * 1024
+# One-shot (every rank reduces every row) up to this many bytes per rank, two-shot (each rank
+# finishes its block of rows, then copies the others') above. Measured with
+# benchmarks/shm_threshold.py (results in benchmarks/results/): on the 2-core dev machine,
+# 16-bit dtypes, whose conversions make the epilogue compute-heavy, gain from splitting the
+# work from 1 MiB per rank on; fp32 is memory-bound, and with two ranks one-shot moves fewer
+# bytes at every size. With more ranks one-shot reads every rank's slot, so two-shot wins
+# sooner.
+_ONESHOT_MAX_BYTES = {("bf16", 2): 1 << 20, ("fp16", 2): 1 << 20, ("fp32", 2): 1 << 62}
+_ONESHOT_MAX_BYTES_MORE_RANKS = 256 * 1024
+
+
+def oneshot_max_bytes(dtype: str, world: int) -> int:
+    return _ONESHOT_MAX_BYTES.get((dtype, world), _ONESHOT_MAX_BYTES_MORE_RANKS)
 _DTYPE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
 _QUANT_CODE = {None: 0, "fp8": 1, "nvfp4": 2}
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -97,7 +107,7 @@ class ShmWorkspace(Workspace):
                 self._base, ctx.world_size, ctx.rank, spec.max_tokens, spec.hidden,
                 _DTYPE_CODE[spec.dtype], sizing.SHM_HEADER_BYTES, layout.slot_bytes,
                 layout.input_bytes, layout.chunk_rows, ctx.settings.timeout_s,
-                ONESHOT_MAX_BYTES)
+                oneshot_max_bytes(spec.dtype, ctx.world_size))
             self._comm.set_result_type(FusedOutput)
         if self._comm is None:
             self.use_pure_path()
@@ -172,7 +182,8 @@ class ShmWorkspace(Workspace):
             raise ValueError(f"mode={mode!r} is not valid; use oneshot, twoshot or None")
         self.force_mode = mode
         if self._comm is not None:
-            limit = {None: ONESHOT_MAX_BYTES, "oneshot": 2**62, "twoshot": -1}[mode]
+            automatic = oneshot_max_bytes(self.spec.dtype, self.ctx.world_size)
+            limit = {None: automatic, "oneshot": 2**62, "twoshot": -1}[mode]
             self._comm.set_oneshot_max_bytes(limit)
 
     @property
@@ -235,6 +246,8 @@ class ShmWorkspace(Workspace):
                                          self.ctx.settings.timeout_s)
 
     def _free(self) -> None:
+        if self._comm is not None:  # a FusedAllReduce may still hold its entry point
+            self._comm.invalidate("the workspace was destroyed")
         self._comm = None
         self._private = None
         self._view = None

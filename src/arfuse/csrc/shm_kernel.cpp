@@ -123,15 +123,22 @@ inline __m256 bf16x8_load(const uint16_t* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
-inline __m128i bf16x8_round(__m256 v) {
+// Round to the nearest bf16 (ties to even; NaN stays a quiet NaN), kept as fp32 whose low 16
+// bits are zero: rounding and widening back cost nothing more.
+inline __m256 bf16x8_round32(__m256 v) {
   __m256i u = _mm256_castps_si256(v);
   __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
   __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
-  __m256i t = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+  __m256i picked = _mm256_blendv_epi8(rounded, quiet, nan);
+  return _mm256_castsi256_ps(_mm256_and_si256(picked, _mm256_set1_epi32(int(0xffff0000u))));
+}
+inline __m128i bf16x8_narrow(__m256 rounded) {  // the bf16 bits of already rounded values
+  __m256i t = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
   return _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
 }
+inline __m128i bf16x8_round(__m256 v) { return bf16x8_narrow(bf16x8_round32(v)); }
 #if defined(__F16C__)
 inline __m256 fp16x8_load(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -144,6 +151,8 @@ template <int D> struct Vec;
 template <> struct Vec<kBF16> {
   static constexpr bool ok = true;
   using B = __m128i;
+  static __m256 round(__m256 v) { return bf16x8_round32(v); }
+  static B narrow(__m256 rounded) { return bf16x8_narrow(rounded); }
   static B pack(__m256 v) { return bf16x8_round(v); }
   static __m256 unpack(B b) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
@@ -157,6 +166,8 @@ template <> struct Vec<kBF16> {
 template <> struct Vec<kFP32> {
   static constexpr bool ok = true;
   using B = __m256;
+  static __m256 round(__m256 v) { return v; }
+  static B narrow(__m256 rounded) { return rounded; }
   static B pack(__m256 v) { return v; }
   static __m256 unpack(B b) { return b; }
   static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
@@ -172,6 +183,8 @@ template <> struct Vec<kFP16> {
   static B pack(__m256 v) {
     return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
+  static __m256 round(__m256 v) { return _mm256_cvtph_ps(pack(v)); }
+  static B narrow(__m256 rounded) { return pack(rounded); }
   static __m256 unpack(B b) { return _mm256_cvtph_ps(b); }
   static __m256 load(const uint16_t* p) { return fp16x8_load(p); }
   static void put(uint16_t* p, B b, bool stream) {
@@ -191,6 +204,69 @@ inline void stream_fence() {
   _mm_sfence();
 #endif
 }
+
+#ifdef ARFUSE_VEC
+// First pass over a row, 8 lanes at a time: sum the ranks (rank order); plain: store the
+// rounded sum; norm: round, add the residual, round, store residual_out, keep r in `acc` and
+// return the per-lane sums of r*r. W is the world size when known at compile time (0: not).
+template <int D, int W, bool NORM, bool RES>
+__m256 vec_pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
+                 const typename Elem<D>::T* __restrict res, typename Elem<D>::T* __restrict dst,
+                 float* __restrict acc, bool stream) {
+  using V = Vec<D>;
+  using T = typename Elem<D>::T;
+  const T* __restrict r0 = rows[0];
+  const T* __restrict r1 = W >= 2 ? rows[1] : nullptr;
+  const T* __restrict r2 = W >= 4 ? rows[2] : nullptr;
+  const T* __restrict r3 = W >= 4 ? rows[3] : nullptr;
+  __m256 vl = _mm256_setzero_ps();
+  for (int64_t h = 0; h + kLanes <= n; h += kLanes) {
+    __m256 a;
+    if constexpr (W == 2) {
+      a = _mm256_add_ps(V::load(r0 + h), V::load(r1 + h));
+    } else if constexpr (W == 4) {
+      a = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(V::load(r0 + h), V::load(r1 + h)),
+                                      V::load(r2 + h)), V::load(r3 + h));
+    } else {
+      a = V::load(r0 + h);
+      for (int j = 1; j < world; ++j) a = _mm256_add_ps(a, V::load(rows[j] + h));
+    }
+    if constexpr (!NORM) {
+      V::put(dst + h, V::pack(a), stream);
+    } else {
+      __m256 pre = V::round(a);
+      if constexpr (RES) pre = _mm256_add_ps(pre, V::load(res + h));
+      __m256 r = V::round(pre);
+      V::put(dst + h, V::narrow(r), stream);
+      _mm256_storeu_ps(acc + h, r);
+      vl = _mm256_add_ps(vl, _mm256_mul_ps(r, r));
+    }
+  }
+  return vl;
+}
+
+template <int D, bool NORM, bool RES>
+__m256 vec_pass1_any(const typename Elem<D>::T* const* rows, int world, int64_t n,
+                     const typename Elem<D>::T* res, typename Elem<D>::T* dst, float* acc,
+                     bool stream) {
+  if (world == 2) return vec_pass1<D, 2, NORM, RES>(rows, world, n, res, dst, acc, stream);
+  if (world == 4) return vec_pass1<D, 4, NORM, RES>(rows, world, n, res, dst, acc, stream);
+  return vec_pass1<D, 0, NORM, RES>(rows, world, n, res, dst, acc, stream);
+}
+
+// Second pass: out = T((r * inv) * (weight_bias + w)).
+template <int D>
+void vec_pass2(const float* __restrict acc, const typename Elem<D>::T* __restrict w, int64_t n,
+               float inv, float weight_bias, typename Elem<D>::T* __restrict out, bool stream) {
+  using V = Vec<D>;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m256 vb = _mm256_set1_ps(weight_bias);
+  for (int64_t k = 0; k + kLanes <= n; k += kLanes) {
+    __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(acc + k), vinv);
+    V::put(out + k, V::pack(_mm256_mul_ps(scaled, _mm256_add_ps(vb, V::load(w + k)))), stream);
+  }
+}
+#endif
 
 // ---- quantisation ---------------------------------------------------------------------------
 
@@ -419,6 +495,11 @@ class ShmComm {
   }
 
   void set_result_type(py::object cls) { result_type_ = std::move(cls); }
+  // After destroy: the mapping is gone; every later call must refuse, not touch it.
+  void invalidate(const std::string& why) {
+    broken_ = why;
+    base_ = nullptr;
+  }
 
   std::vector<at::Tensor> run(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                               const c10::optional<at::Tensor>& weight, double eps,
@@ -666,26 +747,21 @@ class ShmComm {
     int64_t h = 0;
 #ifdef ARFUSE_VEC
     if constexpr (Vec<D>::ok) {
-      using V = Vec<D>;
-      __m256 vl = _mm256_setzero_ps();
+      const T* rows[kMaxWorld];
+      for (int j = 0; j < world_; ++j) rows[j] = inputs[j] + off;
       const bool stream_res = stream && H % kLanes == 0;
       const bool stream_out = stream_res && c.quant == kNone;  // quant re-reads out
-      for (; h + kLanes <= H; h += kLanes) {
-        __m256 a = V::load(inputs[0] + off + h);
-        for (int j = 1; j < world_; ++j) a = _mm256_add_ps(a, V::load(inputs[j] + off + h));
-        if (!norm) {
-          V::put(out + h, V::pack(a), stream_out);
-          continue;
-        }
-        __m256 pre = V::unpack(V::pack(a));
-        if (res) pre = _mm256_add_ps(pre, V::load(res + h));
-        typename V::B rounded = V::pack(pre);
-        V::put(residual_out + h, rounded, stream_res);
-        __m256 r = V::unpack(rounded);
-        _mm256_storeu_ps(acc + h, r);
-        vl = _mm256_add_ps(vl, _mm256_mul_ps(r, r));
+      __m256 vl;
+      if (!norm) {
+        vl = vec_pass1_any<D, false, false>(rows, world_, H, nullptr, out, acc, stream_out);
+      } else if (res) {
+        vl = vec_pass1_any<D, true, true>(rows, world_, H, res, residual_out, acc, stream_res);
+      } else {
+        vl = vec_pass1_any<D, true, false>(rows, world_, H, nullptr, residual_out, acc,
+                                           stream_res);
       }
       _mm256_storeu_ps(lanes, vl);
+      h = H / kLanes * kLanes;
     }
 #endif
     for (; h < H; ++h) {
@@ -712,15 +788,9 @@ class ShmComm {
       int64_t k = 0;
 #ifdef ARFUSE_VEC
       if constexpr (Vec<D>::ok) {
-        using V = Vec<D>;
-        const __m256 vinv = _mm256_set1_ps(inv);
-        const __m256 vb = _mm256_set1_ps(c.weight_bias);
         const bool stream_out = stream && H % kLanes == 0 && c.quant == kNone;
-        for (; k + kLanes <= H; k += kLanes) {
-          __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(acc + k), vinv);
-          V::put(out + k, V::pack(_mm256_mul_ps(scaled, _mm256_add_ps(vb, V::load(w + k)))),
-                 stream_out);
-        }
+        vec_pass2<D>(acc, w, H, inv, c.weight_bias, out, stream_out);
+        k = H / kLanes * kLanes;
       }
 #endif
       for (; k < H; ++k) {
@@ -800,5 +870,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("broken", &ShmComm::broken)
       .def("run", &ShmComm::run)
       .def("call", &ShmComm::call)
-      .def("set_result_type", &ShmComm::set_result_type);
+      .def("set_result_type", &ShmComm::set_result_type)
+      .def("invalidate", &ShmComm::invalidate);
 }
