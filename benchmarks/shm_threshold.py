@@ -89,7 +89,8 @@ def main() -> int:
     out = args.out or (f"benchmarks/results/shm_threshold-{args.dtype}-w{args.world_size}.json")
     opts = Options(tuple(int(t) for t in args.tokens.split(",")), args.hidden, args.dtype,
                    args.rounds, out)
-    return launch(body, args.world_size, opts, env={"OMP_NUM_THREADS": "1", "ARFUSE_LOG": "warning"})
+    env = {"OMP_NUM_THREADS": "1", "ARFUSE_LOG": "warning"}
+    return launch(body, args.world_size, opts, env=env)
 
 
 if __name__ == "__main__":
