@@ -17,14 +17,17 @@ from typing import Any, Protocol
 class NegotiationTimeout(TimeoutError):
     """A collective step saw silent ranks; the message names phase, backend and ranks."""
 
-    def __init__(self, phase: str, backend: str, silent: Sequence[int], timeout_s: float):
-        self.phase, self.backend, self.silent = phase, backend, tuple(silent)
-        super().__init__(
-            f"arfuse negotiation timed out after {timeout_s:g}s in phase {phase!r} "
-            f"(backend {backend}): rank(s) {', '.join(map(str, silent))} of the group did not "
-            "answer (dead, hung, or not calling the same collective); raise ARFUSE_TIMEOUT_S "
-            "if they are only slow"
-        )
+    def __init__(self, phase: str, backend: str, silent: Sequence[int] | None,
+                 timeout_s: float):
+        """``silent=None``: a collective operation never finished and cannot tell who is late."""
+        self.phase, self.backend = phase, backend
+        self.silent = None if silent is None else tuple(silent)
+        who = ("the collective operation did not complete (which rank is late is unknown)"
+               if silent is None else f"rank(s) {', '.join(map(str, silent))} of the group did "
+               "not answer (dead, hung, or not calling the same collective)")
+        super().__init__(f"arfuse timed out after {timeout_s:g}s in phase {phase!r} "
+                         f"(backend {backend}): {who}; raise ARFUSE_TIMEOUT_S if they are only "
+                         "slow")
 
 
 class PeerAborted(RuntimeError):

@@ -9,10 +9,12 @@ from .base import Backend
 
 @cache
 def all_backends() -> dict[str, Backend]:
+    from .flashinfer import FlashInferBackend
     from .shm import ShmBackend
     from .torch_dist import TorchBackend
 
-    backends: list[Backend] = [ShmBackend(), TorchBackend()]
+    backends: list[Backend] = [FlashInferBackend("mnnvl"), FlashInferBackend("trtllm"),
+                               ShmBackend(), TorchBackend()]
     return {b.name: b for b in backends}
 
 

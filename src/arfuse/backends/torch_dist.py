@@ -46,7 +46,7 @@ class TorchWorkspace(Workspace):
         assert work is not None
         while not work.is_completed():
             if time.monotonic() > deadline:
-                raise NegotiationTimeout("validate", self.backend, ["unknown"],  # type: ignore[list-item]
+                raise NegotiationTimeout("validate", self.backend, None,
                                          self.ctx.settings.timeout_s)
             time.sleep(0.0005)
         work.wait()
