@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from . import policy, settings, topology
 from .spec import Spec, parse_dtype, parse_quant
@@ -17,6 +18,13 @@ from .spec import Spec, parse_dtype, parse_quant
 
 class UsageError(Exception):
     """A user mistake: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Flag errors as one line (no usage dump), like every other user error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _positive_int(text: str) -> int:
@@ -66,7 +74,7 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="arfuse", description="Fused all-reduce + residual + RMSNorm on the backend this "
         "machine really supports.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -74,7 +74,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     opts = RunOptions(world_size=args.world_size, tokens=_tokens(args.tokens),
                       hidden=args.hidden, dtype=args.dtype, quant=args.quant, steps=args.steps,
                       backend=args.backend, device=device, strict=args.strict)
-    return launch(run_body, args.world_size, opts)
+    # the job prints the plan itself; the log repeats it only if asked (ARFUSE_LOG=info)
+    return launch(run_body, args.world_size, opts,
+                  env={"ARFUSE_LOG": os.environ.get("ARFUSE_LOG", "warning")})
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

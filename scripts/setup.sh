@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up .venv: PyTorch (the CPU build on this machine's disk, unless torch is already there),
+# then arfuse itself, editable, with the test tools. EXTRAS=bench adds matplotlib, tqdm and
+# deepspeed for `arfuse bench`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/pip install -q torch==2.13.0
+fi
+extras="test${EXTRAS:+,$EXTRAS}"
+.venv/bin/pip install -q -e ".[${extras}]" 2>&1 | grep -v "is ignored" || true
+.venv/bin/python -c "import arfuse, torch; print(f'arfuse {arfuse.__version__}, torch {torch.__version__}')"

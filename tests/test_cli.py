@@ -1,0 +1,129 @@
+"""The command line: explain on the shipped topologies, clean errors, doctor, run and bench."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPOLOGIES = ROOT / "examples" / "topologies"
+
+
+def arfuse(*args: str, env: dict[str, str] | None = None,
+           timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "ARFUSE_LOG": "warning", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "arfuse.cli", *args], capture_output=True,
+                          text=True, env=full_env, timeout=timeout, cwd=ROOT)
+
+
+def explain_json(*args: str, env: dict[str, str] | None = None) -> dict:
+    result = arfuse("explain", "--json", *args, env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize(("name", "backend", "fallback", "viable"), [
+    ("h200-nvswitch-8.json", "mnnvl", True, ["mnnvl", "trtllm", "torch"]),
+    ("h200-nvl-bridges-8.json", "torch", False, ["torch"]),
+    ("h100-2nodes-no-fabric.json", "torch", False, ["torch"]),
+    ("gb200-2nodes-mnnvl-fabric.json", "mnnvl", False, ["mnnvl", "torch"]),
+    ("cpu-host-2.json", "shm", False, ["shm", "torch"]),
+    ("cpu-2hosts.json", "torch", False, ["torch"]),
+])
+def test_explain_on_shipped_topologies(name: str, backend: str, fallback: bool,
+                                       viable: list[str]) -> None:
+    plan = explain_json("--topology", str(TOPOLOGIES / name))
+    assert set(plan) == {"requested", "explicit", "backend", "candidates", "allow_fallback",
+                         "fused", "quant_fusion", "node_count", "workspace_bytes",
+                         "max_fused_tokens", "warnings"}
+    assert plan["backend"] == backend and plan["allow_fallback"] is fallback
+    assert [c["backend"] for c in plan["candidates"] if c["viable"]] == viable
+    assert all(c["reason"] for c in plan["candidates"])
+    assert (plan["workspace_bytes"] > 0) == (backend != "torch")
+
+
+def test_explain_quant_and_explicit_backend() -> None:
+    plan = explain_json("--topology", str(TOPOLOGIES / "gb200-2nodes-mnnvl-fabric.json"),
+                        "--quant", "nvfp4", "--dtype", "torch.float16", "--max-tokens", "128")
+    assert plan["quant_fusion"] is True
+    plan = explain_json("--topology", str(TOPOLOGIES / "h200-nvswitch-8.json"),
+                        "--backend", "trtllm")
+    assert plan["explicit"] and plan["backend"] == "trtllm" and not plan["allow_fallback"]
+
+
+def test_explain_human_output_for_this_machine() -> None:
+    result = arfuse("explain")
+    assert result.returncode == 0, result.stderr
+    assert "candidate" in result.stdout and "chosen:" in result.stdout and "MiB" in result.stdout
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["explain"], {"ARFUSE_BACKEND": "nccl"}, "ARFUSE_BACKEND='nccl' is not valid"),
+    (["explain"], {"ARFUSE_STRICT": "yes"}, "ARFUSE_STRICT"),
+    (["explain"], {"ARFUSE_TIMEOUT_S": "-1"}, "ARFUSE_TIMEOUT_S"),
+    (["explain"], {"ARFUSE_LOG": "loud"}, "ARFUSE_LOG"),
+    (["explain", "--topology", "/no/such/file.json"], {}, "cannot read topology file"),
+    (["explain", "--topology", str(TOPOLOGIES / "h100-2nodes-no-fabric.json"),
+      "--backend", "trtllm"], {}, "use 'mnnvl'"),
+    (["explain", "--quant", "int4"], {}, "quant"),
+])
+def test_bad_settings_exit_2_with_one_line(args: list[str], env: dict[str, str],
+                                           message: str) -> None:
+    result = arfuse(*args, env=env)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("content", ['{"device": "tpu"}', "{not json", '{"hosts": "n0"}',
+                                     '{"world_size": 2, "hosts": ["a"]}', '{"sm": "90"}',
+                                     '{"multicast": "yes"}', '{"gpus": 8}', "[]"])
+def test_bad_topology_files_exit_2(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(content)
+    result = arfuse("explain", "--topology", str(path))
+    assert result.returncode == 2, result.stdout
+    assert "Traceback" not in result.stderr and "topology file" in result.stderr
+
+
+def test_doctor() -> None:
+    result = arfuse("doctor")
+    assert result.returncode == 0, result.stderr
+    for word in ("mnnvl", "trtllm", "shm", "torch", "auto picks", "shm kernel"):
+        assert word in result.stdout
+
+
+def test_run_main_job_checks_and_times() -> None:
+    result = arfuse("run", "--world-size", "2", "--tokens", "1,9", "--hidden", "256",
+                    "--steps", "3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "negotiated: shm" in result.stdout
+    lines = [ln for ln in result.stdout.splitlines() if ln.strip().startswith(("1 ", "9 "))]
+    assert len(lines) == 2 and all(ln.rstrip().endswith("ok") for ln in lines)
+
+
+def test_run_with_quantisation_and_unfused_backend() -> None:
+    result = arfuse("run", "--world-size", "2", "--tokens", "4", "--hidden", "128",
+                    "--steps", "2", "--quant", "nvfp4", "--backend", "torch")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "negotiated: torch" in result.stdout
+
+
+def test_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    result = arfuse("bench", "--tokens", "1,4", "--hidden", "256", "--dtype", "bf16",
+                    "--backends", "shm,torch", "--out", str(out), "--min-seconds", "0.02")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((out / "bench.json").read_text())
+    rows = {(r["backend"], r["tokens"]) for r in report["results"]}
+    assert rows == {("shm", 1), ("shm", 4), ("torch", 1), ("torch", 4)}
+    assert all(r["median_us"] > 0 and r["p90_us"] >= r["median_us"] for r in report["results"])
+    assert report["machine"]["cores"] and report["python_overhead"]["bf16"]["calls"] > 0
+    assert (out / "bench.png").stat().st_size > 1000
+    assert "torch median / this median" in (out / "bench.txt").read_text()
