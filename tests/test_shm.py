@@ -156,3 +156,10 @@ def test_hung_rank_in_a_call_times_out_naming_it() -> None:
     assert "timed out" in survivor["error"] and "rank(s) 1" in survivor["error"], survivor
     assert "phase 'call'" in survivor["error"] and "backend shm" in survivor["error"]
     assert survivor["seconds"] < 2 + 3
+
+
+@pytest.mark.parametrize("mode", ["oneshot", "twoshot"])
+def test_input_written_into_the_shared_slot(mode: str) -> None:
+    for result in values(run_ranks(workers.zero_copy, 2, mode)):
+        assert all(result["same"]), result
+        assert result["stats"]["unfused_over_capacity"] == 1

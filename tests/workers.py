@@ -171,3 +171,27 @@ def call_then_report(rank: int, world: int) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started,
                 "backend": comm.backend}
     return {"error": "", "seconds": time.monotonic() - started, "backend": comm.backend}
+
+
+def zero_copy(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """The op on an input computed straight into the shared slot equals the op on a copy."""
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=80, dtype=torch.bfloat16)
+    comm.workspace.set_mode(mode)  # type: ignore[attr-defined]
+    gen = torch.Generator().manual_seed(rank)
+    w = torch.rand(80, generator=gen).to(torch.bfloat16)
+    same = []
+    for tokens in (3, 16, 5):
+        x = torch.randn(tokens, 80, generator=gen).to(torch.bfloat16)
+        r = torch.randn(tokens, 80).to(torch.bfloat16)
+        expected = comm(x, residual=r, weight=w)
+        slot = comm.input_buffer(tokens)
+        torch.mul(x, 1, out=slot)  # a "layer" writing its output into the slot
+        got = comm(slot, residual=r, weight=w)
+        same.append(torch.equal(got.out, expected.out)
+                    and torch.equal(got.residual_out, expected.residual_out))
+    over = comm.input_buffer(40)  # over capacity: a plain tensor, and the unfused path
+    over.copy_(torch.ones(40, 80))
+    same.append(bool(torch.all(comm(over).out == world)))
+    return {"same": same, "stats": comm.stats()}

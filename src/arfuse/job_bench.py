@@ -4,6 +4,8 @@ Rows, measured side by side in one run on the same ranks (each rank pinned to on
 thread when the machine has a core per rank; warm-up excluded):
 
 * ``shm``: arfuse's fused all-reduce + residual + RMSNorm on the shm backend;
+* ``shm-slot``: the same, with the layer's output written straight into the rank's shared
+  input slot (``FusedAllReduce.input_buffer``), which saves the copy into shared memory;
 * ``torch``: ``torch.distributed.all_reduce`` (gloo) + eager add + RMSNorm: the baseline;
 * ``deepspeed``: ``deepspeed.comm.inference_all_reduce`` alone, and ``deepspeed+norm`` with the
   eager add + RMSNorm, when deepspeed is importable.
@@ -157,6 +159,17 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
                 mode = comm.workspace.mode(tokens)  # type: ignore[attr-defined]
                 candidates["shm"] = (lambda c=comm, x=x, r=residual, w=weight: c(
                     x, residual=r, weight=w, eps=EPS), None)
+                slot: list[torch.Tensor] = []
+
+                def into_slot(c: Any = comm, x: torch.Tensor = x,
+                              slot: list[torch.Tensor] = slot) -> None:
+                    # the layer writes its output into the shared slot (not timed, like the
+                    # copy of x into the all-reduce buffer of the other rows)
+                    slot[:] = [c.input_buffer(x.shape[0])]
+                    slot[0].copy_(x)
+
+                candidates["shm-slot"] = (lambda c=comm, s=slot, r=residual, w=weight: c(
+                    s[0], residual=r, weight=w, eps=EPS), into_slot)
             if "torch" in opts.backends:
                 candidates["torch"] = (lambda w_=work, r=residual, w=weight: _rmsnorm_add(
                     _all_reduce(dist, w_), r, w), reset)
@@ -170,7 +183,7 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
                 entry = {"dtype": dname, "tokens": tokens, "backend": backend,
                          "bytes_per_rank": tokens * opts.hidden * x.element_size(),
                          **_summary(times)}
-                if backend == "shm":
+                if backend.startswith("shm"):
                     entry["mode"] = mode
                 if backend.startswith("deepspeed"):
                     entry["path"] = _deepspeed_path(dname, ds_note)

@@ -83,6 +83,15 @@ class FusedAllReduce:
         """Tokens per call that run fused; larger calls run unfused."""
         return self.workspace.capacity
 
+    def input_buffer(self, tokens: int) -> torch.Tensor:
+        """A ``[tokens, hidden]`` tensor to compute the next call's ``x`` into (for example
+        ``torch.matmul(a, w.t(), out=comm.input_buffer(n))``). On shm it is this rank's
+        shared-memory slot, which saves a copy per call; elsewhere a plain tensor. Valid for
+        the next call only."""
+        if tokens > self.capacity:
+            return self._unfused_workspace().input_buffer(tokens)
+        return self.workspace.input_buffer(tokens)
+
     def stats(self) -> dict[str, int]:
         """Calls so far: fused, and unfused (over capacity, or an unfused backend)."""
         fast = self._fast_calls

@@ -192,6 +192,20 @@ class ShmWorkspace(Workspace):
         for anything unusual, and ``FusedAllReduce`` then takes its Python path."""
         return None if self._comm is None else self._comm.call
 
+    def input_buffer(self, tokens: int) -> torch.Tensor:
+        """This rank's input slot of the next call, as a ``[tokens, hidden]`` tensor: a layer
+        that writes its output here saves the copy into shared memory. Valid for the next
+        call only; the slot of the call after it is the other buffer."""
+        if not 0 <= tokens <= self.spec.max_tokens:
+            raise ValueError(f"tokens={tokens} is not valid; use 0..{self.spec.max_tokens}")
+        if self._comm is not None:
+            offset = int(self._comm.next_input_offset())
+        else:
+            offset = self.layout.slot_offset(self.ctx.rank, (self._seq + 1) & 1)
+        view = self._view_or_private()
+        nbytes = tokens * self.spec.row_bytes
+        return view[offset:offset + nbytes].view(self._dtype).view(tokens, self.spec.hidden)
+
     def use_pure_path(self) -> None:
         """Run the pure-torch path (no compiler here, or on some rank of the group)."""
         self._comm = None
@@ -223,7 +237,8 @@ class ShmWorkspace(Workspace):
         slots = [view[self.layout.slot_offset(r, buf):
                       self.layout.slot_offset(r, buf) + tokens * row_bytes]
                  .view(self._dtype).view(tokens, self.spec.hidden) for r in range(world)]
-        slots[self.ctx.rank].copy_(x)
+        if slots[self.ctx.rank].data_ptr() != x.data_ptr():
+            slots[self.ctx.rank].copy_(x)
         flags = view[LINE * (1 + MAX_WORLD):LINE * (1 + 2 * MAX_WORLD)].view(torch.int64)
         flags = flags.view(MAX_WORLD, LINE // 8)[:, 0]
         flags[self.ctx.rank] = seq  # x86-64 stores are ordered: the copy lands first

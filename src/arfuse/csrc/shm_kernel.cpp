@@ -52,7 +52,7 @@ namespace {
 constexpr int kMaxWorld = 16;
 constexpr int kLine = 64;
 constexpr int kLanes = 8;
-constexpr int64_t kStreamBytes = 1 << 20;
+constexpr int64_t kStreamBytes = int64_t(1) << 40;
 enum DType { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
 enum Quant { kNone = 0, kFP8 = 1, kNVFP4 = 2 };
 
@@ -420,6 +420,10 @@ class ShmComm {
   void set_oneshot_max_bytes(int64_t value) { oneshot_max_bytes_ = value; }
   int64_t oneshot_max_bytes() const { return oneshot_max_bytes_; }
   int64_t seq() const { return seq_; }
+  // Byte offset (from the segment base) of this rank's input slot for the next call.
+  int64_t next_input_offset() const {
+    return int64_t(input_slot(rank_, (seq_ + 1) & 1) - base_);
+  }
   std::string broken() const { return broken_; }
 
   bool oneshot(int64_t tokens) const {
@@ -666,7 +670,10 @@ class ShmComm {
     // Large outputs bypass the cache (no read-for-ownership); small ones stay hot for the
     // next layer.
     const bool stream = kCanStream && c.tokens * row_bytes >= kStreamBytes;
-    std::memcpy(input_slot(rank_, buf), x, size_t(c.tokens * row_bytes));
+    char* slot = input_slot(rank_, buf);
+    if (x != slot) {  // the caller may have written its input into the slot already
+      std::memcpy(slot, x, size_t(c.tokens * row_bytes));
+    }
     flag(0, rank_)->store(seq, std::memory_order_release);
     wait_all(0, seq);
     const T* inputs[kMaxWorld];
@@ -867,6 +874,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("oneshot_max_bytes", &ShmComm::oneshot_max_bytes)
       .def("oneshot", &ShmComm::oneshot)
       .def("seq", &ShmComm::seq)
+      .def("next_input_offset", &ShmComm::next_input_offset)
       .def("broken", &ShmComm::broken)
       .def("run", &ShmComm::run)
       .def("call", &ShmComm::call)
