@@ -52,7 +52,9 @@ namespace {
 constexpr int kMaxWorld = 16;
 constexpr int kLine = 64;
 constexpr int kLanes = 8;
-constexpr int64_t kStreamBytes = int64_t(1) << 40;
+constexpr int64_t kStreamBytes = int64_t(1) << 40;  // streaming stores measured slower here
+constexpr int64_t kProgress = int64_t(1) << 20;       // arrival flag units per call
+constexpr int64_t kBlockBytes = 64 * 1024;             // one-shot rows per step, in bytes
 enum DType { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
 enum Quant { kNone = 0, kFP8 = 1, kNVFP4 = 2 };
 
@@ -626,6 +628,10 @@ class ShmComm {
     }
   }
 
+  static int64_t call_of(int which, int64_t target) {
+    return which == 0 ? target / kProgress : target;
+  }
+
   std::string silent_ranks(int which, int64_t target) const {
     std::ostringstream ss;
     bool first = true;
@@ -640,7 +646,8 @@ class ShmComm {
   std::string silent_message(int which, int64_t target, const std::string& what) const {
     std::ostringstream ss;
     ss << "arfuse shm: " << what << " in phase 'call' (" << (which == 0 ? "arrive" : "gather")
-       << ", backend shm, call " << target << "): rank(s) " << silent_ranks(which, target)
+       << ", backend shm, call " << call_of(which, target) << "): rank(s) "
+       << silent_ranks(which, target)
        << " of the group did not answer (dead, hung, or calling with other arguments)";
     return ss.str();
   }
@@ -653,7 +660,7 @@ class ShmComm {
       if (start < 0 || start != starts_[size_t(j)] || state == 'Z' || state == 'X') {
         std::ostringstream ss;
         ss << "arfuse shm: rank " << j << " (pid " << pids_[size_t(j)]
-           << ") died during a call (phase 'call', backend shm, call " << target
+           << ") died during a call (phase 'call', backend shm, call " << call_of(which, target)
            << "); silent rank(s): " << silent_ranks(which, target);
         fail(ss.str());
       }
@@ -671,24 +678,38 @@ class ShmComm {
     // next layer.
     const bool stream = kCanStream && c.tokens * row_bytes >= kStreamBytes;
     char* slot = input_slot(rank_, buf);
-    if (x != slot) {  // the caller may have written its input into the slot already
-      std::memcpy(slot, x, size_t(c.tokens * row_bytes));
-    }
-    flag(0, rank_)->store(seq, std::memory_order_release);
-    wait_all(0, seq);
+    const bool copy = x != slot;  // the caller may have written its input there already
     const T* inputs[kMaxWorld];
     for (int j = 0; j < world_; ++j) {
       inputs[j] = reinterpret_cast<const T*>(input_slot(j, buf));
     }
+    // Arrival flags count progress: call * kProgress + blocks of rows ready.
+    const int64_t call_base = seq * kProgress;
     if (oneshot(c.tokens)) {
-      for (int64_t row = 0; row < c.tokens; ++row) {
-        finish_row<D>(inputs, row, c, static_cast<T*>(c.out) + row * hidden_,
-                      c.residual_out ? static_cast<T*>(c.residual_out) + row * hidden_ : nullptr,
-                      row, c.quant_out, c.scale_out, c.swizzled, stream);
+      // Block by block: copy a block in, say so, finish it as soon as every rank has, while
+      // it is still in cache (the whole call would not fit in cache at once).
+      const int64_t block_rows = std::max<int64_t>(1, kBlockBytes / row_bytes);
+      for (int64_t begin = 0, b = 1; begin < c.tokens; begin += block_rows, ++b) {
+        const int64_t end = std::min<int64_t>(c.tokens, begin + block_rows);
+        if (copy) {
+          std::memcpy(slot + begin * row_bytes, static_cast<const char*>(x) + begin * row_bytes,
+                      size_t((end - begin) * row_bytes));
+        }
+        flag(0, rank_)->store(call_base + b, std::memory_order_release);
+        wait_all(0, call_base + b);
+        for (int64_t row = begin; row < end; ++row) {
+          finish_row<D>(inputs, row, c, static_cast<T*>(c.out) + row * hidden_,
+                        c.residual_out ? static_cast<T*>(c.residual_out) + row * hidden_
+                                       : nullptr,
+                        row, c.quant_out, c.scale_out, c.swizzled, stream);
+        }
       }
       if (stream) stream_fence();
       return;
     }
+    if (copy) std::memcpy(slot, x, size_t(c.tokens * row_bytes));
+    flag(0, rank_)->store(call_base + kProgress - 1, std::memory_order_release);
+    wait_all(0, call_base + kProgress - 1);
     // two-shot: my block of rows into my result slot, then gather every block
     const int64_t chunk = (c.tokens + world_ - 1) / world_;
     const int64_t begin = std::min<int64_t>(c.tokens, chunk * rank_);
