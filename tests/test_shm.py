@@ -47,10 +47,10 @@ def test_shm_automatic_threshold_both_sides() -> None:
     """Without forcing: small calls one-shot, large calls two-shot, same results as reference."""
     from arfuse.backends.shm import oneshot_max_bytes
 
-    big = oneshot_max_bytes("bf16", 2) // (1040 * 2) + 3
+    big = oneshot_max_bytes(3) // (1040 * 2) + 3
     cases = [Case("bf16", 1, 1040, "norm"), Case("bf16", big, 1040, "norm"),
              Case("bf16", big, 1040, "plain")]
-    results = values(run_ranks(workers.numerics, 2, "shm", cases, big, None))
+    results = values(run_ranks(workers.numerics, 3, "shm", cases, big, None))
     for case in cases:
         check_case(case, [r[case] for r in results], "shm")
     assert results[0][cases[0]]["mode"] == "oneshot"

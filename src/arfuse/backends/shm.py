@@ -31,19 +31,21 @@ SHM_DIR = Path(os.environ.get("ARFUSE_SHM_DIR", "/dev/shm"))
 PREFIX = "arfuse-"
 LINE = 64
 MAX_WORLD = 16
-# One-shot (every rank reduces every row) up to this many bytes per rank, two-shot (each rank
-# finishes its block of rows, then copies the others') above. Measured with
-# benchmarks/shm_threshold.py (results in benchmarks/results/): on the 2-core dev machine,
-# 16-bit dtypes, whose conversions make the epilogue compute-heavy, gain from splitting the
-# work from 1 MiB per rank on; fp32 is memory-bound, and with two ranks one-shot moves fewer
-# bytes at every size. With more ranks one-shot reads every rank's slot, so two-shot wins
-# sooner.
-_ONESHOT_MAX_BYTES = {("bf16", 2): 1 << 20, ("fp16", 2): 1 << 20, ("fp32", 2): 1 << 62}
+# One-shot (every rank finishes every row, block by block while it is in cache) up to this
+# many bytes per rank, two-shot (each rank finishes a block of rows, the others copy it) above.
+# Measured with benchmarks/shm_threshold.py (benchmarks/results/shm_threshold-*.json) on the
+# 2-core dev machine: with two ranks, one-shot is as fast or faster at every size and both
+# dtypes (below 1 MiB the two modes are within the machine's run-to-run noise; above 2 MiB
+# one-shot wins by 5-25%), so it is always one-shot. With more ranks one-shot reads every
+# rank's slot and repeats the reduction on every rank; 256 KiB is a guess there, not a
+# measurement (the dev machine has two cores).
+_ONESHOT_MAX_BYTES_TWO_RANKS = 1 << 62
 _ONESHOT_MAX_BYTES_MORE_RANKS = 256 * 1024
 
 
-def oneshot_max_bytes(dtype: str, world: int) -> int:
-    return _ONESHOT_MAX_BYTES.get((dtype, world), _ONESHOT_MAX_BYTES_MORE_RANKS)
+def oneshot_max_bytes(world: int) -> int:
+    """Per-rank bytes up to which a call runs one-shot."""
+    return _ONESHOT_MAX_BYTES_TWO_RANKS if world <= 2 else _ONESHOT_MAX_BYTES_MORE_RANKS
 _DTYPE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
 _QUANT_CODE = {None: 0, "fp8": 1, "nvfp4": 2}
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -107,7 +109,7 @@ class ShmWorkspace(Workspace):
                 self._base, ctx.world_size, ctx.rank, spec.max_tokens, spec.hidden,
                 _DTYPE_CODE[spec.dtype], sizing.SHM_HEADER_BYTES, layout.slot_bytes,
                 layout.input_bytes, layout.chunk_rows, ctx.settings.timeout_s,
-                oneshot_max_bytes(spec.dtype, ctx.world_size))
+                oneshot_max_bytes(ctx.world_size))
             self._comm.set_result_type(FusedOutput)
         if self._comm is None:
             self.use_pure_path()
@@ -182,7 +184,7 @@ class ShmWorkspace(Workspace):
             raise ValueError(f"mode={mode!r} is not valid; use oneshot, twoshot or None")
         self.force_mode = mode
         if self._comm is not None:
-            automatic = oneshot_max_bytes(self.spec.dtype, self.ctx.world_size)
+            automatic = oneshot_max_bytes(self.ctx.world_size)
             limit = {None: automatic, "oneshot": 2**62, "twoshot": -1}[mode]
             self._comm.set_oneshot_max_bytes(limit)
 
