@@ -353,7 +353,7 @@ class OutputPool {
   void* take(size_t bytes) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      for (size_t i = 0; i < free_.size(); ++i) {
+      for (size_t i = free_.size(); i-- > 0;) {  // the most recently freed: still in cache
         if (free_[i].first == bytes) {
           void* p = free_[i].second;
           free_.erase(free_.begin() + long(i));
