@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, NoReturn
 
@@ -214,46 +214,47 @@ def _try(ctx: GroupContext, backend: Backend,
          spec: Spec) -> tuple[Attempt, Workspace | None]:
     """Create, vote, validate, vote. Returns the workspace only if every rank succeeded."""
     name = backend.name
-    workspace: Workspace | None = None
+    made: list[Workspace] = []
+
+    def create() -> str:
+        workspace = backend.create(ctx, spec)
+        if workspace is None:
+            return "creation returned nothing"
+        made.append(workspace)
+        return ""
+
+    def validate() -> str:
+        mode = ctx.fault(name, "validate")
+        if mode == "null":
+            made[0].poison()
+        made[0].validate()
+        return "validation returned nothing" if mode == "none" else ""
+
     try:
-        why = ""
-        try:
-            workspace = backend.create(ctx, spec)
-            if workspace is None:
-                why = "creation returned nothing"
-        except (Exception, MemoryError) as exc:
-            if isinstance(exc, NegotiationTimeout):
-                raise
-            why = f"{type(exc).__name__}: {exc}"
-        if why:
-            ctx.channel.abort(why)
-        failures = _vote(ctx, "create", name, why)
-        if failures:
-            _drop(workspace)
-            return Attempt(name, False, "create", failures), None
-        assert workspace is not None
-        why = ""
-        try:
-            mode = ctx.fault(name, "validate")
-            if mode == "null":
-                workspace.poison()
-            workspace.validate()
-            if mode == "none":
-                why = "validation returned nothing"
-        except (Exception, MemoryError) as exc:
-            if isinstance(exc, NegotiationTimeout):
-                raise
-            why = f"{type(exc).__name__}: {exc}"
-        if why:
-            ctx.channel.abort(why)
-        failures = _vote(ctx, "validate", name, why)
-        if failures:
-            _drop(workspace)
-            return Attempt(name, False, "validate", failures), None
-        return Attempt(name, True, "validate"), workspace
+        for phase, action in (("create", create), ("validate", validate)):
+            failures = _step(ctx, name, phase, action)
+            if failures:
+                _drop(made[0] if made else None)
+                return Attempt(name, False, phase, failures), None
+        return Attempt(name, True, "validate"), made[0]
     except BaseException:
-        _drop(workspace)
+        _drop(made[0] if made else None)
         raise
+
+
+def _step(ctx: GroupContext, backend: str, phase: str,
+          action: Callable[[], str]) -> dict[int, str]:
+    """Run one local step; a failure is announced at once (nobody waits for this rank), then
+    every rank votes. Only a timeout ends the negotiation: the ranks are out of step."""
+    try:
+        why = action()
+    except NegotiationTimeout:
+        raise
+    except (Exception, MemoryError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+    if why:
+        ctx.channel.abort(why)
+    return _vote(ctx, phase, backend, why)
 
 
 def _vote(ctx: GroupContext, phase: str, backend: str, why: str) -> dict[int, str]:
