@@ -124,7 +124,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     topo = topology.this_machine(world, device)
     print(f"arfuse doctor: {topo.world_size} ranks on this machine ({device})")
     print(f"  torch {torch.__version__}; flashinfer {topo.flashinfer or 'not installed'}")
-    isa = shm_build.cpu_flags() & {"avx2", "avx512f", "avx512bw", "fma", "f16c", "asimd"}
+    from .machine import cpu_flags
+
+    isa = cpu_flags() & {"avx2", "avx512f", "avx512bw", "fma", "f16c", "asimd"}
     print(f"  cores {os.cpu_count()}; ISA {' '.join(sorted(isa)) or 'unknown'}")
     if device == "cuda":
         print(f"  GPU {topo.gpu}, SM {topo.sm}; multicast/NVLink/fabric not detected yet "

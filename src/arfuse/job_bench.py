@@ -242,19 +242,11 @@ def _overhead(comm: Any, weight: torch.Tensor, opts: BenchOptions) -> dict[str, 
 
 
 def _machine(pinned: bool, world: int) -> dict[str, Any]:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    from arfuse.backends import shm_build
+    from arfuse.machine import cpu_flags, cpu_model
 
-    return {"cpu": model or platform.processor(), "cores": os.cpu_count(),
+    return {"cpu": cpu_model() or platform.processor(), "cores": os.cpu_count(),
             "isa": " ".join(f for f in ("avx512f", "avx512bw", "avx2", "fma", "f16c")
-                            if f in shm_build.cpu_flags()),
+                            if f in cpu_flags()),
             "python": platform.python_version(), "torch": torch.__version__,
             "platform": platform.platform(), "ranks_pinned": pinned, "world_size": world,
             "threads_per_rank": 1, "date": time.strftime("%Y-%m-%d")}

@@ -17,20 +17,11 @@ from pathlib import Path
 from types import ModuleType
 
 from .. import log
+from ..machine import cpu_flags
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "shm_kernel.cpp"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def compile_flags() -> list[str]:
