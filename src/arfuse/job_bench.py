@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
+from arfuse.torch_types import TORCH_DTYPES
+
 EPS = 1e-6
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BASELINE = "torch"
 
 
@@ -137,7 +138,7 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
     negotiation: dict[str, Any] = {}
     gen = torch.Generator().manual_seed(1234 + rank)
     for dname in opts.dtypes:
-        dtype = _DTYPES[dname]
+        dtype = TORCH_DTYPES[dname]
         comm = None
         if "shm" in opts.backends:
             t0 = time.perf_counter()

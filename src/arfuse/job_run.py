@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
+from arfuse.torch_types import TORCH_DTYPES, device_of
+
 EPS = 1e-6
 # max |out - reference| / max |reference| allowed, per dtype: a few roundings of the dtype
 TOLERANCE = {"bf16": 8 * 2.0**-8, "fp16": 8 * 2.0**-11, "fp32": 1e-4}
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,8 @@ def run_body(rank: int, world: int, opts: RunOptions) -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world) if opts.device == "cpu" else 1)
     pinned = pin_to_core(rank, world) if opts.device == "cpu" else False
     init_from_env(opts.device)
-    device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" \
-        else torch.device("cpu")
-    dtype = _DTYPES[opts.dtype]
+    device = device_of(opts.device)
+    dtype = TORCH_DTYPES[opts.dtype]
     comm = arfuse.FusedAllReduce(max_token_num=max(opts.tokens), hidden_dim=opts.hidden,
                                  dtype=dtype, backend=opts.backend, quant=opts.quant,
                                  strict=opts.strict, device=opts.device)

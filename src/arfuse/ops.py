@@ -21,8 +21,7 @@ from .policy import Plan, quant_fusion
 from .quant import LAYOUTS, scale_value
 from .registry import REGISTRY, Lease
 from .spec import Spec, parse_dtype, parse_quant
-
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from .torch_types import TORCH_DTYPES
 
 
 class FusedAllReduce:
@@ -39,7 +38,7 @@ class FusedAllReduce:
         spec = Spec(max_tokens=max_token_num, hidden=hidden_dim, dtype=parse_dtype(dtype),
                     quant=parse_quant(quant))
         self.spec = spec
-        self._dtype = _TORCH_DTYPES[spec.dtype]
+        self._dtype = TORCH_DTYPES[spec.dtype]
         self._lease: Lease | None = REGISTRY.acquire(group, spec, conf, device)
         ws = self._lease.entry.workspace
         self._ws: Workspace | None = ws

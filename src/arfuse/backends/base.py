@@ -65,11 +65,10 @@ class Workspace(ABC):
     def input_buffer(self, tokens: int) -> torch.Tensor:
         """Where the caller may write the next call's input (a backend with a shared input
         slot returns a view of it and skips a copy); by default a fresh tensor."""
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
-            self.spec.dtype]
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if self.ctx.device == "cuda" else torch.device("cpu")
-        return torch.empty((tokens, self.spec.hidden), dtype=dtype, device=device)
+        from ..torch_types import TORCH_DTYPES, device_of
+
+        return torch.empty((tokens, self.spec.hidden), dtype=TORCH_DTYPES[self.spec.dtype],
+                           device=device_of(self.ctx.device))
 
     @abstractmethod
     def validate(self) -> None:

@@ -25,9 +25,9 @@ from .. import sizing
 from ..epilogue import FusedOutput
 from ..rendezvous import NegotiationTimeout
 from ..spec import Spec
+from ..torch_types import TORCH_DTYPES, device_of
 from .base import Backend, CreationFailed, GroupContext, Workspace
 
-_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # AllReduceFusionPattern (flashinfer/comm/trtllm_ar.py)
 K_ALLREDUCE, K_RESIDUAL_RMSNORM = 0, 1
 K_OUT_FP8_QUANT, K_OUT_FP4_QUANT = 4, 5
@@ -61,7 +61,7 @@ class FlashInferWorkspace(Workspace):
                  group_for_destroy: Any):
         self.backend = name
         self._handle, self._comm, self._group = handle, comm, group_for_destroy
-        self._dtype = _TORCH_DTYPE[spec.dtype]
+        self._dtype = TORCH_DTYPES[spec.dtype]
         self._poisoned = False
         nbytes = int(getattr(handle, "workspace_size_bytes", 0)) or sizing.predict(
             name, ctx.world_size, spec)[0]
@@ -71,7 +71,7 @@ class FlashInferWorkspace(Workspace):
     def _capacity(ctx: GroupContext, spec: Spec, handle: Any) -> int:
         """Largest token count FlashInfer itself accepts for this workspace (bisection: the
         need grows with the token count)."""
-        dtype = _TORCH_DTYPE[spec.dtype]
+        dtype = TORCH_DTYPES[spec.dtype]
 
         def fits(tokens: int) -> bool:
             return bool(handle.is_buffer_size_sufficient(ctx.world_size, tokens, spec.hidden,
@@ -100,10 +100,8 @@ class FlashInferWorkspace(Workspace):
         elif self._poisoned:
             raise CreationFailed("trtllm workspace has no IPC buffers (injected null)")
         self.ctx.channel.barrier("validate", self.backend)
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if self.ctx.device == "cuda" else torch.device("cpu"))
         x = torch.full((1, self.spec.hidden), float(self.ctx.rank + 1), dtype=self._dtype,
-                       device=device)
+                       device=device_of(self.ctx.device))
         out = self._launch(x, None, None, 1e-6, 0.0, None, None, "swizzled_128x4").out
         if out.is_cuda:
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -219,7 +217,7 @@ class FlashInferBackend(Backend):
         handle = comm.create_allreduce_fusion_workspace(
             backend=self.name, world_size=ctx.world_size, rank=ctx.rank,
             max_token_num=spec.max_tokens, hidden_dim=spec.hidden,
-            dtype=_TORCH_DTYPE[spec.dtype], comm_backend=TorchDistBackend(ctx.group),
+            dtype=TORCH_DTYPES[spec.dtype], comm_backend=TorchDistBackend(ctx.group),
             group=ctx.group)
         if handle is None:
             return None

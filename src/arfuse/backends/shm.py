@@ -24,6 +24,7 @@ from ..epilogue import FusedOutput, apply, rank_order_sum
 from ..rendezvous import NegotiationTimeout
 from ..sizing import ShmLayout
 from ..spec import Spec
+from ..torch_types import TORCH_DTYPES
 from . import shm_build
 from .base import Backend, CreationFailed, GroupContext, Workspace
 
@@ -48,7 +49,6 @@ def oneshot_max_bytes(world: int) -> int:
     return _ONESHOT_MAX_BYTES_TWO_RANKS if world <= 2 else _ONESHOT_MAX_BYTES_MORE_RANKS
 _DTYPE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
 _QUANT_CODE = {None: 0, "fp8": 1, "nvfp4": 2}
-_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def process_identity(pid: int | None = None) -> tuple[int, int]:
@@ -99,7 +99,7 @@ class ShmWorkspace(Workspace):
         self._view: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8)
         self._base = self._view.data_ptr()
         self._private: torch.Tensor | None = None
-        self._dtype = _TORCH_DTYPE[spec.dtype]
+        self._dtype = TORCH_DTYPES[spec.dtype]
         self.kernel = shm_build.load()
         self._comm: Any = None
         self._seq = 0
@@ -161,7 +161,6 @@ class ShmWorkspace(Workspace):
         pids, starts, visible = self.peers()
         if self._comm is not None:
             self._comm.set_peers(pids, starts, visible)
-        self._peers = (pids, starts, visible)
 
     def poison(self) -> None:
         """Like a mapping that is not shared: this rank sees private memory of the same size."""

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ..epilogue import FusedOutput, apply, rank_order_sum
 from ..rendezvous import NegotiationTimeout
 from ..spec import Spec
+from ..torch_types import device_of
 from .base import Backend, CreationFailed, GroupContext, Workspace
 
 _UNLIMITED = sys.maxsize
@@ -56,9 +57,8 @@ class TorchWorkspace(Workspace):
         # Every rank contributes rank+1 in a known pattern; everyone checks the same sum.
         self.ctx.channel.barrier("validate", self.backend)
         world, rank = self.ctx.world_size, self.ctx.rank
-        device = torch.device(self.ctx.device, torch.cuda.current_device()) \
-            if self.ctx.device == "cuda" else torch.device("cpu")
-        x = torch.full((1, 8), float(rank + 1), dtype=torch.float32, device=device)
+        x = torch.full((1, 8), float(rank + 1), dtype=torch.float32,
+                       device=device_of(self.ctx.device))
         if world == 1:
             got = x.clone()
         else:
