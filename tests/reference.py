@@ -74,22 +74,22 @@ def ulp_eps(dtype: str) -> float:
 
 
 def fp8_codes_independent(values: torch.Tensor, scale: float) -> torch.Tensor:
-    """e4m3 by search over every finite code (float64), nearest, ties to even code."""
+    """e4m3 by search over the finite codes of the value's sign (float64): nearest, ties to
+    the even code, saturating at 448; the sign of zero is kept."""
     table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
-    finite = torch.isfinite(table)
-    codes = torch.arange(256)[finite]
-    vals = table[finite]
-    v = (values.double() * float(torch.tensor(1.0, dtype=torch.float32)
-                                 / torch.tensor(scale, dtype=torch.float32))).flatten()
-    v = v.clamp(-448.0, 448.0)
-    dist = (v[:, None] - vals[None, :]).abs()
+    codes = torch.arange(256)
+    inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32)
+    v = (values.float() * inv).double().flatten()  # the product is an fp32 one, as in the kernels
+    negative = torch.signbit(v)
+    mag = v.abs().clamp(max=448.0)
+    candidates = torch.isfinite(table) & (torch.signbit(table) == False)  # noqa: E712
+    pos_codes, pos_vals = codes[candidates], table[candidates]
+    dist = (mag[:, None] - pos_vals[None, :]).abs()
     best = dist.min(dim=1, keepdim=True).values
     tie = dist == best
-    # among the nearest, prefer the even mantissa (bit 0 clear); keep the sign of v
-    sign_ok = (vals[None, :] < 0) == (v[:, None] < 0) | (vals[None, :] == 0)
-    cand = tie & sign_ok
-    pick = torch.where(cand & ((codes[None, :] & 1) == 0), 2, cand.int()).argmax(dim=1)
-    return codes[pick].to(torch.uint8).view(values.shape)
+    prefer_even = torch.where(tie & ((pos_codes[None, :] & 1) == 0), 2, tie.int())
+    picked = pos_codes[prefer_even.argmax(dim=1)]
+    return (picked | (negative.long() << 7)).to(torch.uint8).view(values.shape)
 
 
 def nvfp4_independent(values: torch.Tensor, global_scale: float) -> tuple[torch.Tensor,

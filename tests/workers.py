@@ -195,3 +195,17 @@ def zero_copy(rank: int, world: int, mode: str) -> dict[str, Any]:
     over.copy_(torch.ones(40, 80))
     same.append(bool(torch.all(comm(over).out == world)))
     return {"same": same, "stats": comm.stats()}
+
+
+def quant_edges(rank: int, world: int, values: torch.Tensor, quant: str, scale: float,
+                layout: str) -> dict[str, Any]:
+    """Plain all-reduce + quantisation of ``values`` (rank 0) + zeros (the others): the sum is
+    exactly ``values``, so the quantised bytes can be compared with the reference."""
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=values.shape[0], hidden_dim=values.shape[1],
+                                 dtype=values.dtype, quant=quant)
+    x = values if rank == 0 else torch.zeros_like(values)
+    res = comm(x, quant=quant, scale=scale, layout=layout)
+    return {"backend": comm.backend, "out": res.out, "quant_out": res.quant_out.view(torch.uint8),
+            "scale_out": res.scale_out}

@@ -268,6 +268,61 @@ void vec_pass2(const float* __restrict acc, const typename Elem<D>::T* __restric
     V::put(out + k, V::pack(_mm256_mul_ps(scaled, _mm256_add_ps(vb, V::load(w + k)))), stream);
   }
 }
+
+// 8 floats -> 8 e4m3 codes in the low 8 bytes; the same rounding as f32_to_e4m3.
+inline __m128i e4m3x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
+  const __m256 a = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  const __m256i au = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(au, 20), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(au, _mm256_add_epi32(_mm256_set1_epi32(0x7ffff), lsb));
+  const __m256i normal = _mm256_or_si256(
+      _mm256_slli_epi32(_mm256_sub_epi32(_mm256_srli_epi32(r, 23), _mm256_set1_epi32(120)), 3),
+      _mm256_and_si256(_mm256_srli_epi32(r, 20), _mm256_set1_epi32(7)));
+  // below 2^-6: steps of 2^-9, a * 512 rounded to an integer, nearest even (2^23 trick)
+  const __m256 t = _mm256_add_ps(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)),
+                                 _mm256_set1_ps(8388608.0f));
+  const __m256i small = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(0x4b000000));
+  const __m256 is_small = _mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ);
+  __m256i code = _mm256_blendv_epi8(normal, small, _mm256_castps_si256(is_small));
+  code = _mm256_min_epi32(code, _mm256_set1_epi32(0x7e));  // saturate at 448
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), _mm256_castps_si256(nan));
+  code = _mm256_or_si256(code, sign);
+  const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(code),
+                                       _mm256_extracti128_si256(code, 1));
+  return _mm_packus_epi16(w16, w16);
+}
+
+// 8 floats -> 8 e2m1 codes (int32 lanes); the same thresholds as f32_to_e2m1.
+inline __m256i e2m1x8(__m256 v) {
+  const __m256 m = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  __m256i code = _mm256_setzero_si256();
+  auto count = [&](float threshold, int predicate) {
+    __m256 hit = predicate == _CMP_GT_OQ ? _mm256_cmp_ps(m, _mm256_set1_ps(threshold), _CMP_GT_OQ)
+                                         : _mm256_cmp_ps(m, _mm256_set1_ps(threshold), _CMP_GE_OQ);
+    code = _mm256_sub_epi32(code, _mm256_castps_si256(hit));  // a hit is -1
+  };
+  count(0.25f, _CMP_GT_OQ);
+  count(0.75f, _CMP_GE_OQ);
+  count(1.25f, _CMP_GT_OQ);
+  count(1.75f, _CMP_GE_OQ);
+  count(2.5f, _CMP_GT_OQ);
+  count(3.5f, _CMP_GE_OQ);
+  count(5.0f, _CMP_GT_OQ);
+  const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(_mm256_castps_si256(v), 31), 3);
+  return _mm256_or_si256(code, sign);
+}
+
+// 16 e2m1 codes (two vectors, element order) -> 8 bytes, the even element in the low nibble.
+inline __m128i pack_e2m1x16(__m256i c0, __m256i c1) {
+  __m256i w16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(c0, c1), 0xd8);
+  __m128i bytes = _mm_packus_epi16(_mm256_castsi256_si128(w16),
+                                   _mm256_extracti128_si256(w16, 1));
+  __m128i pairs = _mm_maddubs_epi16(bytes, _mm_set1_epi16(0x1001));  // lo + 16 * hi
+  return _mm_packus_epi16(pairs, pairs);
+}
 #endif
 
 // ---- quantisation ---------------------------------------------------------------------------
@@ -837,13 +892,43 @@ class ShmComm {
     if (c.quant == kFP8) {
       const float inv_scale = 1.0f / c.scale;
       uint8_t* dst = q + qrow * H;
-      for (int64_t h = 0; h < H; ++h) dst[h] = f32_to_e4m3(E::load(out[h]) * inv_scale);
+      int64_t h = 0;
+#ifdef ARFUSE_VEC
+      if constexpr (Vec<D>::ok) {
+        const __m256 vs = _mm256_set1_ps(inv_scale);
+        for (; h + kLanes <= H; h += kLanes) {
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + h),
+                           e4m3x8(_mm256_mul_ps(Vec<D>::load(out + h), vs)));
+        }
+      }
+#endif
+      for (; h < H; ++h) dst[h] = f32_to_e4m3(E::load(out[h]) * inv_scale);
     } else if (c.quant == kNVFP4) {
       const float gs = c.scale;
       const float sixth = 1.0f / 6.0f;
       const int64_t cols = H / 16;
       uint8_t* dst = q + qrow * (H / 2);
       for (int64_t k = 0; k < cols; ++k) {
+#ifdef ARFUSE_VEC
+        if constexpr (Vec<D>::ok) {
+          const __m256 v0 = Vec<D>::load(out + k * 16);
+          const __m256 v1 = Vec<D>::load(out + k * 16 + 8);
+          const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+          __m256 mx = _mm256_max_ps(_mm256_and_ps(v0, abs_mask), _mm256_and_ps(v1, abs_mask));
+          __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+          m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+          m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+          const float amax = _mm_cvtss_f32(m4);
+          const uint8_t sf = f32_to_e4m3(gs * (amax * sixth));
+          const float sfq = g_e4m3_decode[sf];
+          const __m256 es = _mm256_set1_ps(sfq != 0.0f ? gs / sfq : 0.0f);
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + k * 8),
+                           pack_e2m1x16(e2m1x8(_mm256_mul_ps(v0, es)),
+                                        e2m1x8(_mm256_mul_ps(v1, es))));
+          s[swizzled ? swizzled_offset(qrow, k, cols) : qrow * cols + k] = sf;
+          continue;
+        }
+#endif
         float vals[16];
         float amax = 0.0f;
         for (int i = 0; i < 16; ++i) {
