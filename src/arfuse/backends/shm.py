@@ -307,8 +307,7 @@ class ShmBackend(Backend):
                 name = f"{PREFIX}{pid}-{start}-{secrets.token_hex(6)}"
                 fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 try:
-                    # reserve the pages now: a full /dev/shm must fail here, not SIGBUS later
-                    os.posix_fallocate(fd, 0, layout.total_bytes)
+                    os.ftruncate(fd, layout.total_bytes)  # sparse: every rank reserves its part
                 finally:
                     os.close(fd)
             except (Exception, MemoryError) as exc:
@@ -355,6 +354,13 @@ class ShmBackend(Backend):
             if size != layout.total_bytes:
                 raise CreationFailed(f"segment has {size} bytes, expected "
                                      f"{layout.total_bytes} (ranks disagree on the layout)")
+            # Reserve this rank's slots now (rank 0 also the header), all ranks at once: a full
+            # /dev/shm fails here, on the rank that cannot reserve, not as a SIGBUS in a call;
+            # and each rank's pages are first touched by the rank that writes them.
+            start = 0 if ctx.rank == 0 else layout.slot_offset(ctx.rank, 0)
+            end = (layout.slot_offset(ctx.rank + 1, 0) if ctx.rank + 1 < ctx.world_size
+                   else layout.total_bytes)
+            os.posix_fallocate(fd, start, end - start)
             mapping = mmap.mmap(fd, layout.total_bytes, mmap.MAP_SHARED,
                                 mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
