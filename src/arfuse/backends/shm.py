@@ -47,6 +47,8 @@ _ONESHOT_MAX_BYTES_MORE_RANKS = 256 * 1024
 def oneshot_max_bytes(world: int) -> int:
     """Per-rank bytes up to which a call runs one-shot."""
     return _ONESHOT_MAX_BYTES_TWO_RANKS if world <= 2 else _ONESHOT_MAX_BYTES_MORE_RANKS
+
+
 _DTYPE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
 _QUANT_CODE = {None: 0, "fp8": 1, "nvfp4": 2}
 
@@ -103,7 +105,6 @@ class ShmWorkspace(Workspace):
         self.kernel = shm_build.load()
         self._comm: Any = None
         self._seq = 0
-        self.force_mode: str | None = None  # "oneshot" | "twoshot": tests cross the threshold
         if self.kernel is not None:
             self._comm = self.kernel.ShmComm(
                 self._base, ctx.world_size, ctx.rank, spec.max_tokens, spec.hidden,
@@ -171,17 +172,15 @@ class ShmWorkspace(Workspace):
     # --- the op ----------------------------------------------------------------------------------
 
     def mode(self, tokens: int) -> str:
-        if self.force_mode:
-            return self.force_mode
-        if self._comm is not None:
-            return "oneshot" if self._comm.oneshot(tokens) else "twoshot"
-        return "oneshot"
+        """The mode a call of ``tokens`` runs in (the pure-torch path is one-shot only)."""
+        if self._comm is None:
+            return "oneshot"
+        return "oneshot" if self._comm.oneshot(tokens) else "twoshot"
 
     def set_mode(self, mode: str | None) -> None:
         """Force one-shot or two-shot (tests and the threshold benchmark); ``None``: automatic."""
         if mode not in (None, "oneshot", "twoshot"):
             raise ValueError(f"mode={mode!r} is not valid; use oneshot, twoshot or None")
-        self.force_mode = mode
         if self._comm is not None:
             automatic = oneshot_max_bytes(self.ctx.world_size)
             limit = {None: automatic, "oneshot": 2**62, "twoshot": -1}[mode]
