@@ -216,6 +216,17 @@ def test_injected_null_fails_validation_on_trtllm(fake: FakeFlashInfer) -> None:
         ws.validate()
 
 
+def test_backends_state_the_policys_requirements() -> None:
+    from arfuse.policy import requirement
+    from arfuse.topology import Topology
+
+    topo = Topology(device="cuda", world_size=8, sm=90, multicast=False, flashinfer="0.6.13")
+    spec = Spec(max_tokens=8, hidden=64)
+    for name in ("mnnvl", "trtllm"):
+        assert FlashInferBackend(name).requirements(topo, spec) == requirement(name, topo, spec)
+    assert "multicast" in FlashInferBackend("mnnvl").requirements(topo, spec)
+
+
 def test_unavailable_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -16,10 +16,6 @@ from . import policy, settings, topology
 from .spec import Spec, parse_dtype, parse_quant
 
 
-class UsageError(Exception):
-    """A user mistake: reported as one line, exit code 2."""
-
-
 class _Parser(argparse.ArgumentParser):
     """Flag errors as one line (no usage dump), like every other user error."""
 
@@ -132,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (ValueError, TypeError, UsageError) as exc:
+    except (ValueError, TypeError) as exc:
         print(f"arfuse: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

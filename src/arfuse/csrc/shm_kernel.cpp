@@ -473,15 +473,11 @@ class ShmComm {
   }
 
   void set_base(int64_t base) { base_ = reinterpret_cast<char*>(base); }
-  void set_timeout(double timeout_s) { timeout_s_ = timeout_s; }
   void set_oneshot_max_bytes(int64_t value) { oneshot_max_bytes_ = value; }
-  int64_t oneshot_max_bytes() const { return oneshot_max_bytes_; }
-  int64_t seq() const { return seq_; }
   // Byte offset (from the segment base) of this rank's input slot for the next call.
   int64_t next_input_offset() const {
     return int64_t(input_slot(rank_, (seq_ + 1) & 1) - base_);
   }
-  std::string broken() const { return broken_; }
 
   bool oneshot(int64_t tokens) const {
     return tokens < world_ || tokens * hidden_ * elem_ <= oneshot_max_bytes_;
@@ -975,13 +971,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     int64_t, int64_t, double, int64_t>())
       .def("set_peers", &ShmComm::set_peers)
       .def("set_base", &ShmComm::set_base)
-      .def("set_timeout", &ShmComm::set_timeout)
       .def("set_oneshot_max_bytes", &ShmComm::set_oneshot_max_bytes)
-      .def("oneshot_max_bytes", &ShmComm::oneshot_max_bytes)
       .def("oneshot", &ShmComm::oneshot)
-      .def("seq", &ShmComm::seq)
       .def("next_input_offset", &ShmComm::next_input_offset)
-      .def("broken", &ShmComm::broken)
       .def("run", &ShmComm::run)
       .def("call", &ShmComm::call)
       .def("set_result_type", &ShmComm::set_result_type)
