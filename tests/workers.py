@@ -209,3 +209,123 @@ def quant_edges(rank: int, world: int, values: torch.Tensor, quant: str, scale: 
     res = comm(x, quant=quant, scale=scale, layout=layout)
     return {"backend": comm.backend, "out": res.out, "quant_out": res.quant_out.view(torch.uint8),
             "scale_out": res.scale_out}
+
+
+def in_place(rank: int, world: int, backend: str, mode: str | None) -> list[dict[str, Any]]:
+    """Each pattern three ways: new outputs, caller-given outputs, and in place (``out=x``,
+    ``residual_out=residual``). Reports whether they are bit-equal and where results went."""
+    import arfuse
+
+    hidden, dtype = 1040, torch.bfloat16  # 2080-byte rows: 70 tokens span 3 one-shot blocks
+    comm = arfuse.FusedAllReduce(max_token_num=70, hidden_dim=hidden, dtype=dtype,
+                                 backend=backend, timeout_s=30)
+    if mode is not None:
+        comm.workspace.set_mode(mode)  # type: ignore[attr-defined]
+    gen = torch.Generator().manual_seed(7)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    report = []
+    for tokens in (1, 70):
+        xs = [torch.randn(tokens, hidden, generator=gen).to(dtype) for _ in range(world)]
+        base = torch.randn(tokens, hidden, generator=gen).to(dtype)
+        patterns: list[tuple[str, dict[str, Any]]] = [
+            ("plain", {}),
+            ("norm", {"residual": base, "weight": weight}),
+            ("norm-no-residual", {"weight": weight}),
+            ("fp8", {"residual": base, "weight": weight, "quant": "fp8", "scale": 0.5}),
+        ]
+        for name, kwargs in patterns:
+            expected = comm(xs[rank], **kwargs)
+            out, res_out = torch.empty_like(base), torch.empty_like(base)
+            given = comm(xs[rank], out=out,
+                         residual_out=res_out if "weight" in kwargs else None, **kwargs)
+            x = xs[rank].clone()
+            inplace_kwargs = dict(kwargs)
+            residual = None
+            if "residual" in kwargs:
+                residual = base.clone()
+                inplace_kwargs["residual"] = residual
+            if "weight" in kwargs and residual is not None:
+                got = comm(x, out=x, residual_out=residual, **inplace_kwargs)
+            elif "weight" in kwargs:  # no residual: residual_out may take x's place
+                other = torch.empty_like(x)
+                got = comm(x, out=other, residual_out=x, **inplace_kwargs)
+            else:
+                got = comm(x, out=x, **inplace_kwargs)
+
+            def same(a: Any, b: Any) -> bool:
+                return (a is None and b is None) or (
+                    a is not None and b is not None and torch.equal(a, b))
+
+            report.append({
+                "case": (name, tokens),
+                "given_equal": all(same(getattr(given, f), getattr(expected, f))
+                                   for f in expected._fields),
+                "given_used": given.out.data_ptr() == out.data_ptr() and (
+                    given.residual_out is None or given.residual_out.data_ptr()
+                    == res_out.data_ptr()),
+                "inplace_equal": all(same(getattr(got, f), getattr(expected, f))
+                                     for f in expected._fields),
+                "inplace_used": (got.residual_out.data_ptr() == x.data_ptr()
+                                 if name == "norm-no-residual" else
+                                 got.out.data_ptr() == x.data_ptr() and (
+                                     residual is None
+                                     or got.residual_out.data_ptr() == residual.data_ptr())),
+            })
+    report.append({"stats": comm.stats(), "backend": comm.backend,
+                   "path": getattr(comm.workspace, "path", "")})
+    comm.close()
+    return report
+
+
+def bad_calls(rank: int, world: int) -> dict[str, str]:
+    """Every kind of bad argument: the error each raises (before any collective step)."""
+    import arfuse
+
+    hidden = 64
+    comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=hidden, dtype=torch.float32,
+                                 timeout_s=10)
+    x = torch.ones(4, hidden)
+    r = torch.ones(4, hidden)
+    w = torch.ones(hidden)
+    big = torch.ones(8, hidden)
+    attempts: dict[str, Any] = {
+        "x not a tensor": lambda: comm([1.0]),
+        "x 1-D": lambda: comm(torch.ones(hidden)),
+        "x dtype": lambda: comm(x.double()),
+        "x hidden": lambda: comm(torch.ones(4, hidden + 1)),
+        "x not contiguous": lambda: comm(torch.ones(hidden, 4).t()),
+        "residual without weight": lambda: comm(x, residual=r),
+        "residual shape": lambda: comm(x, residual=torch.ones(3, hidden), weight=w),
+        "weight shape": lambda: comm(x, weight=torch.ones(hidden + 1)),
+        "eps": lambda: comm(x, weight=w, eps=0.0),
+        "quant name": lambda: comm(x, weight=w, quant="int8", scale=1.0),
+        "quant without scale": lambda: comm(x, weight=w, quant="fp8"),
+        "nvfp4 fp32": lambda: comm(x, weight=w, quant="nvfp4", scale=1.0),
+        "out shape": lambda: comm(x, out=torch.empty(3, hidden)),
+        "out dtype": lambda: comm(x, out=torch.empty(4, hidden, dtype=torch.float64)),
+        "out is residual": lambda: comm(x, residual=r, weight=w, out=r),
+        "out partly x": lambda: comm(big[:4], out=big[2:6]),
+        "residual_out without weight": lambda: comm(x, residual_out=torch.empty_like(x)),
+        "residual_out is x": lambda: comm(x, residual=r, weight=w, residual_out=x),
+        "out and residual_out same": lambda: comm(x, residual=r, weight=w, out=big[:4],
+                                                  residual_out=big[:4]),
+        "out in the shared slot": lambda: comm(x, out=comm.input_buffer(4)),
+        "slot input in place": lambda: _in_place_on_slot(comm, hidden),
+    }
+    errors = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            errors[name] = "no error"
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    # the op still works after all that
+    errors["after"] = str(bool(torch.all(comm(x).out == world)))
+    comm.close()
+    return errors
+
+
+def _in_place_on_slot(comm: Any, hidden: int) -> Any:
+    slot = comm.input_buffer(4)
+    slot.fill_(1.0)
+    return comm(slot, out=slot)

@@ -59,6 +59,20 @@ def apply(acc: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor | None,
     return FusedOutput(out, residual_out, quant_out, scale_out)
 
 
+def deliver(result: FusedOutput, out: torch.Tensor | None,
+            residual_out: torch.Tensor | None) -> FusedOutput:
+    """Copy a computed result into caller-given destinations (``out=``/``residual_out=``).
+
+    Runs after the whole result exists, so a destination may be the input it replaces."""
+    if out is not None:
+        out.copy_(result.out)
+        result = result._replace(out=out)
+    if residual_out is not None and result.residual_out is not None:
+        residual_out.copy_(result.residual_out)
+        result = result._replace(residual_out=residual_out)
+    return result
+
+
 def quantize(out: torch.Tensor, quant: str | None, scale: float | None,
              layout: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The quantisation step alone, for backends that do not fuse it."""

@@ -231,7 +231,7 @@ def _overhead(comm: Any, weight: torch.Tensor, opts: BenchOptions) -> dict[str, 
         t0 = time.perf_counter_ns()
         comm(x, residual=residual, weight=weight, eps=EPS)
         t1 = time.perf_counter_ns()
-        kernel.run(x, residual, weight, EPS, 0.0, 0, 0.0, True)
+        kernel.run(x, residual, weight, EPS, 0.0, 0, 0.0, True, None, None)
         t2 = time.perf_counter_ns()
         if i >= 200:
             op_t.append((t1 - t0) / 1e3)

@@ -104,24 +104,34 @@ class FusedAllReduce:
                  weight: torch.Tensor | None = None, eps: float = 1e-6,
                  weight_bias: float = 0.0, quant: str | None = None,
                  scale: float | torch.Tensor | None = None,
-                 layout: str = "swizzled_128x4") -> FusedOutput:
-        """See DESIGN 3.6. ``layout`` is the NVFP4 scale layout (``swizzled_128x4``, ``linear``)."""
+                 layout: str = "swizzled_128x4", *, out: torch.Tensor | None = None,
+                 residual_out: torch.Tensor | None = None) -> FusedOutput:
+        """See DESIGN 3.6. ``layout`` is the NVFP4 scale layout (``swizzled_128x4``, ``linear``).
+
+        ``out`` / ``residual_out``: where to write those results instead of new tensors. Each
+        may be its own input, ``out=x`` and ``residual_out=residual``: the op then works in
+        place, as vLLM's ``fused_add_rms_norm`` does, which saves memory traffic on CPUs.
+        Otherwise each must be memory of its own (no overlap with another argument, nor
+        with ``input_buffer()``)."""
         fast = self._fast
         if fast is not None:
             result: FusedOutput | None = fast(x, residual, weight, eps, weight_bias, quant,
-                                              scale, layout)
+                                              scale, layout, out, residual_out)
             if result is not None:
                 self._fast_calls += 1
                 return result
-        return self._call(x, residual, weight, eps, weight_bias, quant, scale, layout)
+        return self._call(x, residual, weight, eps, weight_bias, quant, scale, layout, out,
+                          residual_out)
 
     def _call(self, x: Any, residual: Any, weight: Any, eps: Any, weight_bias: Any,
-              quant: Any, scale: Any, layout: str) -> FusedOutput:
+              quant: Any, scale: Any, layout: str, out: Any = None,
+              residual_out: Any = None) -> FusedOutput:
         """Checked Python path: every error names its argument; over capacity runs unfused."""
         ws = self._ws
         if ws is None or ws.destroyed:
             raise RuntimeError("this FusedAllReduce is closed (close() or destroy_all())")
         self._check(x, residual, weight, eps, weight_bias)
+        self._check_destinations(x, residual, weight, out, residual_out)
         scale_f: float | None = None
         if quant is not None:
             quant = parse_quant(quant)
@@ -136,10 +146,12 @@ class FusedAllReduce:
         elif ws.backend != "torch":
             self._fused_calls += 1
         if quant is not None and not (self._fuses_quant and ws.fuses_quant):
-            result = ws.run(x, residual, weight, eps, weight_bias, None, None, layout)
+            result = ws.run(x, residual, weight, eps, weight_bias, None, None, layout, out,
+                            residual_out)
             q_out, s_out = quantize(result.out, quant, scale_f, layout)
             return FusedOutput(result.out, result.residual_out, q_out, s_out)
-        return ws.run(x, residual, weight, eps, weight_bias, quant, scale_f, layout)
+        return ws.run(x, residual, weight, eps, weight_bias, quant, scale_f, layout, out,
+                      residual_out)
 
     def _unfused_workspace(self) -> TorchWorkspace:
         if self._unfused is None:
@@ -183,6 +195,41 @@ class FusedAllReduce:
                 raise ValueError(f"eps={eps!r} is not valid; it must be a number > 0")
             if isinstance(weight_bias, bool) or not isinstance(weight_bias, (int, float)):
                 raise TypeError(f"weight_bias must be a number, got {type(weight_bias).__name__}")
+
+    def _check_destinations(self, x: torch.Tensor, residual: torch.Tensor | None,
+                            weight: torch.Tensor | None, out: Any, residual_out: Any) -> None:
+        """``out`` is ``x`` or memory of its own; ``residual_out`` is ``residual`` (``x``
+        without one) or memory of its own; neither is in the shared segment the peers read."""
+        if residual_out is not None and weight is None:
+            raise ValueError("residual_out needs weight: without RMSNorm there is no "
+                             "residual_out")
+        shared = getattr(self.workspace, "shared_span", None)
+        segment = shared() if shared is not None else None
+        wanted = [("out", out, x, "x"),
+                  ("residual_out", residual_out, residual if residual is not None else x,
+                   "residual" if residual is not None else "x")]
+        for name, dest, own, own_name in wanted:
+            if dest is None:
+                continue
+            _check_like(dest, x, name)
+            span = _span(dest)
+            if segment is not None and _overlap(span, segment):
+                raise ValueError(f"{name} is in the shared input slot (input_buffer()); the "
+                                 "other ranks read it during the call, so it cannot take an "
+                                 "output")
+            if _overlap(span, _span(own)) and span != _span(own):
+                raise ValueError(f"{name} overlaps {own_name} only partly; pass {own_name} "
+                                 "itself (in place) or memory of its own")
+            others = [("x", x), ("residual", residual), ("weight", weight)]
+            for other_name, other in others:
+                if other is None or other_name == own_name or _span(other) == _span(own):
+                    continue
+                if _overlap(span, _span(other)):
+                    raise ValueError(f"{name} overlaps {other_name}; it may only be "
+                                     f"{own_name} itself (in place) or memory of its own")
+        if out is not None and residual_out is not None and _overlap(_span(out),
+                                                                     _span(residual_out)):
+            raise ValueError("out and residual_out overlap; they must be different memory")
 
     def _check_quant(self, quant: str, scale: Any, layout: str) -> float:
         if scale is None:
@@ -231,3 +278,12 @@ def _check_like(tensor: Any, x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} is on {tensor.device}; x is on {x.device}")
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    start = tensor.data_ptr()
+    return start, start + tensor.numel() * tensor.element_size()
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]

@@ -84,8 +84,11 @@ class Workspace(ABC):
     @abstractmethod
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
             eps: float, weight_bias: float, quant: str | None, scale: float | None,
-            layout: str) -> FusedOutput:
-        """The fused op on inputs already checked by ``FusedAllReduce``."""
+            layout: str, out: torch.Tensor | None = None,
+            residual_out: torch.Tensor | None = None) -> FusedOutput:
+        """The fused op on inputs already checked by ``FusedAllReduce``; ``out`` and
+        ``residual_out``, when given, receive those results (they may be ``x`` and
+        ``residual`` themselves: in place)."""
 
     @abstractmethod
     def _free(self) -> None:

@@ -102,7 +102,8 @@ class FlashInferWorkspace(Workspace):
         self.ctx.channel.barrier("validate", self.backend)
         x = torch.full((1, self.spec.hidden), float(self.ctx.rank + 1), dtype=self._dtype,
                        device=device_of(self.ctx.device))
-        out = self._launch(x, None, None, 1e-6, 0.0, None, None, "swizzled_128x4").out
+        out = self._launch(x, None, None, 1e-6, 0.0, None, None, "swizzled_128x4", None,
+                           None).out
         if out.is_cuda:
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record()
@@ -121,12 +122,17 @@ class FlashInferWorkspace(Workspace):
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
             eps: float, weight_bias: float, quant: str | None, scale: float | None,
-            layout: str) -> FusedOutput:
-        return self._launch(x, residual, weight, eps, weight_bias, quant, scale, layout)
+            layout: str, out: torch.Tensor | None = None,
+            residual_out: torch.Tensor | None = None) -> FusedOutput:
+        return self._launch(x, residual, weight, eps, weight_bias, quant, scale, layout, out,
+                            residual_out)
 
     def _launch(self, x: torch.Tensor, residual: torch.Tensor | None,
                 weight: torch.Tensor | None, eps: float, weight_bias: float,
-                quant: str | None, scale: float | None, layout: str) -> FusedOutput:
+                quant: str | None, scale: float | None, layout: str,
+                out: torch.Tensor | None, residual_out: torch.Tensor | None) -> FusedOutput:
+        """Caller-given destinations go to the kernel as its outputs (``norm_out = input``
+        and ``residual_out = residual_in`` in place, as vLLM passes them)."""
         tokens, hidden = x.shape
         kwargs: dict[str, Any] = {"launch_with_pdl": False}
         if self.backend == "trtllm":
@@ -136,12 +142,14 @@ class FlashInferWorkspace(Workspace):
         else:
             kwargs["use_oneshot"] = None  # R1: the mode the workspace was sized for
         if weight is None:
-            out = torch.empty_like(x)
+            summed = out if out is not None else torch.empty_like(x)
             self._comm.allreduce_fusion(input=x, workspace=self._handle, pattern=K_ALLREDUCE,
-                                        output=out, **kwargs)
-            return FusedOutput(out)
+                                        output=summed, **kwargs)
+            return FusedOutput(summed)
         residual_in = residual if residual is not None else torch.zeros_like(x)
-        norm_out, residual_out = torch.empty_like(x), torch.empty_like(x)
+        norm_out = out if out is not None else torch.empty_like(x)
+        if residual_out is None:
+            residual_out = torch.empty_like(x)
         quant_out = scale_out = scale_bytes = None
         pattern = K_RESIDUAL_RMSNORM
         if quant is not None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .. import sizing
-from ..epilogue import FusedOutput, apply, rank_order_sum
+from ..epilogue import FusedOutput, apply, deliver, rank_order_sum
 from ..rendezvous import NegotiationTimeout
 from ..sizing import ShmLayout
 from ..spec import Spec
@@ -217,19 +217,29 @@ class ShmWorkspace(Workspace):
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None,
             weight: torch.Tensor | None, eps: float, weight_bias: float,
-            quant: str | None, scale: float | None, layout: str) -> FusedOutput:
+            quant: str | None, scale: float | None, layout: str,
+            out: torch.Tensor | None = None,
+            residual_out: torch.Tensor | None = None) -> FusedOutput:
         return FusedOutput(*self._comm.run(x, residual, weight, eps, weight_bias,
                                            _QUANT_CODE[quant], scale or 0.0,
-                                           layout == "swizzled_128x4"))
+                                           layout == "swizzled_128x4", out, residual_out))
+
+    def shared_span(self) -> tuple[int, int]:
+        """[start, end) addresses of the shared segment: the peers read it during a call, so
+        no output may be written there."""
+        view = self._view_or_private()
+        return view.data_ptr(), view.data_ptr() + view.numel()
 
     def _run_pure(self, x: torch.Tensor, residual: torch.Tensor | None,
                   weight: torch.Tensor | None, eps: float, weight_bias: float,
-                  quant: str | None, scale: float | None, layout: str) -> FusedOutput:
+                  quant: str | None, scale: float | None, layout: str,
+                  out: torch.Tensor | None = None,
+                  residual_out: torch.Tensor | None = None) -> FusedOutput:
         """One-shot in torch: same protocol and flags as the kernel, the reference epilogue."""
         tokens, world = x.shape[0], self.ctx.world_size
         if tokens == 0:
-            return apply(x.float(), x.dtype, residual, weight, eps, weight_bias, quant, scale,
-                         layout)
+            return deliver(apply(x.float(), x.dtype, residual, weight, eps, weight_bias, quant,
+                                 scale, layout), out, residual_out)
         self._seq += 1
         seq, buf = self._seq, self._seq & 1
         view = self._view_or_private()
@@ -244,7 +254,8 @@ class ShmWorkspace(Workspace):
         flags[self.ctx.rank] = seq  # x86-64 stores are ordered: the copy lands first
         self._wait(flags, seq)
         acc = rank_order_sum(torch.stack(slots))
-        return apply(acc, x.dtype, residual, weight, eps, weight_bias, quant, scale, layout)
+        return deliver(apply(acc, x.dtype, residual, weight, eps, weight_bias, quant, scale,
+                             layout), out, residual_out)
 
     def _wait(self, flags: torch.Tensor, seq: int) -> None:
         deadline = time.monotonic() + self.ctx.settings.timeout_s

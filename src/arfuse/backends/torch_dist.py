@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..epilogue import FusedOutput, apply, rank_order_sum
+from ..epilogue import FusedOutput, apply, deliver, rank_order_sum
 from ..rendezvous import NegotiationTimeout
 from ..spec import Spec
 from ..torch_types import device_of
@@ -72,13 +72,15 @@ class TorchWorkspace(Workspace):
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
             eps: float, weight_bias: float, quant: str | None, scale: float | None,
-            layout: str) -> FusedOutput:
+            layout: str, out: torch.Tensor | None = None,
+            residual_out: torch.Tensor | None = None) -> FusedOutput:
         if self.ctx.world_size == 1:
             source = torch.zeros_like(x) if self._poisoned else x
             acc = source.to(torch.float32, copy=True)
         else:
             acc = rank_order_sum(self.gather(x))
-        return apply(acc, x.dtype, residual, weight, eps, weight_bias, quant, scale, layout)
+        return deliver(apply(acc, x.dtype, residual, weight, eps, weight_bias, quant, scale,
+                             layout), out, residual_out)
 
     def _free(self) -> None:
         """Nothing allocated beyond per-call tensors."""

@@ -213,8 +213,10 @@ inline void stream_fence() {
 // return the per-lane sums of r*r. W is the world size when known at compile time (0: not).
 template <int D, int W, bool NORM, bool RES>
 __m256 vec_pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
-                 const typename Elem<D>::T* __restrict res, typename Elem<D>::T* __restrict dst,
+                 const typename Elem<D>::T* res, typename Elem<D>::T* dst,
                  float* __restrict acc, bool stream) {
+  // res and dst may be the same row (residual updated in place): each lane reads res[h]
+  // before it writes dst[h], and no other lane's store touches res.
   using V = Vec<D>;
   using T = typename Elem<D>::T;
   const T* __restrict r0 = rows[0];
@@ -488,7 +490,8 @@ class ShmComm {
   // re-checks, raises the error that names the argument, or runs unfused.
   py::object call(py::handle x_obj, py::handle residual_obj, py::handle weight_obj,
                   py::handle eps_obj, py::handle bias_obj, py::handle quant_obj,
-                  py::handle scale_obj, py::handle layout_obj) {
+                  py::handle scale_obj, py::handle layout_obj, py::handle out_obj,
+                  py::handle residual_out_obj) {
     if (!broken_.empty() || !THPVariable_Check(x_obj.ptr())) return py::none();
     const at::Tensor& x = THPVariable_Unpack(x_obj.ptr());
     if (x.dim() != 2 || x.scalar_type() != scalar_type() || x.size(1) != hidden_ ||
@@ -541,10 +544,24 @@ class ShmComm {
         else if (layout != "swizzled_128x4") return py::none();
       }
     }
-    std::vector<at::Tensor> r = run(x, residual ? c10::optional<at::Tensor>(*residual)
-                                                : c10::nullopt,
-                                    weight ? c10::optional<at::Tensor>(*weight) : c10::nullopt,
-                                    eps, bias, quant, scale, swizzled);
+    c10::optional<at::Tensor> out, residual_out;
+    if (!out_obj.is_none()) {
+      if (!THPVariable_Check(out_obj.ptr())) return py::none();
+      out = THPVariable_Unpack(out_obj.ptr());
+    }
+    if (!residual_out_obj.is_none()) {
+      if (!weight || !THPVariable_Check(residual_out_obj.ptr())) return py::none();
+      residual_out = THPVariable_Unpack(residual_out_obj.ptr());
+    }
+    const c10::optional<at::Tensor> residual_opt =
+        residual ? c10::optional<at::Tensor>(*residual) : c10::nullopt;
+    const c10::optional<at::Tensor> weight_opt =
+        weight ? c10::optional<at::Tensor>(*weight) : c10::nullopt;
+    if (!destinations_usable(x, residual_opt, weight_opt, out, residual_out).empty()) {
+      return py::none();
+    }
+    std::vector<at::Tensor> r = execute(x, residual_opt, weight_opt, eps, bias, quant, scale,
+                                        swizzled, out, residual_out);
     auto wrap = [](const at::Tensor& t) -> py::object {
       return t.defined() ? py::cast(t) : py::none();
     };
@@ -561,7 +578,21 @@ class ShmComm {
   std::vector<at::Tensor> run(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                               const c10::optional<at::Tensor>& weight, double eps,
                               double weight_bias, int64_t quant, double scale,
-                              bool swizzled) {
+                              bool swizzled, const c10::optional<at::Tensor>& out_into,
+                              const c10::optional<at::Tensor>& residual_out_into) {
+    const std::string bad = destinations_usable(x, residual, weight, out_into,
+                                                residual_out_into);
+    TORCH_CHECK(bad.empty(), "arfuse shm: ", bad);
+    return execute(x, residual, weight, eps, weight_bias, quant, scale, swizzled, out_into,
+                   residual_out_into);
+  }
+
+ private:
+  std::vector<at::Tensor> execute(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                  const c10::optional<at::Tensor>& weight, double eps,
+                                  double weight_bias, int64_t quant, double scale,
+                                  bool swizzled, const c10::optional<at::Tensor>& out_into,
+                                  const c10::optional<at::Tensor>& residual_out_into) {
     TORCH_CHECK(broken_.empty(), "arfuse shm: this workspace is unusable after an earlier "
                 "failure (", broken_, "); create a new FusedAllReduce");
     const int64_t tokens = x.size(0);
@@ -576,11 +607,12 @@ class ShmComm {
     c.quant = int(quant);
     c.scale = float(scale);
     c.swizzled = swizzled;
-    at::Tensor out = output({tokens, hidden_}, x.options());
+    at::Tensor out = out_into ? *out_into : output({tokens, hidden_}, x.options());
     at::Tensor residual_out, quant_out, scale_out;
     c.out = out.data_ptr();
     if (norm) {
-      residual_out = output({tokens, hidden_}, x.options());
+      residual_out = residual_out_into ? *residual_out_into
+                                       : output({tokens, hidden_}, x.options());
       c.residual_out = residual_out.data_ptr();
     }
     if (quant == kFP8) {
@@ -610,9 +642,67 @@ class ShmComm {
     return {out, residual_out, quant_out, scale_out};
   }
 
- private:
   at::ScalarType scalar_type() const {
     return dtype_ == kBF16 ? at::kBFloat16 : dtype_ == kFP16 ? at::kHalf : at::kFloat;
+  }
+
+  // Caller-given outputs: shaped like x, and each either exactly its input (out = x,
+  // residual_out = residual: updated in place, safe because every row is read before it is
+  // written) or disjoint from every other tensor of the call and from the shared segment,
+  // which the peers read. Returns what is wrong, or "" when they are usable.
+  std::string destinations_usable(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                  const c10::optional<at::Tensor>& weight,
+                                  const c10::optional<at::Tensor>& out,
+                                  const c10::optional<at::Tensor>& residual_out) const {
+    if (!out && !residual_out) return "";
+    struct Span { const char* begin; const char* end; };
+    auto span = [](const at::Tensor& t) {
+      const char* p = static_cast<const char*>(t.data_ptr());
+      return Span{p, p + t.numel() * int64_t(t.element_size())};
+    };
+    auto overlap = [](Span a, Span b) { return a.begin < b.end && b.begin < a.end; };
+    const Span segment{base_, base_ + header_bytes_ + int64_t(world_) * 2 * slot_bytes_};
+    auto check = [&](const at::Tensor& t, const char* name, const at::Tensor& own,
+                     const char* own_name) -> std::string {
+      if (t.sizes() != x.sizes() || t.scalar_type() != x.scalar_type() || !t.is_cpu() ||
+          !t.is_contiguous()) {
+        return std::string(name) + " must be a contiguous CPU tensor shaped and typed like x";
+      }
+      const Span s = span(t);
+      if (overlap(s, segment)) {
+        return std::string(name) + " must not be in the shared segment (input_buffer): the "
+               "other ranks read it during the call";
+      }
+      if (overlap(s, span(own)) && s.begin != span(own).begin) {
+        return std::string(name) + " overlaps " + own_name + " only partly";
+      }
+      std::vector<std::pair<const at::Tensor*, const char*>> others = {{&x, "x"}};
+      if (residual) others.emplace_back(&*residual, "residual");
+      if (weight) others.emplace_back(&*weight, "weight");
+      for (auto& other : others) {
+        if (other.first == &own || other.first->data_ptr() == own.data_ptr()) continue;
+        if (overlap(s, span(*other.first))) {
+          return std::string(name) + " overlaps " + other.second + "; it may only be " +
+                 own_name + " itself (in place) or memory of its own";
+        }
+      }
+      return "";
+    };
+    if (out) {
+      std::string why = check(*out, "out", x, "x");
+      if (!why.empty()) return why;
+    }
+    if (residual_out) {
+      if (!weight) return "residual_out needs weight (it is sum + residual before RMSNorm)";
+      const at::Tensor& own = residual ? *residual : x;
+      std::string why = check(*residual_out, "residual_out", own,
+                              residual ? "residual" : "x");
+      if (!why.empty()) return why;
+      if (out && overlap(span(*out), span(*residual_out))) {
+        return "out and residual_out overlap; they must be different memory";
+      }
+    }
+    return "";
   }
 
   static bool plain_number(py::handle obj, double* out) {  // a float or int, not a bool
