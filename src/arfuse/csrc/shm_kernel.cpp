@@ -209,12 +209,11 @@ inline void stream_fence() {
 
 #ifdef ARFUSE_VEC
 // First pass over a row, 8 lanes at a time: sum the ranks (rank order); plain: store the
-// rounded sum; norm: round, add the residual, round, store residual_out, keep r in `acc` and
-// return the per-lane sums of r*r. W is the world size when known at compile time (0: not).
+// rounded sum; norm: round, add the residual, round, store residual_out and return the
+// per-lane sums of r*r. W is the world size when known at compile time (0: not).
 template <int D, int W, bool NORM, bool RES>
 __m256 vec_pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
-                 const typename Elem<D>::T* res, typename Elem<D>::T* dst,
-                 float* __restrict acc, bool stream) {
+                 const typename Elem<D>::T* res, typename Elem<D>::T* dst, bool stream) {
   // res and dst may be the same row (residual updated in place): each lane reads res[h]
   // before it writes dst[h], and no other lane's store touches res.
   using V = Vec<D>;
@@ -242,7 +241,6 @@ __m256 vec_pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
       if constexpr (RES) pre = _mm256_add_ps(pre, V::load(res + h));
       __m256 r = V::round(pre);
       V::put(dst + h, V::narrow(r), stream);
-      _mm256_storeu_ps(acc + h, r);
       vl = _mm256_add_ps(vl, _mm256_mul_ps(r, r));
     }
   }
@@ -251,23 +249,22 @@ __m256 vec_pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
 
 template <int D, bool NORM, bool RES>
 __m256 vec_pass1_any(const typename Elem<D>::T* const* rows, int world, int64_t n,
-                     const typename Elem<D>::T* res, typename Elem<D>::T* dst, float* acc,
-                     bool stream) {
-  if (world == 2) return vec_pass1<D, 2, NORM, RES>(rows, world, n, res, dst, acc, stream);
-  if (world == 4) return vec_pass1<D, 4, NORM, RES>(rows, world, n, res, dst, acc, stream);
-  return vec_pass1<D, 0, NORM, RES>(rows, world, n, res, dst, acc, stream);
+                     const typename Elem<D>::T* res, typename Elem<D>::T* dst, bool stream) {
+  if (world == 2) return vec_pass1<D, 2, NORM, RES>(rows, world, n, res, dst, stream);
+  if (world == 4) return vec_pass1<D, 4, NORM, RES>(rows, world, n, res, dst, stream);
+  return vec_pass1<D, 0, NORM, RES>(rows, world, n, res, dst, stream);
 }
 
-// Second pass: out = T((r * inv) * (weight_bias + w)).
+// Second pass: out = T((r * inv) * gain), r read back from residual_out (exact: it holds r
+// in T), gain = weight_bias + f32(w) widened once per call.
 template <int D>
-void vec_pass2(const float* __restrict acc, const typename Elem<D>::T* __restrict w, int64_t n,
-               float inv, float weight_bias, typename Elem<D>::T* __restrict out, bool stream) {
+void vec_pass2(const typename Elem<D>::T* r, const float* __restrict gain, int64_t n,
+               float inv, typename Elem<D>::T* out, bool stream) {
   using V = Vec<D>;
   const __m256 vinv = _mm256_set1_ps(inv);
-  const __m256 vb = _mm256_set1_ps(weight_bias);
   for (int64_t k = 0; k + kLanes <= n; k += kLanes) {
-    __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(acc + k), vinv);
-    V::put(out + k, V::pack(_mm256_mul_ps(scaled, _mm256_add_ps(vb, V::load(w + k)))), stream);
+    __m256 scaled = _mm256_mul_ps(V::load(r + k), vinv);
+    V::put(out + k, V::pack(_mm256_mul_ps(scaled, _mm256_loadu_ps(gain + k))), stream);
   }
 }
 
@@ -815,6 +812,20 @@ class ShmComm {
     const int64_t seq = ++seq_;
     const int64_t buf = seq & 1;
     const int64_t row_bytes = hidden_ * elem_;
+    if (c.weight) {  // gain = weight_bias + f32(w), once per call instead of once per row
+      const T* w = static_cast<const T*>(c.weight);
+      float* gain = scratch_.data();
+      int64_t k = 0;
+#ifdef ARFUSE_VEC
+      if constexpr (Vec<D>::ok) {
+        const __m256 vb = _mm256_set1_ps(c.weight_bias);
+        for (; k + kLanes <= hidden_; k += kLanes) {
+          _mm256_storeu_ps(gain + k, _mm256_add_ps(vb, Vec<D>::load(w + k)));
+        }
+      }
+#endif
+      for (; k < hidden_; ++k) gain[k] = c.weight_bias + E::load(w[k]);
+    }
     // Large outputs bypass the cache (no read-for-ownership); small ones stay hot for the
     // next layer.
     const bool stream = kCanStream && c.tokens * row_bytes >= kStreamBytes;
@@ -909,7 +920,6 @@ class ShmComm {
     using T = typename E::T;
     const int64_t H = hidden_;
     const int64_t off = row * H;
-    float* acc = scratch_.data();
     const T* res = c.residual ? static_cast<const T*>(c.residual) + off : nullptr;
     const bool norm = c.weight != nullptr;
     float lanes[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -922,12 +932,11 @@ class ShmComm {
       const bool stream_out = stream_res && c.quant == kNone;  // quant re-reads out
       __m256 vl;
       if (!norm) {
-        vl = vec_pass1_any<D, false, false>(rows, world_, H, nullptr, out, acc, stream_out);
+        vl = vec_pass1_any<D, false, false>(rows, world_, H, nullptr, out, stream_out);
       } else if (res) {
-        vl = vec_pass1_any<D, true, true>(rows, world_, H, res, residual_out, acc, stream_res);
+        vl = vec_pass1_any<D, true, true>(rows, world_, H, res, residual_out, stream_res);
       } else {
-        vl = vec_pass1_any<D, true, false>(rows, world_, H, nullptr, residual_out, acc,
-                                           stream_res);
+        vl = vec_pass1_any<D, true, false>(rows, world_, H, nullptr, residual_out, stream_res);
       }
       _mm256_storeu_ps(lanes, vl);
       h = H / kLanes * kLanes;
@@ -945,7 +954,6 @@ class ShmComm {
       T rounded = E::store(pre);
       residual_out[h] = rounded;
       float r = E::load(rounded);
-      acc[h] = r;
       float sq = r * r;
       lanes[h % kLanes] += sq;
     }
@@ -953,18 +961,18 @@ class ShmComm {
       float ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
                  ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
       const float inv = 1.0f / std::sqrt(ss / float(H) + c.eps);
-      const T* w = static_cast<const T*>(c.weight);
+      const float* gain = scratch_.data();
       int64_t k = 0;
 #ifdef ARFUSE_VEC
       if constexpr (Vec<D>::ok) {
         const bool stream_out = stream && H % kLanes == 0 && c.quant == kNone;
-        vec_pass2<D>(acc, w, H, inv, c.weight_bias, out, stream_out);
+        vec_pass2<D>(residual_out, gain, H, inv, out, stream_out);
         k = H / kLanes * kLanes;
       }
 #endif
       for (; k < H; ++k) {
-        float scaled = acc[k] * inv;
-        out[k] = E::store(scaled * (c.weight_bias + E::load(w[k])));
+        float scaled = E::load(residual_out[k]) * inv;
+        out[k] = E::store(scaled * gain[k]);
       }
     }
     quantize_row<D>(out, c, qrow, q, s, swizzled);
