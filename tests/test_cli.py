@@ -122,7 +122,8 @@ def test_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((out / "bench.json").read_text())
     rows = {(r["backend"], r["tokens"]) for r in report["results"]}
-    assert rows == {(b, t) for b in ("shm", "shm-slot", "torch") for t in (1, 4)}
+    assert rows == {(b, t) for b in ("shm", "shm-inplace", "shm-slot", "torch")
+                    for t in (1, 4)}
     assert all(r["median_us"] > 0 and r["p90_us"] >= r["median_us"] for r in report["results"])
     assert report["machine"]["cores"] and report["python_overhead"]["bf16"]["calls"] > 0
     assert (out / "bench.png").stat().st_size > 1000

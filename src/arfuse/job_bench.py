@@ -1,11 +1,16 @@
 """``arfuse bench``: latency sweep of the fused op against what users run without arfuse.
 
 Rows, measured side by side in one run on the same ranks (each rank pinned to one core and one
-thread when the machine has a core per rank; warm-up excluded):
+thread when the machine has a core per rank; warm-up excluded). Before every call, untimed,
+each row's input is written afresh, as a layer's output would be (and what a row updates in
+place is restored), so every row starts from the same cache state:
 
-* ``shm``: arfuse's fused all-reduce + residual + RMSNorm on the shm backend;
-* ``shm-slot``: the same, with the layer's output written straight into the rank's shared
-  input slot (``FusedAllReduce.input_buffer``), which saves the copy into shared memory;
+* ``shm``: arfuse's fused all-reduce + residual + RMSNorm on the shm backend, new output
+  tensors;
+* ``shm-inplace``: the same in place, ``out=x`` and ``residual_out=residual`` (as vLLM's
+  ``fused_add_rms_norm``): no fresh output buffers to pull into the cache;
+* ``shm-slot``: in place, with the layer's output written straight into the rank's shared
+  input slot (``FusedAllReduce.input_buffer``), which also saves the copy into shared memory;
 * ``torch``: ``torch.distributed.all_reduce`` (gloo) + eager add + RMSNorm: the baseline;
 * ``deepspeed``: ``deepspeed.comm.inference_all_reduce`` alone, and ``deepspeed+norm`` with the
   eager add + RMSNorm, when deepspeed is importable.
@@ -105,6 +110,10 @@ def _deepspeed_setup(rank: int) -> tuple[Any, str]:
         from deepspeed.comm import comm as ds_comm
     except Exception as exc:
         return None, f"deepspeed not importable: {type(exc).__name__}: {exc}"
+    # DeepSpeed's shm op reads LOCAL_SIZE (torchrun sets LOCAL_WORLD_SIZE) and crashes
+    # without it
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE",
+                                                       os.environ.get("WORLD_SIZE", "1")))
     deepspeed.init_distributed(dist_backend="gloo")
     level = getattr(ds_comm.cdb, "shm_vector_kernel_level", None)
     return ds_dist, f"deepspeed {deepspeed.__version__}, shm kernel level {level}"
@@ -150,27 +159,37 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
         for tokens in opts.tokens:
             x = torch.randn(tokens, opts.hidden, generator=gen).to(dtype)
             residual = torch.randn(tokens, opts.hidden, generator=gen).to(dtype)
-            work = x.clone()
+            work = x.clone()  # what a row reads and may overwrite
+            res_work = residual.clone()
 
             def reset(work: torch.Tensor = work, x: torch.Tensor = x) -> None:
-                work.copy_(x)  # in-place collectives: keep the values bounded (not timed)
+                work.copy_(x)
+
+            def reset_both(work: torch.Tensor = work, x: torch.Tensor = x,
+                           res_work: torch.Tensor = res_work,
+                           residual: torch.Tensor = residual) -> None:
+                work.copy_(x)
+                res_work.copy_(residual)
 
             candidates: dict[str, tuple[Any, Any]] = {}
             if comm is not None:
                 mode = comm.workspace.mode(tokens)  # type: ignore[attr-defined]
-                candidates["shm"] = (lambda c=comm, x=x, r=residual, w=weight: c(
-                    x, residual=r, weight=w, eps=EPS), None)
+                candidates["shm"] = (lambda c=comm, x=work, r=residual, w=weight: c(
+                    x, residual=r, weight=w, eps=EPS), reset)
+                candidates["shm-inplace"] = (lambda c=comm, x=work, r=res_work, w=weight: c(
+                    x, residual=r, weight=w, eps=EPS, out=x, residual_out=r), reset_both)
                 slot: list[torch.Tensor] = []
 
                 def into_slot(c: Any = comm, x: torch.Tensor = x,
-                              slot: list[torch.Tensor] = slot) -> None:
-                    # the layer writes its output into the shared slot (not timed, like the
-                    # copy of x into the all-reduce buffer of the other rows)
+                              slot: list[torch.Tensor] = slot, res_work: torch.Tensor = res_work,
+                              residual: torch.Tensor = residual) -> None:
+                    # the layer writes its output into the shared slot
                     slot[:] = [c.input_buffer(x.shape[0])]
                     slot[0].copy_(x)
+                    res_work.copy_(residual)
 
-                candidates["shm-slot"] = (lambda c=comm, s=slot, r=residual, w=weight: c(
-                    s[0], residual=r, weight=w, eps=EPS), into_slot)
+                candidates["shm-slot"] = (lambda c=comm, s=slot, r=res_work, w=weight: c(
+                    s[0], residual=r, weight=w, eps=EPS, residual_out=r), into_slot)
             if "torch" in opts.backends:
                 candidates["torch"] = (lambda w_=work, r=residual, w=weight: _rmsnorm_add(
                     _all_reduce(dist, w_), r, w), reset)
@@ -260,6 +279,11 @@ def _progress(rank: int, opts: BenchOptions) -> Any:
         from tqdm import tqdm
     except ImportError:
         return None
+    import threading
+
+    # tqdm's default lock is a multiprocessing semaphore, which a rank (ended by os._exit)
+    # would leak; one process draws the bar, so a thread lock is enough
+    tqdm.set_lock(threading.RLock())
     return tqdm(total=len(opts.dtypes) * len(opts.tokens), desc="arfuse bench", unit="size",
                 file=sys.stderr)
 
@@ -296,6 +320,7 @@ def table(report: dict[str, Any]) -> str:
                 ratio = f"{base / r['median_us']:.1f}x" if base else ""
                 cells.append(f" {r['median_us']:>9.1f} / {r['p90_us']:>8.1f} {ratio:>6}")
             lines.append(f"{tokens:>7}" + "".join(cells))
+        lines.extend(_versus_deepspeed(rows, report["options"]["tokens"]))
     for dname, o in report.get("python_overhead", {}).items():
         if o:
             lines.append(f"\npython overhead ({dname}, 1 token): {o['overhead_us']:.2f} us per "
@@ -309,6 +334,21 @@ def table(report: dict[str, Any]) -> str:
     lines.append(f"machine: {m['cpu']}, {m['cores']} cores, {m['isa']}, torch {m['torch']}, "
                  f"ranks pinned: {m['ranks_pinned']}")
     return "\n".join(lines)
+
+
+def _versus_deepspeed(rows: list[dict[str, Any]], tokens: list[int]) -> list[str]:
+    """Each arfuse row's median as a multiple of DeepSpeed's all-reduce alone (< 1: faster)."""
+    ds = {r["tokens"]: r["median_us"] for r in rows if r["backend"] == "deepspeed"}
+    ours = [b for b in dict.fromkeys(r["backend"] for r in rows) if b.startswith("shm")]
+    if not ds or not ours:
+        return []
+    lines = [f"{'':>7}" + "".join(f" {b + ' / deepspeed':>26}" for b in ours)]
+    for n in tokens:
+        by = {r["backend"]: r["median_us"] for r in rows if r["tokens"] == n}
+        cells = [f" {by[b] / ds[n]:>25.2f}x" if b in by and n in ds else f" {'-':>26}"
+                 for b in ours]
+        lines.append(f"{n:>7}" + "".join(cells))
+    return lines
 
 
 def _write(report: dict[str, Any], out: Path) -> None:
