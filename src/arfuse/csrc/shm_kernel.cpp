@@ -52,7 +52,6 @@ namespace {
 constexpr int kMaxWorld = 16;
 constexpr int kLine = 64;
 constexpr int kLanes = 8;
-constexpr int64_t kStreamBytes = int64_t(1) << 40;  // streaming stores measured slower here
 constexpr int64_t kProgress = int64_t(1) << 20;       // arrival flag units per call
 constexpr int64_t kBlockBytes = 64 * 1024;             // one-shot rows per step, in bytes
 enum DType { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
@@ -120,7 +119,6 @@ template <> struct Elem<kFP32> {
 
 #if defined(__AVX2__)
 #define ARFUSE_VEC 1
-constexpr bool kCanStream = true;
 inline __m256 bf16x8_load(const uint16_t* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -147,8 +145,9 @@ inline __m256 fp16x8_load(const uint16_t* p) {
 }
 #endif
 
-// pack: round 8 floats to the dtype (its bits); unpack: back to floats; put: store the bits,
-// streaming (non-temporal) when asked, which needs 16-byte (32 for fp32) aligned addresses.
+// pack: round 8 floats to the dtype (its bits); unpack: back to floats; put: store the bits.
+// (Streaming stores, for outputs or for the copy into the slot, were measured here: slower
+// or faster depending on where the hypervisor placed the two cores; cached stores it is.)
 template <int D> struct Vec;
 template <> struct Vec<kBF16> {
   static constexpr bool ok = true;
@@ -160,10 +159,7 @@ template <> struct Vec<kBF16> {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
   }
   static __m256 load(const uint16_t* p) { return bf16x8_load(p); }
-  static void put(uint16_t* p, B b, bool stream) {
-    if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(p), b);
-    else _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b);
-  }
+  static void put(uint16_t* p, B b) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b); }
 };
 template <> struct Vec<kFP32> {
   static constexpr bool ok = true;
@@ -173,10 +169,7 @@ template <> struct Vec<kFP32> {
   static B pack(__m256 v) { return v; }
   static __m256 unpack(B b) { return b; }
   static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
-  static void put(float* p, B b, bool stream) {
-    if (stream) _mm256_stream_ps(p, b);
-    else _mm256_storeu_ps(p, b);
-  }
+  static void put(float* p, B b) { _mm256_storeu_ps(p, b); }
 };
 #if defined(__F16C__)
 template <> struct Vec<kFP16> {
@@ -189,31 +182,73 @@ template <> struct Vec<kFP16> {
   static B narrow(__m256 rounded) { return pack(rounded); }
   static __m256 unpack(B b) { return _mm256_cvtph_ps(b); }
   static __m256 load(const uint16_t* p) { return fp16x8_load(p); }
-  static void put(uint16_t* p, B b, bool stream) {
-    if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(p), b);
-    else _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b);
-  }
+  static void put(uint16_t* p, B b) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b); }
 };
 #else
 template <> struct Vec<kFP16> { static constexpr bool ok = false; };
 #endif
-#else
-constexpr bool kCanStream = false;
 #endif
 
-inline void stream_fence() {
 #ifdef ARFUSE_VEC
-  _mm_sfence();
-#endif
+// bf16, 16 at a time: widening by interleaving with zeros gives elements [0-3, 8-11] ("lo")
+// and [4-7, 12-15] ("hi") in one instruction each, and packing lo, hi back restores the
+// order, so no shuffles on the way in or out (the 8-wide form needs two per load).
+struct BF16x16 {
+  __m256 lo, hi;
+  static BF16x16 load(const uint16_t* p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i z = _mm256_setzero_si256();
+    return {_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v)),
+            _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v))};
+  }
+  // the bf16 bits of already rounded lo, hi
+  static void put(uint16_t* p, __m256 lo, __m256 hi) {
+    const __m256i a = _mm256_srli_epi32(_mm256_castps_si256(lo), 16);
+    const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(hi), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_packus_epi32(a, b));
+  }
+  // sum of squares in the canonical order (lane = h % 8): elements 0-7, then 8-15
+  static __m256 add_squares(__m256 acc, __m256 lo, __m256 hi) {
+    const __m256 first = _mm256_permute2f128_ps(lo, hi, 0x20);
+    const __m256 second = _mm256_permute2f128_ps(lo, hi, 0x31);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(first, first));
+    return _mm256_add_ps(acc, _mm256_mul_ps(second, second));
+  }
+};
+
+// The first pass over [0, n16) of a bf16 row (n16 a multiple of 16); see vec_pass1.
+template <int W, bool NORM, bool RES>
+__m256 bf16_pass1(const uint16_t* const* rows, int world, int64_t n16, const uint16_t* res,
+                  uint16_t* dst) {
+  __m256 vl = _mm256_setzero_ps();
+  for (int64_t h = 0; h < n16; h += 16) {
+    BF16x16 a = BF16x16::load(rows[0] + h);
+    const int ranks = W > 0 ? W : world;
+    for (int j = 1; j < ranks; ++j) {
+      const BF16x16 b = BF16x16::load(rows[j] + h);
+      a.lo = _mm256_add_ps(a.lo, b.lo);
+      a.hi = _mm256_add_ps(a.hi, b.hi);
+    }
+    __m256 lo = bf16x8_round32(a.lo), hi = bf16x8_round32(a.hi);
+    if constexpr (NORM) {
+      if constexpr (RES) {
+        const BF16x16 b = BF16x16::load(res + h);
+        lo = bf16x8_round32(_mm256_add_ps(lo, b.lo));
+        hi = bf16x8_round32(_mm256_add_ps(hi, b.hi));
+      }
+      vl = BF16x16::add_squares(vl, lo, hi);
+    }
+    BF16x16::put(dst + h, lo, hi);
+  }
+  return vl;
 }
 
-#ifdef ARFUSE_VEC
 // First pass over a row, 8 lanes at a time: sum the ranks (rank order); plain: store the
 // rounded sum; norm: round, add the residual, round, store residual_out and return the
 // per-lane sums of r*r. W is the world size when known at compile time (0: not).
 template <int D, int W, bool NORM, bool RES>
 __m256 vec_pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
-                 const typename Elem<D>::T* res, typename Elem<D>::T* dst, bool stream) {
+                 const typename Elem<D>::T* res, typename Elem<D>::T* dst) {
   // res and dst may be the same row (residual updated in place): each lane reads res[h]
   // before it writes dst[h], and no other lane's store touches res.
   using V = Vec<D>;
@@ -223,7 +258,12 @@ __m256 vec_pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
   const T* __restrict r2 = W >= 4 ? rows[2] : nullptr;
   const T* __restrict r3 = W >= 4 ? rows[3] : nullptr;
   __m256 vl = _mm256_setzero_ps();
-  for (int64_t h = 0; h + kLanes <= n; h += kLanes) {
+  int64_t h = 0;
+  if constexpr (D == kBF16) {
+    h = n / 16 * 16;
+    vl = bf16_pass1<W, NORM, RES>(rows, world, h, res, dst);
+  }
+  for (; h + kLanes <= n; h += kLanes) {
     __m256 a;
     if constexpr (W == 2) {
       a = _mm256_add_ps(V::load(r0 + h), V::load(r1 + h));
@@ -235,12 +275,12 @@ __m256 vec_pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
       for (int j = 1; j < world; ++j) a = _mm256_add_ps(a, V::load(rows[j] + h));
     }
     if constexpr (!NORM) {
-      V::put(dst + h, V::pack(a), stream);
+      V::put(dst + h, V::pack(a));
     } else {
       __m256 pre = V::round(a);
       if constexpr (RES) pre = _mm256_add_ps(pre, V::load(res + h));
       __m256 r = V::round(pre);
-      V::put(dst + h, V::narrow(r), stream);
+      V::put(dst + h, V::narrow(r));
       vl = _mm256_add_ps(vl, _mm256_mul_ps(r, r));
     }
   }
@@ -249,22 +289,31 @@ __m256 vec_pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
 
 template <int D, bool NORM, bool RES>
 __m256 vec_pass1_any(const typename Elem<D>::T* const* rows, int world, int64_t n,
-                     const typename Elem<D>::T* res, typename Elem<D>::T* dst, bool stream) {
-  if (world == 2) return vec_pass1<D, 2, NORM, RES>(rows, world, n, res, dst, stream);
-  if (world == 4) return vec_pass1<D, 4, NORM, RES>(rows, world, n, res, dst, stream);
-  return vec_pass1<D, 0, NORM, RES>(rows, world, n, res, dst, stream);
+                     const typename Elem<D>::T* res, typename Elem<D>::T* dst) {
+  if (world == 2) return vec_pass1<D, 2, NORM, RES>(rows, world, n, res, dst);
+  if (world == 4) return vec_pass1<D, 4, NORM, RES>(rows, world, n, res, dst);
+  return vec_pass1<D, 0, NORM, RES>(rows, world, n, res, dst);
 }
 
 // Second pass: out = T((r * inv) * gain), r read back from residual_out (exact: it holds r
 // in T), gain = weight_bias + f32(w) widened once per call.
 template <int D>
 void vec_pass2(const typename Elem<D>::T* r, const float* __restrict gain, int64_t n,
-               float inv, typename Elem<D>::T* out, bool stream) {
+               float inv, typename Elem<D>::T* out) {
   using V = Vec<D>;
   const __m256 vinv = _mm256_set1_ps(inv);
-  for (int64_t k = 0; k + kLanes <= n; k += kLanes) {
+  int64_t k = 0;
+  if constexpr (D == kBF16) {  // gain holds [0, n / 16 * 16) in BF16x16 order
+    for (; k + 16 <= n; k += 16) {
+      const BF16x16 v = BF16x16::load(r + k);
+      const __m256 lo = _mm256_mul_ps(_mm256_mul_ps(v.lo, vinv), _mm256_loadu_ps(gain + k));
+      const __m256 hi = _mm256_mul_ps(_mm256_mul_ps(v.hi, vinv), _mm256_loadu_ps(gain + k + 8));
+      BF16x16::put(out + k, bf16x8_round32(lo), bf16x8_round32(hi));
+    }
+  }
+  for (; k + kLanes <= n; k += kLanes) {
     __m256 scaled = _mm256_mul_ps(V::load(r + k), vinv);
-    V::put(out + k, V::pack(_mm256_mul_ps(scaled, _mm256_loadu_ps(gain + k))), stream);
+    V::put(out + k, V::pack(_mm256_mul_ps(scaled, _mm256_loadu_ps(gain + k))));
   }
 }
 
@@ -819,6 +868,13 @@ class ShmComm {
 #ifdef ARFUSE_VEC
       if constexpr (Vec<D>::ok) {
         const __m256 vb = _mm256_set1_ps(c.weight_bias);
+        if constexpr (D == kBF16) {  // the order vec_pass2 reads it in
+          for (; k + 16 <= hidden_; k += 16) {
+            const BF16x16 v = BF16x16::load(w + k);
+            _mm256_storeu_ps(gain + k, _mm256_add_ps(vb, v.lo));
+            _mm256_storeu_ps(gain + k + 8, _mm256_add_ps(vb, v.hi));
+          }
+        }
         for (; k + kLanes <= hidden_; k += kLanes) {
           _mm256_storeu_ps(gain + k, _mm256_add_ps(vb, Vec<D>::load(w + k)));
         }
@@ -826,9 +882,6 @@ class ShmComm {
 #endif
       for (; k < hidden_; ++k) gain[k] = c.weight_bias + E::load(w[k]);
     }
-    // Large outputs bypass the cache (no read-for-ownership); small ones stay hot for the
-    // next layer.
-    const bool stream = kCanStream && c.tokens * row_bytes >= kStreamBytes;
     char* slot = input_slot(rank_, buf);
     const bool copy = x != slot;  // the caller may have written its input there already
     const T* inputs[kMaxWorld];
@@ -853,10 +906,9 @@ class ShmComm {
           finish_row<D>(inputs, row, c, static_cast<T*>(c.out) + row * hidden_,
                         c.residual_out ? static_cast<T*>(c.residual_out) + row * hidden_
                                        : nullptr,
-                        row, c.quant_out, c.scale_out, c.swizzled, stream);
+                        row, c.quant_out, c.scale_out, c.swizzled);
         }
       }
-      if (stream) stream_fence();
       return;
     }
     if (copy) std::memcpy(slot, x, size_t(c.tokens * row_bytes));
@@ -875,9 +927,8 @@ class ShmComm {
                                   : nullptr;
       uint8_t* qbase = reinterpret_cast<uint8_t*>(mine + 2 * chunk_rows_ * row_bytes);
       finish_row<D>(inputs, row, c, out_row, res_row, local, qbase,
-                    qbase + chunk_rows_ * (hidden_ / 2), false, stream);
+                    qbase + chunk_rows_ * (hidden_ / 2), false);
     }
-    if (stream) stream_fence();  // streaming stores are not ordered by the release below
     flag(1, rank_)->store(seq, std::memory_order_release);
     wait_all(1, seq);
     for (int j = 0; j < world_; ++j) {
@@ -915,7 +966,7 @@ class ShmComm {
   template <int D>
   void finish_row(const typename Elem<D>::T* const* inputs, int64_t row, const Call& c,
                   typename Elem<D>::T* out, typename Elem<D>::T* residual_out, int64_t qrow,
-                  uint8_t* q, uint8_t* s, bool swizzled, bool stream) {
+                  uint8_t* q, uint8_t* s, bool swizzled) {
     using E = Elem<D>;
     using T = typename E::T;
     const int64_t H = hidden_;
@@ -928,15 +979,13 @@ class ShmComm {
     if constexpr (Vec<D>::ok) {
       const T* rows[kMaxWorld];
       for (int j = 0; j < world_; ++j) rows[j] = inputs[j] + off;
-      const bool stream_res = stream && H % kLanes == 0;
-      const bool stream_out = stream_res && c.quant == kNone;  // quant re-reads out
       __m256 vl;
       if (!norm) {
-        vl = vec_pass1_any<D, false, false>(rows, world_, H, nullptr, out, stream_out);
+        vl = vec_pass1_any<D, false, false>(rows, world_, H, nullptr, out);
       } else if (res) {
-        vl = vec_pass1_any<D, true, true>(rows, world_, H, res, residual_out, stream_res);
+        vl = vec_pass1_any<D, true, true>(rows, world_, H, res, residual_out);
       } else {
-        vl = vec_pass1_any<D, true, false>(rows, world_, H, nullptr, residual_out, stream_res);
+        vl = vec_pass1_any<D, true, false>(rows, world_, H, nullptr, residual_out);
       }
       _mm256_storeu_ps(lanes, vl);
       h = H / kLanes * kLanes;
@@ -965,8 +1014,7 @@ class ShmComm {
       int64_t k = 0;
 #ifdef ARFUSE_VEC
       if constexpr (Vec<D>::ok) {
-        const bool stream_out = stream && H % kLanes == 0 && c.quant == kNone;
-        vec_pass2<D>(residual_out, gain, H, inv, out, stream_out);
+        vec_pass2<D>(residual_out, gain, H, inv, out);
         k = H / kLanes * kLanes;
       }
 #endif
