@@ -23,6 +23,7 @@ def shm_cases(tokens: int) -> list[Case]:
                     continue
                 out.append(Case(dtype, tokens, hidden, pattern))
         out.append(Case(dtype, tokens, 37, "norm"))  # odd hidden
+        out.append(Case(dtype, tokens, 88, "fp8"))  # bf16: 16-wide steps, one 8-wide, no tail
         out.append(Case(dtype, tokens, 37, "plain"))
         out.append(Case(dtype, tokens, 48, "norm", residual=False))
     return out
@@ -61,7 +62,8 @@ def test_cxx_and_pure_torch_paths_agree() -> None:
     """Documented tolerance (README): residual_out and plain sums bit-equal; out within 1 ulp in
     bf16/fp16 and 8 ulp in fp32; quant codes equal but for a small fraction. The only
     difference is the order in which the sum of squares is added up."""
-    cases = [Case(d, 9, 208, p) for d in ("bf16", "fp32") for p in ("plain", "norm", "fp8")]
+    cases = [Case(d, 9, h, p) for d in ("bf16", "fp32") for p in ("plain", "norm", "fp8")
+             for h in (208, 88, 37)]
     cases.append(Case("bf16", 9, 208, "nvfp4_linear"))
     cxx = values(run_ranks(workers.numerics, 2, "shm", cases, 64, None))
     pure = values(run_ranks(workers.numerics, 2, "shm", cases, 64, None,
