@@ -28,6 +28,7 @@ def test_given_outputs_and_in_place_equal_new_outputs(world: int, backend: str,
         for case in cases:
             assert case["given_equal"] and case["inplace_equal"], case
             assert case["given_used"] and case["inplace_used"], case
+            assert case["is_fused_output"], case
     # every rank computed the same bits (in place included)
     assert all(r[:-1] == reports[0][:-1] for r in reports)
 

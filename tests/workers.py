@@ -258,6 +258,9 @@ def in_place(rank: int, world: int, backend: str, mode: str | None) -> list[dict
 
             report.append({
                 "case": (name, tokens),
+                "is_fused_output": all(
+                    isinstance(r, arfuse.FusedOutput) and len(r) == 4
+                    and r.out is r[0] and r.residual_out is r[1] for r in (expected, given, got)),
                 "given_equal": all(same(getattr(given, f), getattr(expected, f))
                                    for f in expected._fields),
                 "given_used": given.out.data_ptr() == out.data_ptr() and (
