@@ -182,11 +182,14 @@ def zero_copy(rank: int, world: int, mode: str) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(rank)
     w = torch.rand(80, generator=gen).to(torch.bfloat16)
     same = []
-    for tokens in (3, 16, 5):
+    for tokens in (3, 16, 5, 5, 5, 3):  # repeated sizes: the cached views of both slots
         x = torch.randn(tokens, 80, generator=gen).to(torch.bfloat16)
         r = torch.randn(tokens, 80).to(torch.bfloat16)
+        before = comm.input_buffer(tokens)
         expected = comm(x, residual=r, weight=w)
         slot = comm.input_buffer(tokens)
+        same.append(slot.data_ptr() != before.data_ptr())  # a call moves to the other slot
+        same.append(comm.input_buffer(tokens) is slot)  # no call in between: the same slot
         torch.mul(x, 1, out=slot)  # a "layer" writing its output into the slot
         got = comm(slot, residual=r, weight=w)
         same.append(torch.equal(got.out, expected.out)

@@ -86,10 +86,14 @@ class FusedAllReduce:
         """A ``[tokens, hidden]`` tensor to compute the next call's ``x`` into (for example
         ``torch.matmul(a, w.t(), out=comm.input_buffer(n))``). On shm it is this rank's
         shared-memory slot, which saves a copy per call; elsewhere a plain tensor. Valid for
-        the next call only."""
-        if tokens > self.capacity:
+        the next call only. On shm the same tensor object comes back for the same slot and
+        size (it is cached: making a view costs ~10 us), so do not change its shape in place."""
+        ws = self._ws
+        if ws is None:
+            raise RuntimeError("this FusedAllReduce is closed")
+        if tokens > ws.capacity:
             return self._unfused_workspace().input_buffer(tokens)
-        return self.workspace.input_buffer(tokens)
+        return ws.input_buffer(tokens)
 
     def stats(self) -> dict[str, int]:
         """Calls so far: fused, and unfused (over capacity, or an unfused backend)."""

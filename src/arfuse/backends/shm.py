@@ -101,6 +101,9 @@ class ShmWorkspace(Workspace):
         self._view: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8)
         self._base = self._view.data_ptr()
         self._private: torch.Tensor | None = None
+        # input_buffer views by (slot offset, tokens): making one costs ~10 us of tensor
+        # slicing, and a layer asks for one every step
+        self._slot_views: dict[tuple[int, int], torch.Tensor] = {}
         self._dtype = TORCH_DTYPES[spec.dtype]
         self.kernel = shm_build.load()
         self._comm: Any = None
@@ -166,6 +169,7 @@ class ShmWorkspace(Workspace):
     def poison(self) -> None:
         """Like a mapping that is not shared: this rank sees private memory of the same size."""
         self._private = torch.zeros(self.layout.total_bytes, dtype=torch.uint8)
+        self._slot_views.clear()
         if self._comm is not None:
             self._comm.set_base(self._private.data_ptr())
 
@@ -196,15 +200,24 @@ class ShmWorkspace(Workspace):
         """This rank's input slot of the next call, as a ``[tokens, hidden]`` tensor: a layer
         that writes its output here saves the copy into shared memory. Valid for the next
         call only; the slot of the call after it is the other buffer."""
-        if not 0 <= tokens <= self.spec.max_tokens:
-            raise ValueError(f"tokens={tokens} is not valid; use 0..{self.spec.max_tokens}")
         if self._comm is not None:
-            offset = int(self._comm.next_input_offset())
+            offset = self._comm.next_input_offset()
         else:
             offset = self.layout.slot_offset(self.ctx.rank, (self._seq + 1) & 1)
+        cached = self._slot_views.get((offset, tokens))
+        if cached is not None:
+            return cached
+        if isinstance(tokens, bool) or not isinstance(tokens, int):
+            raise TypeError(f"tokens must be an int, got {type(tokens).__name__}")
+        if not 0 <= tokens <= self.spec.max_tokens:
+            raise ValueError(f"tokens={tokens} is not valid; use 0..{self.spec.max_tokens}")
         view = self._view_or_private()
         nbytes = tokens * self.spec.row_bytes
-        return view[offset:offset + nbytes].view(self._dtype).view(tokens, self.spec.hidden)
+        made = view[offset:offset + nbytes].view(self._dtype).view(tokens, self.spec.hidden)
+        if len(self._slot_views) >= 256:
+            self._slot_views.clear()
+        self._slot_views[(offset, tokens)] = made
+        return made
 
     def use_pure_path(self) -> None:
         """Run the pure-torch path (no compiler here, or on some rank of the group)."""
@@ -277,6 +290,7 @@ class ShmWorkspace(Workspace):
         self._comm = None
         self._private = None
         self._view = None
+        self._slot_views.clear()
         try:
             self._mmap.close()
         except (BufferError, ValueError) as exc:  # a live view: the mapping goes with it
