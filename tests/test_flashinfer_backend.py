@@ -231,3 +231,23 @@ def test_unavailable_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     assert "no CUDA" in FlashInferBackend("mnnvl").unavailable()
+
+
+def test_given_destinations_are_flashinfers_outputs(fake: FakeFlashInfer) -> None:
+    """out= / residual_out= go to the kernel as norm_out / residual_out (in place: the input
+    and the residual themselves, as vLLM passes them) and come back as the results."""
+    ws = FlashInferBackend("trtllm").create(context(), Spec(max_tokens=8, hidden=64,
+                                                           dtype="bf16"))
+    assert ws is not None
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    res = torch.randn(3, 64, dtype=torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    expected = (x + res).clone()
+    result = ws.run(x, res, w, 1e-5, 0.0, None, None, "linear", out=x, residual_out=res)
+    call = fake.calls[-1]
+    assert call["norm_out"] is x and call["residual_out"] is res and call["input"] is x
+    assert result.out is x and result.residual_out is res
+    assert torch.equal(res, expected)
+    plain_out = torch.empty_like(x)
+    result = ws.run(x, None, None, 1e-5, 0.0, None, None, "linear", out=plain_out)
+    assert fake.calls[-1]["output"] is plain_out and result.out is plain_out
