@@ -100,7 +100,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .backends import shm_build
 
         shm_build.load()  # build once here, not in every rank at once
-    return launch(bench_body, args.world_size, opts, env={"OMP_NUM_THREADS": "1"})
+    # the report names the backend and its negotiation time; the plan log would only cut
+    # through the progress bar (ARFUSE_LOG=info brings it back)
+    return launch(bench_body, args.world_size, opts,
+                  env={"OMP_NUM_THREADS": "1",
+                       "ARFUSE_LOG": os.environ.get("ARFUSE_LOG", "warning")})
 
 
 def _prebuild_deepspeed() -> None:
