@@ -34,7 +34,8 @@ def shm_cases(tokens: int) -> list[Case]:
 def test_shm_numerics(world: int, mode: str) -> None:
     # 9 tokens: uneven two-shot blocks on 2 and 4 ranks; 130 more than one swizzle tile
     cases = [*shm_cases(9), Case("bf16", 130, 48, "nvfp4_swizzled"),
-             Case("fp16", 130, 48, "nvfp4_linear")]
+             Case("fp16", 130, 48, "nvfp4_linear"),
+             Case("bf16", 100, 1040, "norm")]  # 4 one-shot blocks: copying runs ahead
     results = values(run_ranks(workers.numerics, world, "shm", cases, 256, mode))
     for case in cases:
         entries = [r[case] for r in results]

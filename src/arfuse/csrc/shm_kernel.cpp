@@ -54,6 +54,10 @@ constexpr int kLine = 64;
 constexpr int kLanes = 8;
 constexpr int64_t kProgress = int64_t(1) << 20;       // arrival flag units per call
 constexpr int64_t kBlockBytes = 64 * 1024;             // one-shot rows per step, in bytes
+// One-shot copies this many blocks ahead of the block it finishes, so that a peer a little
+// behind does not stall this rank at every block (measured: at 64 tokens of 4096 fp32 on 2
+// ranks, ~10% faster than copying and finishing in lockstep; 1, 2 and 4 did about the same).
+constexpr int64_t kLeadBlocks = 2;
 enum DType { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
 enum Quant { kNone = 0, kFP8 = 1, kNVFP4 = 2 };
 
@@ -507,6 +511,7 @@ class ShmComm {
         chunk_rows_(chunk_rows), timeout_s_(timeout_s), oneshot_max_bytes_(oneshot_max_bytes) {
     TORCH_CHECK(world_ >= 1 && world_ <= kMaxWorld, "arfuse shm: world size must be 1..16");
     TORCH_CHECK(rank_ >= 0 && rank_ < world_, "arfuse shm: bad rank");
+    TORCH_CHECK(max_tokens_ < kProgress, "arfuse shm: max_tokens must be below ", kProgress);
     elem_ = dtype_ == kFP32 ? 4 : 2;
     scratch_.resize(size_t(hidden_));
     pids_.assign(size_t(world_), 0);
@@ -909,20 +914,35 @@ class ShmComm {
     for (int j = 0; j < world_; ++j) {
       inputs[j] = reinterpret_cast<const T*>(input_slot(j, buf));
     }
-    // Arrival flags count progress: call * kProgress + blocks of rows ready.
+    // Arrival flags count progress: call * kProgress + blocks of rows ready (the constructor
+    // checks that a call has fewer blocks than kProgress).
     const int64_t call_base = seq * kProgress;
     if (oneshot(c.tokens)) {
       // Block by block: copy a block in, say so, finish it as soon as every rank has, while
-      // it is still in cache (the whole call would not fit in cache at once).
+      // it is still in cache (the whole call would not fit in cache at once). Copying runs
+      // kLeadBlocks ahead; an input already in the slot (input_buffer) is announced whole at
+      // once, so ranks do not meet at every block.
       const int64_t block_rows = std::max<int64_t>(1, kBlockBytes / row_bytes);
-      for (int64_t begin = 0, b = 1; begin < c.tokens; begin += block_rows, ++b) {
-        const int64_t end = std::min<int64_t>(c.tokens, begin + block_rows);
+      const int64_t blocks = (c.tokens + block_rows - 1) / block_rows;
+      int64_t published = 0;  // blocks of my input in my slot, announced
+      auto publish_until = [&](int64_t n) {
+        n = std::min(n, blocks);
+        if (n <= published) return;
         if (copy) {
+          const int64_t begin = published * block_rows;
+          const int64_t end = std::min<int64_t>(c.tokens, n * block_rows);
           std::memcpy(slot + begin * row_bytes, static_cast<const char*>(x) + begin * row_bytes,
                       size_t((end - begin) * row_bytes));
         }
-        flag(0, rank_)->store(call_base + b, std::memory_order_release);
-        wait_all(0, call_base + b);
+        published = n;
+        flag(0, rank_)->store(call_base + n, std::memory_order_release);
+      };
+      const int64_t lead = copy ? kLeadBlocks : blocks;
+      for (int64_t b = 0; b < blocks; ++b) {
+        publish_until(b + 1 + lead);
+        wait_all(0, call_base + b + 1);
+        const int64_t begin = b * block_rows;
+        const int64_t end = std::min<int64_t>(c.tokens, begin + block_rows);
         for (int64_t row = begin; row < end; ++row) {
           finish_row<D>(inputs, row, c, static_cast<T*>(c.out) + row * hidden_,
                         c.residual_out ? static_cast<T*>(c.residual_out) + row * hidden_
@@ -1120,6 +1140,7 @@ class ShmComm {
   double timeout_s_;
   int64_t oneshot_max_bytes_;
   int64_t seq_ = 0;
+
   double last_call_s_ = 0.0;
   bool check_pids_ = false;
   std::vector<int64_t> pids_, starts_;
