@@ -151,7 +151,9 @@ def _mostly_equal(got: torch.Tensor | None, expected: torch.Tensor) -> bool:
 def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
                        gamma: torch.Tensor, opts: RunOptions,
                        scale: float | None) -> tuple[float, float]:
-    """Median microseconds of the fused op and of the unfused path, alternating per step."""
+    """Median microseconds of the fused op and of the unfused path, in alternating rounds of
+    consecutive steps (alternating every step would time the fused op waiting for a peer still
+    leaving its previous gloo call)."""
     import torch.distributed as dist
 
     from arfuse.epilogue import quantize
@@ -174,14 +176,17 @@ def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
         fused()
         unfused()
     sync()
-    fused_t, unfused_t = [], []
-    for _ in range(opts.steps):
-        start = time.perf_counter_ns()
-        fused()
-        sync()
-        fused_t.append(time.perf_counter_ns() - start)
-        start = time.perf_counter_ns()
-        unfused()
-        sync()
-        unfused_t.append(time.perf_counter_ns() - start)
+    fused_t: list[int] = []
+    unfused_t: list[int] = []
+    rounds = 5
+    per_round = max(1, opts.steps // rounds)
+    for _ in range(rounds):
+        for fn, times in ((fused, fused_t), (unfused, unfused_t)):
+            fn()  # the first step of a round absorbs the ranks' skew; not timed
+            sync()
+            for _ in range(per_round):
+                start = time.perf_counter_ns()
+                fn()
+                sync()
+                times.append(time.perf_counter_ns() - start)
     return statistics.median(fused_t) / 1e3, statistics.median(unfused_t) / 1e3
