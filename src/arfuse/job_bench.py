@@ -252,6 +252,7 @@ def _overhead(comm: Any, weight: torch.Tensor, opts: BenchOptions) -> dict[str, 
     x = torch.randn(1, opts.hidden).to(weight.dtype)
     residual = torch.randn(1, opts.hidden).to(weight.dtype)
     x2, residual2 = x.clone(), residual.clone()
+    kernel.set_timing(True)
     op_t: list[float] = []
     raw_t: list[float] = []
     diffs: list[float] = []
@@ -275,6 +276,7 @@ def _overhead(comm: Any, weight: torch.Tensor, opts: BenchOptions) -> dict[str, 
             diffs.append(op_t[-1] - raw_t[-1])
             outside.append(op_t[-1] - inside)
             outside_inplace.append((t4 - t3) / 1e3 - kernel.last_call_seconds() * 1e6)
+    kernel.set_timing(False)
     return {"op_median_us": statistics.median(op_t),
             "kernel_median_us": statistics.median(raw_t),
             "overhead_us": statistics.median(diffs),

@@ -207,8 +207,7 @@ class FusedAllReduce:
         if residual_out is not None and weight is None:
             raise ValueError("residual_out needs weight: without RMSNorm there is no "
                              "residual_out")
-        shared = getattr(self.workspace, "shared_span", None)
-        segment = shared() if shared is not None else None
+        segment = self.workspace.shared_span()
         wanted = [("out", out, x, "x"),
                   ("residual_out", residual_out, residual if residual is not None else x,
                    "residual" if residual is not None else "x")]

@@ -70,6 +70,11 @@ class Workspace(ABC):
         return torch.empty((tokens, self.spec.hidden), dtype=TORCH_DTYPES[self.spec.dtype],
                            device=device_of(self.ctx.device))
 
+    def shared_span(self) -> tuple[int, int] | None:
+        """[start, end) addresses of memory the peers read during a call (no output may be
+        written there); ``None`` when the backend has none in this process."""
+        return None
+
     @abstractmethod
     def validate(self) -> None:
         """Functional check after creation (R2); raises ``CreationFailed`` if broken.
