@@ -204,6 +204,8 @@ class FusedAllReduce:
                             weight: torch.Tensor | None, out: Any, residual_out: Any) -> None:
         """``out`` is ``x`` or memory of its own; ``residual_out`` is ``residual`` (``x``
         without one) or memory of its own; neither is in the shared segment the peers read."""
+        if out is None and residual_out is None:
+            return
         if residual_out is not None and weight is None:
             raise ValueError("residual_out needs weight: without RMSNorm there is no "
                              "residual_out")
