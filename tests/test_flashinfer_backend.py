@@ -16,6 +16,7 @@ from arfuse.backends.flashinfer import FlashInferBackend, trtllm_use_oneshot
 from arfuse.rendezvous import Channel
 from arfuse.settings import Settings
 from arfuse.spec import Spec
+from arfuse.torch_types import TORCH_DTYPES
 
 MIB = 1 << 20
 
@@ -167,13 +168,18 @@ def test_capacity_is_flashinfers_own_answer(monkeypatch: pytest.MonkeyPatch) -> 
     assert ws_full is not None and ws_full.capacity == 2048
 
 
-def test_patterns_and_quant_arguments(fake: FakeFlashInfer) -> None:
+def trtllm_with_inputs(dtype: str) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A one-rank trtllm workspace on the stand-in, and x, residual, weight for 3 tokens."""
     ws = FlashInferBackend("trtllm").create(context(), Spec(max_tokens=8, hidden=64,
-                                                           dtype="fp16"))
+                                                           dtype=dtype))
     assert ws is not None
-    x = torch.randn(3, 64, dtype=torch.float16)
-    res = torch.randn(3, 64, dtype=torch.float16)
-    w = torch.ones(64, dtype=torch.float16)
+    torch_dtype = TORCH_DTYPES[dtype]
+    return (ws, torch.randn(3, 64, dtype=torch_dtype), torch.randn(3, 64, dtype=torch_dtype),
+            torch.ones(64, dtype=torch_dtype))
+
+
+def test_patterns_and_quant_arguments(fake: FakeFlashInfer) -> None:
+    ws, x, res, w = trtllm_with_inputs("fp16")
     out = ws.run(x, res, w, 1e-5, 1.0, "nvfp4", 2.5, "swizzled_128x4")
     call = fake.calls[-1]
     assert call["pattern"] == 5 and call["layout_code"] == 0
@@ -236,12 +242,7 @@ def test_unavailable_without_cuda() -> None:
 def test_given_destinations_are_flashinfers_outputs(fake: FakeFlashInfer) -> None:
     """out= / residual_out= go to the kernel as norm_out / residual_out (in place: the input
     and the residual themselves, as vLLM passes them) and come back as the results."""
-    ws = FlashInferBackend("trtllm").create(context(), Spec(max_tokens=8, hidden=64,
-                                                           dtype="bf16"))
-    assert ws is not None
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
-    res = torch.randn(3, 64, dtype=torch.bfloat16)
-    w = torch.ones(64, dtype=torch.bfloat16)
+    ws, x, res, w = trtllm_with_inputs("bf16")
     expected = (x + res).clone()
     result = ws.run(x, res, w, 1e-5, 0.0, None, None, "linear", out=x, residual_out=res)
     call = fake.calls[-1]
