@@ -47,8 +47,8 @@ def _time_create(backend: str | None, faults: str | None) -> tuple[float, str]:
 
 def body(rank: int, world: int, repeats: int) -> int:
     torch.set_num_threads(1)
-    pin_to_core(rank, world)
     init_from_env("cpu")
+    pin_to_core(rank, world)
     cold, cold_backend = _time_create(None, None)
     cases = {"warm shm": (None, None), "torch only": ("torch", None),
              "auto, shm fails on rank 1": (None, "shm.create@1=raise"),

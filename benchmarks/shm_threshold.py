@@ -36,8 +36,8 @@ def body(rank: int, world: int, opts: Options) -> int:
     import arfuse
 
     torch.set_num_threads(1)
-    pin_to_core(rank, world)
     init_from_env("cpu")
+    pin_to_core(rank, world)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[opts.dtype]
     comm = arfuse.FusedAllReduce(max_token_num=max(opts.tokens), hidden_dim=opts.hidden,
                                  dtype=dtype, backend="shm", strict=True)

@@ -1,7 +1,8 @@
 """``arfuse bench``: latency sweep of the fused op against what users run without arfuse.
 
-Rows, measured side by side in one run on the same ranks (each rank pinned to one core and one
-thread when the machine has a core per rank; warm-up excluded). Before every call, untimed,
+Rows, measured side by side in one run on the same ranks (each rank's main thread pinned to one
+core, after the process group exists so gloo's I/O threads are not confined with it, when the
+machine has a core per rank; one torch thread; warm-up excluded). Before every call, untimed,
 each row's input is written afresh, as a layer's output would be (and what a row updates in
 place is restored), so every row starts from the same cache state:
 
@@ -136,11 +137,11 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
     from arfuse.launch import init_from_env, pin_to_core
 
     torch.set_num_threads(1)
-    pinned = pin_to_core(rank, world)
     ds, ds_note = (None, "not requested")
     if "deepspeed" in opts.backends:
         ds, ds_note = _deepspeed_setup(rank)
     init_from_env("cpu")
+    pinned = pin_to_core(rank, world)  # after init: gloo's threads stay free (see pin_to_core)
     progress = _progress(rank, opts)
     results: list[dict[str, Any]] = []
     overhead: dict[str, Any] = {}
@@ -292,7 +293,9 @@ def _machine(pinned: bool, world: int) -> dict[str, Any]:
             "isa": " ".join(f for f in ("avx512f", "avx512bw", "avx2", "fma", "f16c")
                             if f in cpu_flags()),
             "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(), "ranks_pinned": pinned, "world_size": world,
+            "platform": platform.platform(), "ranks_pinned": pinned,
+            "pinning": "main thread, after init (library threads free)" if pinned else "none",
+            "world_size": world,
             "threads_per_rank": 1, "date": time.strftime("%Y-%m-%d")}
 
 

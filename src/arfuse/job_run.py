@@ -62,8 +62,8 @@ def run_body(rank: int, world: int, opts: RunOptions) -> int:
     from arfuse.launch import init_from_env, pin_to_core
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world) if opts.device == "cpu" else 1)
-    pinned = pin_to_core(rank, world) if opts.device == "cpu" else False
     init_from_env(opts.device)
+    pinned = pin_to_core(rank, world) if opts.device == "cpu" else False
     device = device_of(opts.device)
     dtype = TORCH_DTYPES[opts.dtype]
     comm = arfuse.FusedAllReduce(max_token_num=max(opts.tokens), hidden_dim=opts.hidden,
