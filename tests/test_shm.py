@@ -166,3 +166,16 @@ def test_input_written_into_the_shared_slot(mode: str) -> None:
     for result in values(run_ranks(workers.zero_copy, 2, mode)):
         assert all(result["same"]), result
         assert result["stats"]["unfused_over_capacity"] == 1
+
+
+@pytest.mark.parametrize(("world", "mode"), [(2, None), (3, "twoshot")])
+def test_copy_modes_give_the_same_results_and_ranks_agree_on_the_mode(
+        world: int, mode: str | None) -> None:
+    reports = values(run_ranks(workers.copy_modes, world, mode))
+    for report in reports:
+        assert report["same"] and all(report["same"])
+    for dtype, modes in reports[0]["modes"].items():
+        assert all(r["modes"][dtype] == modes for r in reports), "ranks chose differently"
+        decided = [m for m in modes.values() if "undecided" not in m]
+        assert len(decided) == 1 and decided[0] in ("cached", "streaming"), modes
+        assert sum("undecided" in m for m in modes.values()) == 1, modes

@@ -335,3 +335,42 @@ def _in_place_on_slot(comm: Any, hidden: int) -> Any:
     slot = comm.input_buffer(4)
     slot.fill_(1.0)
     return comm(slot, out=slot)
+
+
+def copy_modes(rank: int, world: int, mode: str | None) -> dict[str, Any]:
+    """Results are the same whether the copy into the shared slot uses cached or streaming
+    stores (odd row sizes: unaligned heads and tails), and in auto mode every rank decides the
+    same mode per size once the trial is over."""
+    import arfuse
+
+    report: dict[str, Any] = {"same": [], "modes": {}}
+    # 37 fp32: one block with a tail; 4100 fp32: 3-row blocks that start 16 bytes off 32
+    for dtype, hidden in ((torch.bfloat16, 1040), (torch.float32, 37), (torch.float32, 4100)):
+        comm = arfuse.FusedAllReduce(max_token_num=70, hidden_dim=hidden, dtype=dtype,
+                                     backend="shm", strict=True, timeout_s=30)
+        workspace: Any = comm.workspace
+        if mode is not None:
+            workspace.set_mode(mode)
+        gen = torch.Generator().manual_seed(11 + rank)
+        weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+        for tokens in (1, 70):
+            x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+            residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
+            results = {}
+            for copy_mode in ("cached", "streaming"):
+                workspace.set_copy_mode(copy_mode)
+                results[copy_mode] = comm(x, residual=residual, weight=weight)
+            report["same"].append(
+                torch.equal(results["cached"].out, results["streaming"].out)
+                and torch.equal(results["cached"].residual_out,
+                                results["streaming"].residual_out))
+        workspace.set_copy_mode("auto")
+        x = torch.randn(70, hidden, generator=gen).to(dtype)
+        expected = comm(x, residual=x, weight=weight)  # this size's first auto call
+        for _ in range(48):  # past the trial (8 warm-up calls, 16 pairs) and the decision
+            got = comm(x, residual=x, weight=weight)
+            report["same"].append(torch.equal(got.out, expected.out))
+        comm(x[:1], residual=x[:1], weight=weight)  # another size: one call, undecided
+        report["modes"][f"{dtype}-{hidden}"] = workspace.copy_modes()
+        comm.close()
+    return report

@@ -44,6 +44,9 @@ _ONESHOT_MAX_BYTES_TWO_RANKS = 1 << 62
 _ONESHOT_MAX_BYTES_MORE_RANKS = 256 * 1024
 
 
+COPY_MODES = ("auto", "cached", "streaming")  # the kernel's codes are the indices
+
+
 def oneshot_max_bytes(world: int) -> int:
     """Per-rank bytes up to which a call runs one-shot."""
     return _ONESHOT_MAX_BYTES_TWO_RANKS if world <= 2 else _ONESHOT_MAX_BYTES_MORE_RANKS
@@ -189,6 +192,25 @@ class ShmWorkspace(Workspace):
             automatic = oneshot_max_bytes(self.ctx.world_size)
             limit = {None: automatic, "oneshot": 2**62, "twoshot": -1}[mode]
             self._comm.set_oneshot_max_bytes(limit)
+
+    def set_copy_mode(self, mode: str) -> None:
+        """How the copy into the shared slot stores: ``auto`` (measured per size by the group,
+        the default), ``cached`` or ``streaming`` (tests, benchmarks). Results are the same in
+        every mode. The pure-torch path has one way to copy and ignores this."""
+        if mode not in COPY_MODES:
+            raise ValueError(f"mode={mode!r} is not valid; use one of {', '.join(COPY_MODES)}")
+        if self._comm is not None:
+            self._comm.set_copy_mode(COPY_MODES.index(mode))
+
+    def copy_modes(self) -> dict[int, str]:
+        """The copy mode in use per size class seen in ``auto`` mode, by the class's smallest
+        size in bytes: ``cached``/``streaming`` once the group's trial decided, ``cached
+        (undecided)`` before it. Empty on the pure-torch path."""
+        if self._comm is None:
+            return {}
+        return {size: ("streaming" if streaming else "cached") + ("" if decided
+                                                                    else " (undecided)")
+                for size, streaming, decided, _votes, _calls in self._comm.copy_modes()}
 
     @property
     def fast_call(self) -> Any:

@@ -9,6 +9,8 @@
 //             copies the other blocks.
 // Double-buffered slots make a trailing barrier unnecessary: a rank can only reuse buffer b at
 // call s + 2 after every rank arrived at s + 1, i.e. after every rank finished call s.
+// The copy into the slot uses cached or streaming stores, chosen per size by a trial that
+// every rank runs at the same calls and decides from the same votes (see exchange).
 //
 // Numerics (identical on every rank, and between one-shot and two-shot):
 //   acc = sum_r f32(x_r) in rank order; sum = T(acc); residual_out = T(f32(sum) + f32(res));
@@ -21,6 +23,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -36,6 +39,7 @@
 #include <sstream>
 #include <string>
 #include <time.h>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -58,6 +62,17 @@ constexpr int64_t kBlockBytes = 64 * 1024;             // one-shot rows per step
 // behind does not stall this rank at every block (measured: at 64 tokens of 4096 fp32 on 2
 // ranks, ~10% faster than copying and finishing in lockstep; 1, 2 and 4 did about the same).
 constexpr int64_t kLeadBlocks = 2;
+// The copy into the shared slot uses ordinary (cached) or streaming stores, whichever the group
+// measured faster for that size (see CopyTuning): a peer reads the copy either from this core's
+// cache or from memory, and which is faster depends on where the cores sit (measured on a 2-core
+// VM at 64 tokens of 4096 fp32: streaming 0.7x the time when the vCPUs were far apart, 1.4x
+// when they shared a cache; at 1 token cached won in both).
+constexpr int kBuckets = 40;           // size classes: floor(log2(bytes copied))
+constexpr int64_t kTuneWarm = 8;       // calls of a size before its first trial
+constexpr int64_t kTunePairs = 16;     // trial: this many (cached, streaming) call pairs
+constexpr int64_t kTuneEpoch = 2048;   // calls of a size between trials (the machine drifts)
+constexpr int64_t kVoteOffset = int64_t(kLine) * (1 + kMaxWorld * 3);  // header: votes
+enum CopyMode { kCopyAuto = 0, kCopyCached = 1, kCopyStreaming = 2 };
 enum DType { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
 enum Quant { kNone = 0, kFP8 = 1, kNVFP4 = 2 };
 
@@ -421,6 +436,34 @@ inline int64_t swizzled_offset(int64_t m, int64_t k, int64_t cols) {
          (k % 4);
 }
 
+// memcpy with streaming (non-temporal) stores for the aligned body; ends with a store fence,
+// so a later release store of the arrival flag orders after the data.
+void stream_copy(char* dst, const char* src, size_t n) {
+#ifdef ARFUSE_VEC
+  size_t head = (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31;
+  head = std::min(head, n);
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  const size_t body = n & ~size_t(127);
+  for (size_t i = 0; i < body; i += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
+  }
+  std::memcpy(dst + body, src + body, n - body);
+  _mm_sfence();
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
 double mono_now() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -512,6 +555,8 @@ class ShmComm {
     TORCH_CHECK(world_ >= 1 && world_ <= kMaxWorld, "arfuse shm: world size must be 1..16");
     TORCH_CHECK(rank_ >= 0 && rank_ < world_, "arfuse shm: bad rank");
     TORCH_CHECK(max_tokens_ < kProgress, "arfuse shm: max_tokens must be below ", kProgress);
+    TORCH_CHECK(header_bytes_ >= kVoteOffset + kMaxWorld * kBuckets,
+                "arfuse shm: the header is too small for the copy-mode votes");
     elem_ = dtype_ == kFP32 ? 4 : 2;
     scratch_.resize(size_t(hidden_));
     pids_.assign(size_t(world_), 0);
@@ -644,6 +689,24 @@ class ShmComm {
     base_ = nullptr;
   }
 
+  // 0 auto (measured per size, see exchange), 1 cached, 2 streaming.
+  void set_copy_mode(int64_t mode) {
+    TORCH_CHECK(mode >= kCopyAuto && mode <= kCopyStreaming,
+                "arfuse shm: copy mode must be 0 (auto), 1 (cached) or 2 (streaming)");
+    copy_mode_ = int(mode);
+  }
+  // Per size class seen in auto mode: (smallest size in bytes, streaming?, decided?, summed
+  // vote of the last trial, calls).
+  std::vector<std::tuple<int64_t, bool, bool, int64_t, int64_t>> copy_modes() const {
+    std::vector<std::tuple<int64_t, bool, bool, int64_t, int64_t>> seen;
+    for (int b = 0; b < kBuckets; ++b) {
+      const CopyTuning& t = tuning_[b];
+      if (t.calls > 0) seen.emplace_back(int64_t(1) << b, t.streaming, t.decided, t.vote_sum,
+                                         t.calls);
+    }
+    return seen;
+  }
+
   std::vector<at::Tensor> run(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                               const c10::optional<at::Tensor>& weight, double eps,
                               double weight_bias, int64_t quant, double scale,
@@ -711,6 +774,14 @@ class ShmComm {
     }
     if (timing_) last_call_s_ = mono_now() - started;
     return {out, residual_out, quant_out, scale_out};
+  }
+
+  static void copy_in(char* dst, const char* src, size_t n, bool streaming) {
+    if (streaming) {
+      stream_copy(dst, src, n);
+    } else {
+      std::memcpy(dst, src, n);
+    }
   }
 
   at::ScalarType scalar_type() const {
@@ -882,8 +953,64 @@ class ShmComm {
     }
   }
 
+  static int bucket_of(int64_t bytes) {
+    int b = 0;
+    while (b + 1 < kBuckets && (int64_t(1) << (b + 1)) <= bytes) ++b;
+    return b;
+  }
+  std::atomic<int8_t>* vote(int r, int bucket) const {
+    return reinterpret_cast<std::atomic<int8_t>*>(base_ + kVoteOffset + r * kBuckets + bucket);
+  }
+
+  // Picks the copy mode of this call and runs it. In auto mode each size class runs a trial
+  // every kTuneEpoch calls: kTunePairs pairs of calls, cached then streaming, each rank counting
+  // which of the pair was faster; each rank posts its count as a vote in the header, and at the
+  // next call of that size (after the arrival wait, when every vote is final) every rank adds
+  // the same votes and makes the same choice. Results do not depend on the mode.
   template <int D>
   void exchange(const void* x, const Call& c) {
+    if (x == input_slot(rank_, (seq_ + 1) & 1)) {  // the caller wrote its input there: no copy
+      exchange_body<D>(x, c, false, -1);
+      return;
+    }
+    if (copy_mode_ != kCopyAuto) {
+      exchange_body<D>(x, c, copy_mode_ == kCopyStreaming, -1);
+      return;
+    }
+    const int bucket = bucket_of(c.tokens * hidden_ * elem_);
+    CopyTuning& t = tuning_[bucket];
+    const int64_t trial = t.calls++ % kTuneEpoch - kTuneWarm;
+    const bool in_trial = trial >= 0 && trial < 2 * kTunePairs;
+    const double start = in_trial ? mono_now() : 0.0;
+    exchange_body<D>(x, c, in_trial ? (trial & 1) == 1 : t.streaming,
+                     trial == 2 * kTunePairs ? bucket : -1);
+    if (!in_trial) return;
+    const double took = mono_now() - start;
+    if ((trial & 1) == 0) {
+      if (trial == 0) t.wins = 0;
+      t.cached_s = took;
+    } else {
+      t.wins += took < t.cached_s ? 1 : -1;
+    }
+    if (trial == 2 * kTunePairs - 1) {
+      vote(rank_, bucket)->store(int8_t(t.wins), std::memory_order_relaxed);
+    }
+  }
+
+  // After the arrival wait of the call that follows a trial: every rank's vote is posted.
+  void decide_copy_mode(int bucket) {
+    int sum = 0;
+    for (int j = 0; j < world_; ++j) sum += vote(j, bucket)->load(std::memory_order_relaxed);
+    CopyTuning& t = tuning_[bucket];
+    t.streaming = sum > 0;
+    t.decided = true;
+    t.vote_sum = sum;
+  }
+
+  // copy: whether to use streaming stores for the copy into the slot; decide: the size class
+  // whose votes to count after the arrival wait (-1: none).
+  template <int D>
+  void exchange_body(const void* x, const Call& c, bool streaming, int decide) {
     using E = Elem<D>;
     using T = typename E::T;
     const int64_t seq = ++seq_;
@@ -933,8 +1060,8 @@ class ShmComm {
         if (copy) {
           const int64_t begin = published * block_rows;
           const int64_t end = std::min<int64_t>(c.tokens, n * block_rows);
-          std::memcpy(slot + begin * row_bytes, static_cast<const char*>(x) + begin * row_bytes,
-                      size_t((end - begin) * row_bytes));
+          copy_in(slot + begin * row_bytes, static_cast<const char*>(x) + begin * row_bytes,
+                  size_t((end - begin) * row_bytes), streaming);
         }
         published = n;
         flag(0, rank_)->store(call_base + n, std::memory_order_release);
@@ -943,6 +1070,7 @@ class ShmComm {
       for (int64_t b = 0; b < blocks; ++b) {
         publish_until(b + 1 + lead);
         wait_all(0, call_base + b + 1);
+        if (b == 0 && decide >= 0) decide_copy_mode(decide);
         const int64_t begin = b * block_rows;
         const int64_t end = std::min<int64_t>(c.tokens, begin + block_rows);
         for (int64_t row = begin; row < end; ++row) {
@@ -954,9 +1082,10 @@ class ShmComm {
       }
       return;
     }
-    if (copy) std::memcpy(slot, x, size_t(c.tokens * row_bytes));
+    if (copy) copy_in(slot, static_cast<const char*>(x), size_t(c.tokens * row_bytes), streaming);
     flag(0, rank_)->store(call_base + kProgress - 1, std::memory_order_release);
     wait_all(0, call_base + kProgress - 1);
+    if (decide >= 0) decide_copy_mode(decide);
     // two-shot: my block of rows into my result slot, then gather every block
     const int64_t chunk = (c.tokens + world_ - 1) / world_;
     const int64_t begin = std::min<int64_t>(c.tokens, chunk * rank_);
@@ -1143,6 +1272,16 @@ class ShmComm {
   int64_t oneshot_max_bytes_;
   int64_t seq_ = 0;
 
+  struct CopyTuning {  // one size class (see exchange)
+    int64_t calls = 0;
+    bool streaming = false;
+    bool decided = false;
+    int vote_sum = 0;
+    int wins = 0;         // this trial: pairs streaming won minus pairs cached won
+    double cached_s = 0;  // the current pair's cached call
+  };
+  CopyTuning tuning_[kBuckets];
+  int copy_mode_ = kCopyAuto;
   double last_call_s_ = 0.0;
   bool timing_ = false;
   bool check_pids_ = false;
@@ -1171,5 +1310,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_result_type", &ShmComm::set_result_type)
       .def("invalidate", &ShmComm::invalidate)
       .def("set_timing", &ShmComm::set_timing)
-      .def("last_call_seconds", &ShmComm::last_call_seconds);
+      .def("last_call_seconds", &ShmComm::last_call_seconds)
+      .def("set_copy_mode", &ShmComm::set_copy_mode)
+      .def("copy_modes", &ShmComm::copy_modes);
 }
