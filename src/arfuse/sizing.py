@@ -32,10 +32,10 @@ class ShmLayout:
     """Byte offsets inside the shared segment.
 
     Header page: per-rank process identity and two sequence flags (arrive, done), one cache line
-    each. Then, per rank and per buffer, an input slot of ``max_tokens`` rows and a result slot
-    for the rows that rank owns in two-shot mode (``ceil(max_tokens / world)`` rows of out,
-    residual_out, and one byte per element for the quantised output, which bounds both FP8 and
-    NVFP4 values plus block scales).
+    each, then the copy-mode votes. Then, per rank and per buffer, an input slot of
+    ``max_tokens`` rows and a result slot for the sums of the rows that rank owns in two-shot
+    mode (``ceil(max_tokens / world)`` rows): every rank runs the epilogue from the sums, so
+    no outputs cross between ranks.
     """
 
     world_size: int
@@ -53,7 +53,7 @@ class ShmLayout:
 
     @property
     def result_row_bytes(self) -> int:
-        return 2 * self.hidden * self.elem_size + self.hidden
+        return self.hidden * self.elem_size
 
     @property
     def result_bytes(self) -> int:

@@ -32,24 +32,26 @@ SHM_DIR = Path(os.environ.get("ARFUSE_SHM_DIR", "/dev/shm"))
 PREFIX = "arfuse-"
 LINE = 64
 MAX_WORLD = 16
-# One-shot (every rank finishes every row, block by block while it is in cache) up to this
-# many bytes per rank, two-shot (each rank finishes a block of rows, the others copy it) above.
-# Measured with benchmarks/shm_threshold.py (benchmarks/results/shm_threshold-*.json) on the
-# 2-core dev machine: with two ranks, one-shot is as fast or faster at every size and both
-# dtypes (below 1 MiB the two modes are within the machine's run-to-run noise; above 2 MiB
-# one-shot wins by 5-25%), so it is always one-shot. With more ranks one-shot reads every
-# rank's slot and repeats the reduction on every rank; 256 KiB is a guess there, not a
-# measurement (the dev machine has two cores).
-_ONESHOT_MAX_BYTES_TWO_RANKS = 1 << 62
-_ONESHOT_MAX_BYTES_MORE_RANKS = 256 * 1024
+# One-shot (every rank reduces and finishes every row, block by block while it is in cache) up
+# to this many bytes per rank; two-shot (each rank sums a block of rows, every rank finishes
+# every row from those sums) above. Measured with benchmarks/shm_threshold.py
+# (benchmarks/results/shm_threshold-*.json) on the 2-core dev machine with two ranks: up to
+# 32 KiB the two are even (within +-10%, either way); from 64 KiB to 1 MiB two-shot takes
+# 0.73-0.98x the time in both dtypes and both vCPU placements; above, two-shot takes
+# 0.90-1.17x, either way from run to run. With more ranks, one-shot makes every rank read every
+# other rank's input (W - 1 inputs) while two-shot moves under two inputs' worth, so the
+# crossover can only move down; the two-rank value is used for them too (not measured: the dev
+# machine has two cores).
+_ONESHOT_MAX_BYTES = 32 * 1024
 
 
 COPY_MODES = ("auto", "cached", "streaming")  # the kernel's codes are the indices
 
 
 def oneshot_max_bytes(world: int) -> int:
-    """Per-rank bytes up to which a call runs one-shot."""
-    return _ONESHOT_MAX_BYTES_TWO_RANKS if world <= 2 else _ONESHOT_MAX_BYTES_MORE_RANKS
+    """Per-rank bytes up to which a call runs one-shot (the same for every world size)."""
+    del world
+    return _ONESHOT_MAX_BYTES
 
 
 _DTYPE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}

@@ -4,9 +4,9 @@
 // Protocol (per call, sequence number s, buffer b = s & 1):
 //   one-shot: copy x into my input slot[b]; arrive[me] = s; wait arrive[*] >= s; every rank
 //             reduces every row (fp32, rank order) and runs the epilogue locally.
-//   two-shot: as above, but each rank reduces and finishes only its own block of rows, writes
-//             the results into its result slot[b]; done[me] = s; wait done[*] >= s; every rank
-//             copies the other blocks.
+//   two-shot: as above (a rank copies all rows but its own block), but each rank reduces only
+//             its own block of rows, writes those sums into its result slot[b]; done[me] = s;
+//             wait done[*] >= s; every rank runs the epilogue on every row from the sums.
 // Double-buffered slots make a trailing barrier unnecessary: a rank can only reuse buffer b at
 // call s + 2 after every rank arrived at s + 1, i.e. after every rank finished call s.
 // The copy into the slot uses cached or streaming stores, chosen per size by a trial that
@@ -1074,7 +1074,7 @@ class ShmComm {
         const int64_t begin = b * block_rows;
         const int64_t end = std::min<int64_t>(c.tokens, begin + block_rows);
         for (int64_t row = begin; row < end; ++row) {
-          finish_row<D>(inputs, row, c, static_cast<T*>(c.out) + row * hidden_,
+          finish_row<D>(inputs, world_, row, row, c, static_cast<T*>(c.out) + row * hidden_,
                         c.residual_out ? static_cast<T*>(c.residual_out) + row * hidden_
                                        : nullptr,
                         row, c.quant_out, c.scale_out, c.swizzled);
@@ -1082,82 +1082,76 @@ class ShmComm {
       }
       return;
     }
-    if (copy) copy_in(slot, static_cast<const char*>(x), size_t(c.tokens * row_bytes), streaming);
-    flag(0, rank_)->store(call_base + kProgress - 1, std::memory_order_release);
-    wait_all(0, call_base + kProgress - 1);
-    if (decide >= 0) decide_copy_mode(decide);
-    // two-shot: my block of rows into my result slot, then gather every block
+    // two-shot: each rank sums its block of rows (rank order, rounded to T: exactly the
+    // one-shot sum) into its result slot and finishes those rows at once; once every rank has,
+    // it finishes the other blocks from their owners' sums. Only inputs and sums cross between
+    // ranks, and every rank runs the same epilogue on the same sums (bit-identical ranks).
     const int64_t chunk = (c.tokens + world_ - 1) / world_;
     const int64_t begin = std::min<int64_t>(c.tokens, chunk * rank_);
     const int64_t end = std::min<int64_t>(c.tokens, begin + chunk);
-    char* mine = result_slot(rank_, buf);
+    if (copy) {  // the others read every row but my block's; I read my block from x
+      copy_in(slot, static_cast<const char*>(x), size_t(begin * row_bytes), streaming);
+      copy_in(slot + end * row_bytes, static_cast<const char*>(x) + end * row_bytes,
+              size_t((c.tokens - end) * row_bytes), streaming);
+      inputs[rank_] = static_cast<const T*>(x);
+    }
+    flag(0, rank_)->store(call_base + kProgress - 1, std::memory_order_release);
+    wait_all(0, call_base + kProgress - 1);
+    if (decide >= 0) decide_copy_mode(decide);
+    T* out = static_cast<T*>(c.out);
+    T* residual_out = static_cast<T*>(c.residual_out);
+    auto finish_from = [&](const T* sums, int64_t first, int64_t row) {
+      const T* one[1] = {sums};
+      finish_row<D>(one, 1, row - first, row, c, out + row * hidden_,
+                    residual_out ? residual_out + row * hidden_ : nullptr, row, c.quant_out,
+                    c.scale_out, c.swizzled);
+    };
+    T* mine = reinterpret_cast<T*>(result_slot(rank_, buf));
+    const Call sum_only{};  // no weight, no quant: out = T(sum)
     for (int64_t row = begin; row < end; ++row) {
-      int64_t local = row - begin;
-      T* out_row = reinterpret_cast<T*>(mine) + local * hidden_;
-      T* res_row = c.residual_out ? reinterpret_cast<T*>(mine + chunk_rows_ * row_bytes) +
-                                        local * hidden_
-                                  : nullptr;
-      uint8_t* qbase = reinterpret_cast<uint8_t*>(mine + 2 * chunk_rows_ * row_bytes);
-      finish_row<D>(inputs, row, c, out_row, res_row, local, qbase,
-                    qbase + chunk_rows_ * (hidden_ / 2), false);
+      finish_row<D>(inputs, world_, row, row, sum_only, mine + (row - begin) * hidden_, nullptr,
+                    0, nullptr, nullptr, false);
+      finish_from(mine, begin, row);
     }
     flag(1, rank_)->store(seq, std::memory_order_release);
     wait_all(1, seq);
     for (int j = 0; j < world_; ++j) {
       const int64_t b = std::min<int64_t>(c.tokens, chunk * j);
       const int64_t e = std::min<int64_t>(c.tokens, b + chunk);
-      if (e <= b) continue;
-      const char* src = result_slot(j, buf);
-      const int64_t rows = e - b;
-      std::memcpy(static_cast<char*>(c.out) + b * row_bytes, src, size_t(rows * row_bytes));
-      if (c.residual_out) {
-        std::memcpy(static_cast<char*>(c.residual_out) + b * row_bytes,
-                    src + chunk_rows_ * row_bytes, size_t(rows * row_bytes));
-      }
-      const uint8_t* qsrc = reinterpret_cast<const uint8_t*>(src + 2 * chunk_rows_ * row_bytes);
-      if (c.quant == kFP8) {
-        std::memcpy(c.quant_out + b * hidden_, qsrc, size_t(rows * hidden_));
-      } else if (c.quant == kNVFP4) {
-        std::memcpy(c.quant_out + b * (hidden_ / 2), qsrc, size_t(rows * (hidden_ / 2)));
-        const uint8_t* ssrc = qsrc + chunk_rows_ * (hidden_ / 2);
-        const int64_t cols = hidden_ / 16;
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t k = 0; k < cols; ++k) {
-            int64_t m = b + r;
-            int64_t at = c.swizzled ? swizzled_offset(m, k, cols) : m * cols + k;
-            c.scale_out[at] = ssrc[r * cols + k];
-          }
-        }
-      }
+      if (j == rank_ || e <= b) continue;
+      const T* theirs = reinterpret_cast<const T*>(result_slot(j, buf));
+      for (int64_t row = b; row < e; ++row) finish_from(theirs, b, row);
     }
   }
 
-  // Reduce one row over the ranks and run the whole epilogue on it.
-  // quant rows are written at row index `qrow` of (q, s); s is linear unless `swizzled`.
-  // The vector and scalar loops compute the same values in the same order (lane = h % 8).
+  // Reduce row `in_row` of `ranks` inputs (in rank order) and run the whole epilogue on it,
+  // with row `row` of the residual. quant rows are written at row index `qrow` of (q, s); s is
+  // linear unless `swizzled`. The vector and scalar loops compute the same values in the same
+  // order (lane = h % 8).
   template <int D>
-  void finish_row(const typename Elem<D>::T* const* inputs, int64_t row, const Call& c,
-                  typename Elem<D>::T* out, typename Elem<D>::T* residual_out, int64_t qrow,
-                  uint8_t* q, uint8_t* s, bool swizzled) {
+  void finish_row(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_row,
+                  int64_t row, const Call& c, typename Elem<D>::T* out,
+                  typename Elem<D>::T* residual_out, int64_t qrow, uint8_t* q, uint8_t* s,
+                  bool swizzled) {
     using E = Elem<D>;
     using T = typename E::T;
     const int64_t H = hidden_;
-    const int64_t off = row * H;
-    const T* res = c.residual ? static_cast<const T*>(c.residual) + off : nullptr;
+    const int64_t off = in_row * H;
+    const T* res = c.residual ? static_cast<const T*>(c.residual) + row * H : nullptr;
     const bool norm = c.weight != nullptr;
     float lanes[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t h = 0;
 #ifdef ARFUSE_VEC
     if constexpr (Vec<D>::ok) {
       const T* rows[kMaxWorld];
-      for (int j = 0; j < world_; ++j) rows[j] = inputs[j] + off;
+      for (int j = 0; j < ranks; ++j) rows[j] = inputs[j] + off;
       __m256 vl;
       if (!norm) {
-        vl = vec_pass1_any<D, false, false>(rows, world_, H, nullptr, out);
+        vl = vec_pass1_any<D, false, false>(rows, ranks, H, nullptr, out);
       } else if (res) {
-        vl = vec_pass1_any<D, true, true>(rows, world_, H, res, residual_out);
+        vl = vec_pass1_any<D, true, true>(rows, ranks, H, res, residual_out);
       } else {
-        vl = vec_pass1_any<D, true, false>(rows, world_, H, nullptr, residual_out);
+        vl = vec_pass1_any<D, true, false>(rows, ranks, H, nullptr, residual_out);
       }
       _mm256_storeu_ps(lanes, vl);
       h = H / kLanes * kLanes;
@@ -1165,7 +1159,7 @@ class ShmComm {
 #endif
     for (; h < H; ++h) {
       float a = E::load(inputs[0][off + h]);
-      for (int j = 1; j < world_; ++j) a += E::load(inputs[j][off + h]);
+      for (int j = 1; j < ranks; ++j) a += E::load(inputs[j][off + h]);
       if (!norm) {
         out[h] = E::store(a);
         continue;
