@@ -151,9 +151,10 @@ def test_stale_segment_of_a_dead_creator_is_cleaned(tmp_path) -> None:
     assert live.exists() and not stale.exists()
 
 
-def test_hung_rank_in_a_call_times_out_naming_it() -> None:
+@pytest.mark.parametrize("mode", ["oneshot", "twoshot"])
+def test_hung_rank_in_a_call_times_out_naming_it(mode: str) -> None:
     env = {"ARFUSE_FAULTS": "shm.call@1=hang", "ARFUSE_TIMEOUT_S": "2"}
-    results = run_ranks(workers.call_then_report, 2, env=env, timeout=60, expect=1)
+    results = run_ranks(workers.call_then_report, 2, mode, env=env, timeout=60, expect=1)
     survivor = results[0].value
     assert survivor is not None and survivor["backend"] == "shm", results
     assert "timed out" in survivor["error"] and "rank(s) 1" in survivor["error"], survivor

@@ -158,11 +158,13 @@ def registry_story(rank: int, world: int) -> dict[str, Any]:
     return story
 
 
-def call_then_report(rank: int, world: int) -> dict[str, Any]:
+def call_then_report(rank: int, world: int, mode: str | None = None) -> dict[str, Any]:
     """Two calls on shm (faults from the environment); report how each rank's second call ends."""
     import arfuse
 
     comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32)
+    if mode is not None:
+        comm.workspace.set_mode(mode)  # type: ignore[attr-defined]
     started = time.monotonic()
     try:
         comm(torch.ones(2, 64))

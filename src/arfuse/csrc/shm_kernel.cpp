@@ -5,8 +5,9 @@
 //   one-shot: copy x into my input slot[b]; arrive[me] = s; wait arrive[*] >= s; every rank
 //             reduces every row (fp32, rank order) and runs the epilogue locally.
 //   two-shot: as above (a rank copies all rows but its own block), but each rank reduces only
-//             its own block of rows, writes those sums into its result slot[b]; done[me] = s;
-//             wait done[*] >= s; every rank runs the epilogue on every row from the sums.
+//             its own block of rows and writes those sums into its result slot[b]; every rank
+//             runs the epilogue on every row from the sums. Both steps go block by block, with
+//             progress counted in the flags (arrive: blocks copied; done: blocks summed).
 // Double-buffered slots make a trailing barrier unnecessary: a rank can only reuse buffer b at
 // call s + 2 after every rank arrived at s + 1, i.e. after every rank finished call s.
 // The copy into the slot uses cached or streaming stores, chosen per size by a trial that
@@ -165,8 +166,9 @@ inline __m256 fp16x8_load(const uint16_t* p) {
 #endif
 
 // pack: round 8 floats to the dtype (its bits); unpack: back to floats; put: store the bits.
-// (Streaming stores, for outputs or for the copy into the slot, were measured here: slower
-// or faster depending on where the hypervisor placed the two cores; cached stores it is.)
+// (Streaming stores for the outputs were measured here: slower or faster depending on where
+// the hypervisor placed the two cores; cached stores it is. The copy into the slot chooses
+// per size, see CopyTuning.)
 template <int D> struct Vec;
 template <> struct Vec<kBF16> {
   static constexpr bool ok = true;
@@ -554,7 +556,8 @@ class ShmComm {
         chunk_rows_(chunk_rows), timeout_s_(timeout_s), oneshot_max_bytes_(oneshot_max_bytes) {
     TORCH_CHECK(world_ >= 1 && world_ <= kMaxWorld, "arfuse shm: world size must be 1..16");
     TORCH_CHECK(rank_ >= 0 && rank_ < world_, "arfuse shm: bad rank");
-    TORCH_CHECK(max_tokens_ < kProgress, "arfuse shm: max_tokens must be below ", kProgress);
+    TORCH_CHECK(max_tokens_ + kMaxWorld < kProgress, "arfuse shm: max_tokens must be below ",
+                kProgress - kMaxWorld);
     TORCH_CHECK(header_bytes_ >= kVoteOffset + kMaxWorld * kBuckets,
                 "arfuse shm: the header is too small for the copy-mode votes");
     elem_ = dtype_ == kFP32 ? 4 : 2;
@@ -896,58 +899,68 @@ class ShmComm {
   }
 
   void wait_all(int which, int64_t target) {
-    uint64_t spins = 0;
-    double deadline = 0.0;
     for (int j = 0; j < world_; ++j) {
-      if (j == rank_) continue;
-      std::atomic<int64_t>* f = flag(which, j);
-      while (f->load(std::memory_order_acquire) < target) {
-        if (++spins < 2048) { ARFUSE_PAUSE(); continue; }
-        sched_yield();
-        if ((spins & 31) != 0) continue;
-        double now = mono_now();
-        if (deadline == 0.0) deadline = now + timeout_s_;
-        if (now > deadline) fail(silent_message(which, target, "timed out after " +
-                                                std::to_string(timeout_s_) + "s"));
-        if (check_pids_ && (spins & 1023) == 0) check_alive(which, target);
-      }
+      if (j != rank_) wait_rank(which, j, target, -1);
     }
   }
 
-  static int64_t call_of(int which, int64_t target) {
-    return which == 0 ? target / kProgress : target;
+  // Wait until rank j's flag reaches target. only: -1 when every other rank waits for the same
+  // target (an error names all that have not reached it), else j (it names j alone).
+  void wait_rank(int which, int j, int64_t target, int only) {
+    uint64_t spins = 0;
+    double deadline = 0.0;
+    std::atomic<int64_t>* f = flag(which, j);
+    while (f->load(std::memory_order_acquire) < target) {
+      if (++spins < 2048) { ARFUSE_PAUSE(); continue; }
+      sched_yield();
+      if ((spins & 31) != 0) continue;
+      double now = mono_now();
+      if (deadline == 0.0) deadline = now + timeout_s_;
+      if (now > deadline) fail(silent_message(which, target, only, "timed out after " +
+                                              std::to_string(timeout_s_) + "s"));
+      if (check_pids_ && (spins & 1023) == 0) check_alive(which, target, only);
+    }
   }
 
-  std::string silent_ranks(int which, int64_t target) const {
+  static int64_t call_of(int64_t target) { return target / kProgress; }
+
+  std::string silent_ranks(int which, int64_t target, int only) const {
     std::ostringstream ss;
     bool first = true;
     for (int j = 0; j < world_; ++j) {
-      if (j == rank_ || flag(which, j)->load(std::memory_order_acquire) >= target) continue;
+      if (j == rank_ || (only >= 0 && j != only) ||
+          flag(which, j)->load(std::memory_order_acquire) >= target) {
+        continue;
+      }
       ss << (first ? "" : ", ") << j;
       first = false;
     }
     return ss.str();
   }
 
-  std::string silent_message(int which, int64_t target, const std::string& what) const {
+  std::string silent_message(int which, int64_t target, int only,
+                             const std::string& what) const {
     std::ostringstream ss;
     ss << "arfuse shm: " << what << " in phase 'call' (" << (which == 0 ? "arrive" : "gather")
-       << ", backend shm, call " << call_of(which, target) << "): rank(s) "
-       << silent_ranks(which, target)
+       << ", backend shm, call " << call_of(target) << "): rank(s) "
+       << silent_ranks(which, target, only)
        << " of the group did not answer (dead, hung, or calling with other arguments)";
     return ss.str();
   }
 
-  void check_alive(int which, int64_t target) {
+  void check_alive(int which, int64_t target, int only) {
     for (int j = 0; j < world_; ++j) {
-      if (j == rank_ || flag(which, j)->load(std::memory_order_acquire) >= target) continue;
+      if (j == rank_ || (only >= 0 && j != only) ||
+          flag(which, j)->load(std::memory_order_acquire) >= target) {
+        continue;
+      }
       char state = '?';
       long long start = proc_start_time(pids_[size_t(j)], &state);
       if (start < 0 || start != starts_[size_t(j)] || state == 'Z' || state == 'X') {
         std::ostringstream ss;
         ss << "arfuse shm: rank " << j << " (pid " << pids_[size_t(j)]
-           << ") died during a call (phase 'call', backend shm, call " << call_of(which, target)
-           << "); silent rank(s): " << silent_ranks(which, target);
+           << ") died during a call (phase 'call', backend shm, call " << call_of(target)
+           << "); silent rank(s): " << silent_ranks(which, target, only);
         fail(ss.str());
       }
     }
@@ -1083,21 +1096,37 @@ class ShmComm {
       return;
     }
     // two-shot: each rank sums its block of rows (rank order, rounded to T: exactly the
-    // one-shot sum) into its result slot and finishes those rows at once; once every rank has,
-    // it finishes the other blocks from their owners' sums. Only inputs and sums cross between
-    // ranks, and every rank runs the same epilogue on the same sums (bit-identical ranks).
+    // one-shot sum) into its result slot and finishes those rows at once; each then finishes
+    // the other blocks from their owners' sums. Only inputs and sums cross between ranks, and
+    // every rank runs the same epilogue on the same sums (bit-identical ranks). Pipelined in
+    // blocks of rows: a rank copies the others' blocks in turn (rank + 1 first), announcing
+    // each step, so an owner starts summing as soon as its first rows are in; owners announce
+    // their sums block by block too.
     const int64_t chunk = (c.tokens + world_ - 1) / world_;
-    const int64_t begin = std::min<int64_t>(c.tokens, chunk * rank_);
-    const int64_t end = std::min<int64_t>(c.tokens, begin + chunk);
-    if (copy) {  // the others read every row but my block's; I read my block from x
-      copy_in(slot, static_cast<const char*>(x), size_t(begin * row_bytes), streaming);
-      copy_in(slot + end * row_bytes, static_cast<const char*>(x) + end * row_bytes,
-              size_t((c.tokens - end) * row_bytes), streaming);
-      inputs[rank_] = static_cast<const T*>(x);
+    const int64_t block_rows = std::max<int64_t>(1, kBlockBytes / row_bytes);
+    const int64_t steps = (chunk + block_rows - 1) / block_rows;  // blocks per chunk, at most
+    auto chunk_begin = [&](int j) { return std::min<int64_t>(c.tokens, chunk * j); };
+    auto chunk_end = [&](int j) { return std::min<int64_t>(c.tokens, chunk * (j + 1)); };
+    // Arrival progress: chunk at position p of my copy order (rank + 1 + p), block k copied:
+    // p * steps + k + 1 (a chunk with fewer blocks jumps to (p + 1) * steps when done).
+    auto position = [&](int owner, int copier) { return (owner - copier - 1 + world_) % world_; };
+    const int64_t begin = chunk_begin(rank_), end = chunk_end(rank_);
+    if (copy) {
+      for (int p = 0; p + 1 < world_; ++p) {
+        const int j = (rank_ + 1 + p) % world_;
+        const int64_t b = chunk_begin(j), e = chunk_end(j);
+        for (int64_t k = 0; b + k * block_rows < e; ++k) {
+          const int64_t r0 = b + k * block_rows, r1 = std::min(e, r0 + block_rows);
+          copy_in(slot + r0 * row_bytes, static_cast<const char*>(x) + r0 * row_bytes,
+                  size_t((r1 - r0) * row_bytes), streaming);
+          flag(0, rank_)->store(call_base + p * steps + k + 1, std::memory_order_release);
+        }
+        flag(0, rank_)->store(call_base + (p + 1) * steps, std::memory_order_release);
+      }
+      inputs[rank_] = static_cast<const T*>(x);  // my own block is read from x, not copied
+    } else {
+      flag(0, rank_)->store(call_base + kProgress - 1, std::memory_order_release);
     }
-    flag(0, rank_)->store(call_base + kProgress - 1, std::memory_order_release);
-    wait_all(0, call_base + kProgress - 1);
-    if (decide >= 0) decide_copy_mode(decide);
     T* out = static_cast<T*>(c.out);
     T* residual_out = static_cast<T*>(c.residual_out);
     auto finish_from = [&](const T* sums, int64_t first, int64_t row) {
@@ -1108,20 +1137,33 @@ class ShmComm {
     };
     T* mine = reinterpret_cast<T*>(result_slot(rank_, buf));
     const Call sum_only{};  // no weight, no quant: out = T(sum)
-    for (int64_t row = begin; row < end; ++row) {
-      finish_row<D>(inputs, world_, row, row, sum_only, mine + (row - begin) * hidden_, nullptr,
-                    0, nullptr, nullptr, false);
-      finish_from(mine, begin, row);
+    for (int64_t k = 0; begin + k * block_rows < end; ++k) {
+      for (int j = 0; j < world_; ++j) {
+        if (j != rank_) {
+          wait_rank(0, j, call_base + position(rank_, j) * steps + k + 1, j);
+        }
+      }
+      const int64_t r1 = std::min(end, begin + (k + 1) * block_rows);
+      for (int64_t row = begin + k * block_rows; row < r1; ++row) {
+        finish_row<D>(inputs, world_, row, row, sum_only, mine + (row - begin) * hidden_,
+                      nullptr, 0, nullptr, nullptr, false);
+        finish_from(mine, begin, row);
+      }
+      flag(1, rank_)->store(call_base + k + 1, std::memory_order_release);
     }
-    flag(1, rank_)->store(seq, std::memory_order_release);
-    wait_all(1, seq);
-    for (int j = 0; j < world_; ++j) {
-      const int64_t b = std::min<int64_t>(c.tokens, chunk * j);
-      const int64_t e = std::min<int64_t>(c.tokens, b + chunk);
-      if (j == rank_ || e <= b) continue;
+    for (int p = 0; p + 1 < world_; ++p) {
+      const int j = (rank_ + 1 + p) % world_;
+      const int64_t b = chunk_begin(j), e = chunk_end(j);
       const T* theirs = reinterpret_cast<const T*>(result_slot(j, buf));
-      for (int64_t row = b; row < e; ++row) finish_from(theirs, b, row);
+      for (int64_t k = 0; b + k * block_rows < e; ++k) {
+        wait_rank(1, j, call_base + k + 1, j);
+        const int64_t r1 = std::min(e, b + (k + 1) * block_rows);
+        for (int64_t row = b + k * block_rows; row < r1; ++row) finish_from(theirs, b, row);
+      }
     }
+    // Every other rank's flags of this call have been seen by now (a rank with an empty
+    // block waits on every owner; the others wait on every copier), so every vote is final.
+    if (decide >= 0) decide_copy_mode(decide);
   }
 
   // Reduce row `in_row` of `ranks` inputs (in rank order) and run the whole epilogue on it,
