@@ -180,3 +180,9 @@ def test_copy_modes_give_the_same_results_and_ranks_agree_on_the_mode(
         decided = [m for m in modes.values() if "undecided" not in m]
         assert len(decided) == 1 and decided[0] in ("cached", "streaming"), modes
         assert sum("undecided" in m for m in modes.values()) == 1, modes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_shot_and_two_shot_agree_bit_for_bit_with_special_values(world: int) -> None:
+    for differ in values(run_ranks(workers.one_vs_two_shot, world)):
+        assert differ == [], differ

@@ -376,3 +376,47 @@ def copy_modes(rank: int, world: int, mode: str | None) -> dict[str, Any]:
         report["modes"][f"{dtype}-{hidden}"] = workspace.copy_modes()
         comm.close()
     return report
+
+
+def one_vs_two_shot(rank: int, world: int) -> list[str]:
+    """The same calls forced one-shot and two-shot, special values included (NaN, signaling
+    NaN, infinities, -0): returns what differs bit for bit (nothing, when the modes agree)."""
+    import arfuse
+
+    special = {torch.bfloat16: (0x7F81, 0x7FC0, 0x7F80, 0xFF80, 0x8000),
+               torch.float16: (0x7C01, 0x7E00, 0x7C00, 0xFC00, 0x8000),
+               torch.float32: (0x7F800001, 0x7FC00000, 0x7F800000, -0x800000, -0x80000000)}
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    differ = []
+    for dtype, codes in special.items():
+        hidden, tokens = 1040, 24
+        comm = arfuse.FusedAllReduce(max_token_num=tokens, hidden_dim=hidden, dtype=dtype,
+                                     backend="shm", strict=True, timeout_s=30)
+        gen = torch.Generator().manual_seed(5 + rank)
+        x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+        residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
+        raw = x.view(bits[dtype])
+        for i, code in enumerate(codes):  # a special value on some rows of every rank
+            raw[3 * i + rank, 7 * i] = code if code < 2 ** 15 or dtype == torch.float32 \
+                else code - 2 ** 16
+        weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+        patterns = {"plain": {}, "norm": {"residual": residual, "weight": weight},
+                    "norm-no-residual": {"weight": weight},
+                    "fp8": {"residual": residual, "weight": weight, "quant": "fp8", "scale": 0.5}}
+        for name, kwargs in patterns.items():
+            results = []
+            for mode in ("oneshot", "twoshot"):
+                comm.workspace.set_mode(mode)  # type: ignore[attr-defined]
+                results.append(comm(x, **kwargs))
+            for field in ("out", "residual_out", "quant_out"):
+                a, b = getattr(results[0], field), getattr(results[1], field)
+                if a is None and b is None:
+                    continue
+                if a.dtype in bits:
+                    a, b = a.view(bits[a.dtype]), b.view(bits[b.dtype])
+                else:
+                    a, b = a.view(torch.uint8), b.view(torch.uint8)
+                if not torch.equal(a, b):
+                    differ.append(f"{dtype} {name} {field}")
+        comm.close()
+    return differ

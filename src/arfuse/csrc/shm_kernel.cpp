@@ -250,7 +250,13 @@ __m256 bf16_pass1(const uint16_t* const* rows, int world, int64_t n16, const uin
       a.lo = _mm256_add_ps(a.lo, b.lo);
       a.hi = _mm256_add_ps(a.hi, b.hi);
     }
-    __m256 lo = bf16x8_round32(a.lo), hi = bf16x8_round32(a.hi);
+    // one input (W == 1) holds bf16 values already: rounding them again changes nothing that
+    // the rounding after the residual add below would not (it also quiets a signaling NaN)
+    __m256 lo = a.lo, hi = a.hi;
+    if constexpr (!(W == 1 && NORM)) {
+      lo = bf16x8_round32(a.lo);
+      hi = bf16x8_round32(a.hi);
+    }
     if constexpr (NORM) {
       if constexpr (RES) {
         const BF16x16 b = BF16x16::load(res + h);
@@ -286,7 +292,9 @@ __m256 vec_pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
   }
   for (; h + kLanes <= n; h += kLanes) {
     __m256 a;
-    if constexpr (W == 2) {
+    if constexpr (W == 1) {
+      a = V::load(r0 + h);
+    } else if constexpr (W == 2) {
       a = _mm256_add_ps(V::load(r0 + h), V::load(r1 + h));
     } else if constexpr (W == 4) {
       a = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(V::load(r0 + h), V::load(r1 + h)),
@@ -298,7 +306,7 @@ __m256 vec_pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
     if constexpr (!NORM) {
       V::put(dst + h, V::pack(a));
     } else {
-      __m256 pre = V::round(a);
+      __m256 pre = W == 1 ? a : V::round(a);  // one input: values of T already (see above)
       if constexpr (RES) pre = _mm256_add_ps(pre, V::load(res + h));
       __m256 r = V::round(pre);
       V::put(dst + h, V::narrow(r));
@@ -311,6 +319,7 @@ __m256 vec_pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
 template <int D, bool NORM, bool RES>
 __m256 vec_pass1_any(const typename Elem<D>::T* const* rows, int world, int64_t n,
                      const typename Elem<D>::T* res, typename Elem<D>::T* dst) {
+  if (world == 1) return vec_pass1<D, 1, NORM, RES>(rows, world, n, res, dst);
   if (world == 2) return vec_pass1<D, 2, NORM, RES>(rows, world, n, res, dst);
   if (world == 4) return vec_pass1<D, 4, NORM, RES>(rows, world, n, res, dst);
   return vec_pass1<D, 0, NORM, RES>(rows, world, n, res, dst);
