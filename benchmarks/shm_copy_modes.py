@@ -15,16 +15,14 @@ calls run the mode the group decided; the table says which. Results are the same
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+from shm_common import DTYPES, save, start_rank
 
-from arfuse.launch import init_from_env, launch, pin_to_core
+from arfuse.launch import launch
 
 MODES = ("cached", "streaming", "auto")
 BLOCK = 20
@@ -41,14 +39,8 @@ class Options:
 
 
 def body(rank: int, world: int, opts: Options) -> int:
-    import arfuse
-
-    torch.set_num_threads(1)
-    init_from_env("cpu")
-    pin_to_core(rank, world)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[opts.dtype]
-    comm = arfuse.FusedAllReduce(max_token_num=max(opts.tokens), hidden_dim=opts.hidden,
-                                 dtype=dtype, backend="shm", strict=True)
+    comm = start_rank(rank, world, max(opts.tokens), opts.hidden, opts.dtype)
+    dtype = DTYPES[opts.dtype]
     ws: object = comm.workspace
     weight = torch.ones(opts.hidden, dtype=dtype)
     rows = []
@@ -95,12 +87,7 @@ def body(rank: int, world: int, opts: Options) -> int:
             print(f"{r['tokens']:>7} {r['bytes_per_rank'] / 1024:>9.0f} {r['cached_us']:>9.1f} "
                   f"{r['streaming_us']:>10.1f} {r['auto_us']:>9.1f} "
                   f"{r['streaming_us'] / r['cached_us']:>13.2f}x  {r['auto_chose']}")
-        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(opts.out).write_text(json.dumps({"world_size": world, "hidden": opts.hidden,
-                                              "dtype": opts.dtype, "cores": os.cpu_count(),
-                                              "date": time.strftime("%Y-%m-%d %H:%M"),
-                                              "rows": rows}, indent=2))
-        print(f"wrote {opts.out}")
+        save(opts.out, world, opts.hidden, opts.dtype, rows)
     return 0
 
 

@@ -11,16 +11,14 @@ in ``arfuse/backends/shm.py`` come from this script's results on the dev machine
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+from shm_common import DTYPES, save, start_rank
 
-from arfuse.launch import init_from_env, launch, pin_to_core
+from arfuse.launch import launch
 
 
 @dataclass(frozen=True)
@@ -33,14 +31,8 @@ class Options:
 
 
 def body(rank: int, world: int, opts: Options) -> int:
-    import arfuse
-
-    torch.set_num_threads(1)
-    init_from_env("cpu")
-    pin_to_core(rank, world)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[opts.dtype]
-    comm = arfuse.FusedAllReduce(max_token_num=max(opts.tokens), hidden_dim=opts.hidden,
-                                 dtype=dtype, backend="shm", strict=True)
+    comm = start_rank(rank, world, max(opts.tokens), opts.hidden, opts.dtype)
+    dtype = DTYPES[opts.dtype]
     ws = comm.workspace
     weight = torch.ones(opts.hidden, dtype=dtype)
     rows = []
@@ -69,11 +61,7 @@ def body(rank: int, world: int, opts: Options) -> int:
             faster = "one" if r["oneshot_us"] <= r["twoshot_us"] else "two"
             print(f"{r['tokens']:>7} {r['bytes_per_rank'] / 1024:>9.0f} {r['oneshot_us']:>12.1f} "
                   f"{r['twoshot_us']:>12.1f}  {faster}-shot")
-        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(opts.out).write_text(json.dumps({"world_size": world, "hidden": opts.hidden,
-                                              "dtype": opts.dtype, "cores": os.cpu_count(),
-                                              "rows": rows}, indent=2))
-        print(f"wrote {opts.out}")
+        save(opts.out, world, opts.hidden, opts.dtype, rows)
     return 0
 
 
