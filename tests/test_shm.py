@@ -47,9 +47,9 @@ def test_shm_numerics(world: int, mode: str) -> None:
 
 def test_shm_automatic_threshold_both_sides() -> None:
     """Without forcing: small calls one-shot, large calls two-shot, same results as reference."""
-    from arfuse.backends.shm import oneshot_max_bytes
+    from arfuse.backends.shm import ONESHOT_MAX_BYTES
 
-    big = oneshot_max_bytes(3) // (1040 * 2) + 3
+    big = ONESHOT_MAX_BYTES // (1040 * 2) + 3
     cases = [Case("bf16", 1, 1040, "norm"), Case("bf16", big, 1040, "norm"),
              Case("bf16", big, 1040, "plain")]
     results = values(run_ranks(workers.numerics, 3, "shm", cases, big, None))

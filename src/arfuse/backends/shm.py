@@ -42,16 +42,10 @@ MAX_WORLD = 16
 # other rank's input (W - 1 inputs) while two-shot moves under two inputs' worth, so the
 # crossover can only move down; the two-rank value is used for them too (not measured: the dev
 # machine has two cores).
-_ONESHOT_MAX_BYTES = 32 * 1024
+ONESHOT_MAX_BYTES = 32 * 1024
 
 
 COPY_MODES = ("auto", "cached", "streaming")  # the kernel's codes are the indices
-
-
-def oneshot_max_bytes(world: int) -> int:
-    """Per-rank bytes up to which a call runs one-shot (the same for every world size)."""
-    del world
-    return _ONESHOT_MAX_BYTES
 
 
 _DTYPE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
@@ -118,7 +112,7 @@ class ShmWorkspace(Workspace):
                 self._base, ctx.world_size, ctx.rank, spec.max_tokens, spec.hidden,
                 _DTYPE_CODE[spec.dtype], sizing.SHM_HEADER_BYTES, layout.slot_bytes,
                 layout.input_bytes, layout.chunk_rows, ctx.settings.timeout_s,
-                oneshot_max_bytes(ctx.world_size))
+                ONESHOT_MAX_BYTES)
             self._comm.set_result_type(FusedOutput)
         if self._comm is None:
             self.use_pure_path()
@@ -191,8 +185,7 @@ class ShmWorkspace(Workspace):
         if mode not in (None, "oneshot", "twoshot"):
             raise ValueError(f"mode={mode!r} is not valid; use oneshot, twoshot or None")
         if self._comm is not None:
-            automatic = oneshot_max_bytes(self.ctx.world_size)
-            limit = {None: automatic, "oneshot": 2**62, "twoshot": -1}[mode]
+            limit = {None: ONESHOT_MAX_BYTES, "oneshot": 2**62, "twoshot": -1}[mode]
             self._comm.set_oneshot_max_bytes(limit)
 
     def set_copy_mode(self, mode: str) -> None:
