@@ -26,7 +26,6 @@ from arfuse.launch import launch
 
 MODES = ("cached", "streaming", "auto")
 BLOCK = 20
-AUTO_WARMUP = 48  # past the kernel's trial: 8 warm-up calls, 16 pairs, the deciding call
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ def body(rank: int, world: int, opts: Options) -> int:
             return (time.perf_counter_ns() - t0) / 1e3
 
         ws.set_copy_mode("auto")  # type: ignore[attr-defined]
-        for _ in range(AUTO_WARMUP):
+        for _ in range(ws.copy_trial_calls + 2):  # type: ignore[attr-defined]
             call()
         for mode in ("cached", "streaming"):
             ws.set_copy_mode(mode)  # type: ignore[attr-defined]

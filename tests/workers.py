@@ -369,7 +369,7 @@ def copy_modes(rank: int, world: int, mode: str | None) -> dict[str, Any]:
         workspace.set_copy_mode("auto")
         x = torch.randn(70, hidden, generator=gen).to(dtype)
         expected = comm(x, residual=x, weight=weight)  # this size's first auto call
-        for _ in range(48):  # past the trial (8 warm-up calls, 16 pairs) and the decision
+        for _ in range(workspace.copy_trial_calls + 2):  # past the trial and the decision
             got = comm(x, residual=x, weight=weight)
             report["same"].append(torch.equal(got.out, expected.out))
         comm(x[:1], residual=x[:1], weight=weight)  # another size: one call, undecided

@@ -66,19 +66,17 @@ def _rmsnorm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) 
 
 ROUNDS = 5
 WARMUP = 5
-# the shm rows' warm-up covers the kernel's copy-mode trial (8 calls of a size, 16 pairs, and
-# the deciding call), so timed calls run the mode the group chose
-SHM_WARMUP = 48
 
 
-def _measure(rows: dict[str, tuple[Any, Any]], opts: BenchOptions) -> dict[str, list[float]]:
+def _measure(rows: dict[str, tuple[Any, Any]], opts: BenchOptions,
+             shm_warmup: int = WARMUP) -> dict[str, list[float]]:
     """Per-call microseconds of every row, after warm-up, interleaved in rounds so that drift
     of a shared machine hits every row alike. Every rank runs the same counts (collectives)."""
     import torch.distributed as dist
 
     counts: dict[str, int] = {}
     for name, (fn, reset) in rows.items():
-        for _ in range(SHM_WARMUP if name.startswith("shm") else WARMUP):
+        for _ in range(shm_warmup if name.startswith("shm") else WARMUP):
             if reset:
                 reset()
             fn()
@@ -204,7 +202,10 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
                 candidates["deepspeed+norm"] = (
                     lambda w_=work, r=residual, w=weight: _rmsnorm_add(
                         _ds_all_reduce(ds, w_), r, w), reset)
-            rows = _measure(candidates, opts)
+            # the shm rows warm up past the copy-mode trial: timed calls run the chosen mode
+            workspace: Any = None if comm is None else comm.workspace
+            trial = 0 if workspace is None else workspace.copy_trial_calls
+            rows = _measure(candidates, opts, WARMUP + trial)
             for backend, times in rows.items():
                 entry = {"dtype": dname, "tokens": tokens, "backend": backend,
                          "bytes_per_rank": tokens * opts.hidden * x.element_size(),

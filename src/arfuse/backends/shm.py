@@ -197,6 +197,14 @@ class ShmWorkspace(Workspace):
         if self._comm is not None:
             self._comm.set_copy_mode(COPY_MODES.index(mode))
 
+    @property
+    def copy_trial_calls(self) -> int:
+        """Calls of one size until ``auto`` has decided its copy mode (0 on the pure-torch
+        path): a benchmark warms up past them so that timed calls run the chosen mode."""
+        if self._comm is None or self.kernel is None:
+            return 0
+        return int(self.kernel.copy_trial_calls)
+
     def copy_modes(self) -> dict[int, str]:
         """The copy mode in use per size class seen in ``auto`` mode, by the class's smallest
         size in bytes: ``cached``/``streaming`` once the group's trial decided, ``cached

@@ -1340,6 +1340,8 @@ class ShmComm {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   init_tables();
   m.doc() = "arfuse shared-memory fused all-reduce kernel";
+  // calls of one size until auto mode has decided its copy mode (warm-up, trial, deciding call)
+  m.attr("copy_trial_calls") = py::int_(kTuneWarm + 2 * kTunePairs + 1);
   py::class_<ShmComm>(m, "ShmComm")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                     int64_t, int64_t, double, int64_t>())
