@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from arfuse import sizing
-from arfuse.backends import shm_build
+from arfuse.backends.shm import build as shm_build
+from arfuse.backends.shm import layout as shm_layout
 
 DTYPES = {"bf16": (torch.bfloat16, 0), "fp16": (torch.float16, 1), "fp32": (torch.float32, 2)}
 BLOCK = 20
@@ -33,10 +33,10 @@ def measure(tokens: int, hidden: int, dtype_name: str, calls: int) -> dict[str, 
     if module is None:
         raise SystemExit(f"no compiled kernel here: {shm_build.why_not()}")
     dtype, code = DTYPES[dtype_name]
-    layout = sizing.ShmLayout(1, tokens, hidden, torch.tensor([], dtype=dtype).element_size())
+    layout = shm_layout.ShmLayout(1, tokens, hidden, torch.tensor([], dtype=dtype).element_size())
     memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     comm = module.ShmComm(memory.data_ptr(), 1, 0, tokens, hidden, code,
-                          sizing.SHM_HEADER_BYTES, layout.slot_bytes, layout.input_bytes,
+                          shm_layout.HEADER_BYTES, layout.slot_bytes, layout.input_bytes,
                           layout.chunk_rows, 10.0, 1 << 40)
     comm.set_copy_mode(1)  # cached: no peer reads the copy
     x0 = torch.randn(tokens, hidden).to(dtype)

@@ -14,6 +14,6 @@ os.environ.setdefault("ARFUSE_LOG", "warning")
 def shm_kernel_built() -> None:
     """Build the shm kernel once, before any test starts ranks (about 40 s the first time on
     a 2-core machine; cached per user afterwards)."""
-    from arfuse.backends import shm_build
+    from arfuse.backends.shm import build as shm_build
 
     shm_build.load()

@@ -11,14 +11,18 @@ from typing import Any
 import pytest
 import torch
 
-from arfuse.backends.base import CreationFailed, GroupContext
-from arfuse.backends.flashinfer import FlashInferBackend, trtllm_use_oneshot
+from arfuse import catalog
+from arfuse.backends.flashinfer.workspace import MnnvlBackend, TrtllmBackend, trtllm_use_oneshot
+from arfuse.call_checks import CallArgs
+from arfuse.errors import CreationFailed
+from arfuse.negotiate import GroupContext
 from arfuse.rendezvous import Channel
 from arfuse.settings import Settings
 from arfuse.spec import Spec
 from arfuse.torch_types import TORCH_DTYPES
 
 MIB = 1 << 20
+BACKENDS = {"mnnvl": MnnvlBackend, "trtllm": TrtllmBackend}
 
 
 class FakeWorkspace:
@@ -113,7 +117,7 @@ class FakeFlashInfer:
 def context(world: int = 1) -> GroupContext:
     group = object()  # stands for the caller's process group
     return GroupContext(group=group, rank=0, world_size=world, device="cpu", key="g",
-                        channel=Channel(None, "t", 0, 1, 5.0), settings=Settings())
+                        channel=Channel(None, "t", 0, 1), settings=Settings())
 
 
 @pytest.fixture
@@ -125,7 +129,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeFlashInfer:
 
 def test_create_binds_the_given_group_and_passes_the_spec(fake: FakeFlashInfer) -> None:
     ctx = context()
-    ws = FlashInferBackend("mnnvl").create(ctx, Spec(max_tokens=64, hidden=256, dtype="bf16"))
+    ws = BACKENDS["mnnvl"]().create(ctx, Spec(max_tokens=64, hidden=256, dtype="bf16"))
     assert ws is not None
     kw = fake.created[0]
     assert kw["backend"] == "mnnvl" and kw["world_size"] == 1 and kw["rank"] == 0
@@ -138,14 +142,14 @@ def test_create_binds_the_given_group_and_passes_the_spec(fake: FakeFlashInfer) 
 def test_null_multicast_pointer_fails_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeFlashInfer(mc_ptr=0)
     fake.install(monkeypatch)
-    ws = FlashInferBackend("mnnvl").create(context(), Spec(max_tokens=8, hidden=64))
+    ws = BACKENDS["mnnvl"]().create(context(), Spec(max_tokens=8, hidden=64))
     assert ws is not None
     with pytest.raises(CreationFailed, match="null multicast pointer"):
         ws.validate()
 
 
 def test_validation_runs_a_real_call(fake: FakeFlashInfer) -> None:
-    ws = FlashInferBackend("mnnvl").create(context(), Spec(max_tokens=8, hidden=64))
+    ws = BACKENDS["mnnvl"]().create(context(), Spec(max_tokens=8, hidden=64))
     assert ws is not None
     ws.validate()
     assert fake.calls[-1]["pattern"] == 0 and fake.calls[-1]["use_oneshot"] is None
@@ -156,7 +160,7 @@ def test_capacity_is_flashinfers_own_answer(monkeypatch: pytest.MonkeyPatch) -> 
     fake = FakeFlashInfer(buffer_scale=0.5)
     fake.install(monkeypatch)
     spec = Spec(max_tokens=2048, hidden=4096, dtype="bf16")
-    ws = FlashInferBackend("mnnvl").create(context(8), spec)
+    ws = BACKENDS["mnnvl"]().create(context(8), spec)
     assert ws is not None
     handle = fake.created and ws._handle  # type: ignore[attr-defined]
     assert 0 < ws.capacity < 2048
@@ -164,13 +168,13 @@ def test_capacity_is_flashinfers_own_answer(monkeypatch: pytest.MonkeyPatch) -> 
     assert not handle.is_buffer_size_sufficient(8, ws.capacity + 1, 4096, torch.bfloat16)
     full = FakeFlashInfer()
     full.install(monkeypatch)
-    ws_full = FlashInferBackend("mnnvl").create(context(8), spec)
+    ws_full = BACKENDS["mnnvl"]().create(context(8), spec)
     assert ws_full is not None and ws_full.capacity == 2048
 
 
 def trtllm_with_inputs(dtype: str) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A one-rank trtllm workspace on the stand-in, and x, residual, weight for 3 tokens."""
-    ws = FlashInferBackend("trtllm").create(context(), Spec(max_tokens=8, hidden=64,
+    ws = BACKENDS["trtllm"]().create(context(), Spec(max_tokens=8, hidden=64,
                                                            dtype=dtype))
     assert ws is not None
     torch_dtype = TORCH_DTYPES[dtype]
@@ -180,7 +184,7 @@ def trtllm_with_inputs(dtype: str) -> tuple[Any, torch.Tensor, torch.Tensor, tor
 
 def test_patterns_and_quant_arguments(fake: FakeFlashInfer) -> None:
     ws, x, res, w = trtllm_with_inputs("fp16")
-    out = ws.run(x, res, w, 1e-5, 1.0, "nvfp4", 2.5, "swizzled_128x4")
+    out = ws.run(CallArgs(x, res, w, 1e-5, 1.0, "nvfp4", 2.5, "swizzled_128x4"))
     call = fake.calls[-1]
     assert call["pattern"] == 5 and call["layout_code"] == 0
     assert call["rms_eps"] == 1e-5 and call["weight_bias"] == 1.0 and call["fp32_acc"] is True
@@ -189,7 +193,7 @@ def test_patterns_and_quant_arguments(fake: FakeFlashInfer) -> None:
     assert out.scale_out is not None and out.scale_out.shape == (128, 4)
     assert out.scale_out.dtype == torch.uint8
     assert torch.equal(out.residual_out, x + res)
-    ws.run(x, None, w, 1e-5, 0.0, "fp8", 0.5, "linear")
+    ws.run(CallArgs(x, None, w, 1e-5, 0.0, "fp8", 0.5, "linear"))
     call = fake.calls[-1]
     assert call["pattern"] == 4 and call["quant_out"].dtype == torch.float8_e4m3fn
     assert torch.equal(call["residual_in"], torch.zeros_like(x))
@@ -203,7 +207,7 @@ def test_trtllm_world_16_never_hits_the_missing_table_entry() -> None:
 
 def test_destroy_frees_trtllm_ipc_buffers(fake: FakeFlashInfer) -> None:
     ctx = context()
-    ws = FlashInferBackend("trtllm").create(ctx, Spec(max_tokens=8, hidden=64))
+    ws = BACKENDS["trtllm"]().create(ctx, Spec(max_tokens=8, hidden=64))
     assert ws is not None
     handle = ws._handle  # type: ignore[attr-defined]
     ws.destroy()
@@ -213,30 +217,32 @@ def test_destroy_frees_trtllm_ipc_buffers(fake: FakeFlashInfer) -> None:
 
 
 def test_injected_null_fails_validation_on_trtllm(fake: FakeFlashInfer) -> None:
-    ctx = context()
-    ctx.fault_table = __import__("arfuse.faults", fromlist=["parse"]).parse(
-        "trtllm.create@0=null")
-    ws = FlashInferBackend("trtllm").create(ctx, Spec(max_tokens=8, hidden=64))
+    from dataclasses import replace
+
+    from arfuse.faults import parse
+
+    ctx = replace(context(), faults=parse("trtllm.create@0=null"))
+    ws = BACKENDS["trtllm"]().create(ctx, Spec(max_tokens=8, hidden=64))
     assert ws is not None
     with pytest.raises(CreationFailed):
         ws.validate()
 
 
-def test_backends_state_the_policys_requirements() -> None:
-    from arfuse.policy import requirement
+def test_backends_point_at_the_policys_descriptors() -> None:
     from arfuse.topology import Topology
 
     topo = Topology(device="cuda", world_size=8, sm=90, multicast=False, flashinfer="0.6.13")
     spec = Spec(max_tokens=8, hidden=64)
-    for name in ("mnnvl", "trtllm"):
-        assert FlashInferBackend(name).requirements(topo, spec) == requirement(name, topo, spec)
-    assert "multicast" in FlashInferBackend("mnnvl").requirements(topo, spec)
+    for name, backend in BACKENDS.items():
+        assert backend.name == name and backend.workspace_class.backend == name
+        assert catalog.load(name) is backend
+    assert "multicast" in catalog.get("mnnvl").blocker(topo, spec)
 
 
-def test_unavailable_without_cuda() -> None:
+def test_blocked_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    assert "no CUDA" in FlashInferBackend("mnnvl").unavailable()
+    assert "no CUDA" in BACKENDS["mnnvl"]().blocker(context(), Spec(max_tokens=8, hidden=64))
 
 
 def test_given_destinations_are_flashinfers_outputs(fake: FakeFlashInfer) -> None:
@@ -244,11 +250,12 @@ def test_given_destinations_are_flashinfers_outputs(fake: FakeFlashInfer) -> Non
     and the residual themselves, as vLLM passes them) and come back as the results."""
     ws, x, res, w = trtllm_with_inputs("bf16")
     expected = (x + res).clone()
-    result = ws.run(x, res, w, 1e-5, 0.0, None, None, "linear", out=x, residual_out=res)
+    result = ws.run(CallArgs(x, res, w, 1e-5, 0.0, None, None, "linear", out=x,
+                             residual_out=res))
     call = fake.calls[-1]
     assert call["norm_out"] is x and call["residual_out"] is res and call["input"] is x
     assert result.out is x and result.residual_out is res
     assert torch.equal(res, expected)
     plain_out = torch.empty_like(x)
-    result = ws.run(x, None, None, 1e-5, 0.0, None, None, "linear", out=plain_out)
+    result = ws.run(CallArgs(x, None, None, 1e-5, 0.0, None, None, "linear", out=plain_out))
     assert fake.calls[-1]["output"] is plain_out and result.out is plain_out

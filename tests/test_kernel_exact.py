@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from arfuse import sizing
-from arfuse.backends import shm_build
+from arfuse.backends.shm import build as shm_build
+from arfuse.backends.shm import layout as shm_layout
 
 DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -24,10 +24,11 @@ def kernel_on_private_memory(tokens: int, hidden: int, dtype: torch.dtype) -> tu
     module = shm_build.load()
     if module is None:
         pytest.skip(f"no compiled kernel here: {shm_build.why_not()}")
-    layout = sizing.ShmLayout(1, tokens, hidden, torch.tensor([], dtype=dtype).element_size())
+    layout = shm_layout.ShmLayout(1, tokens, hidden,
+                                  torch.tensor([], dtype=dtype).element_size())
     memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     comm = module.ShmComm(memory.data_ptr(), 1, 0, tokens, hidden, DTYPE_CODE[dtype],
-                          sizing.SHM_HEADER_BYTES, layout.slot_bytes, layout.input_bytes,
+                          shm_layout.HEADER_BYTES, layout.slot_bytes, layout.input_bytes,
                           layout.chunk_rows, 10.0, 1 << 40)
     return comm, memory
 

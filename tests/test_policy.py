@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from arfuse.policy import resolve, version_tuple
+from arfuse.backends.flashinfer import version_tuple
+from arfuse.policy import resolve
 from arfuse.settings import Settings
 from arfuse.spec import Spec
 from arfuse.topology import Topology
@@ -208,13 +209,13 @@ def test_workspace_predictions() -> None:
 
 def test_mnnvl_capacity_is_the_backends_own_answer() -> None:
     """vLLM #50877: triple buffering; capacity counts what fits one buffer in the real mode."""
-    from arfuse import sizing
+    from arfuse.backends import flashinfer
 
     spec = Spec(max_tokens=2048, hidden=4096, dtype="bf16")
-    buffer = sizing.mnnvl_buffer_bytes(8, spec)
-    cap = sizing.mnnvl_capacity(8, spec, buffer)
-    assert sizing.mnnvl_need(8, cap, 4096, 2) <= buffer
-    assert cap == spec.max_tokens or sizing.mnnvl_need(8, cap + 1, 4096, 2) > buffer
+    buffer = flashinfer.mnnvl_buffer_bytes(8, spec)
+    cap = flashinfer.mnnvl_footprint(8, spec, Topology(device="cuda", world_size=8)).capacity
+    assert flashinfer.mnnvl_need(8, cap, 4096 * 2) <= buffer
+    assert cap == spec.max_tokens or flashinfer.mnnvl_need(8, cap + 1, 4096 * 2) > buffer
 
 
 def test_version_tuple() -> None:

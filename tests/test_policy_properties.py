@@ -7,8 +7,9 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arfuse.policy import FUSED_BACKENDS, requirement, resolve
-from arfuse.settings import BACKENDS, Settings
+from arfuse import catalog
+from arfuse.policy import resolve
+from arfuse.settings import Settings, backend_choices
 from arfuse.spec import Spec
 from arfuse.topology import Topology
 
@@ -52,7 +53,7 @@ def safe_resolve(conf: Settings, topo: Topology, spec: Spec):
 
 
 @settings(max_examples=600, deadline=None)
-@given(topologies(), specs(), st.sampled_from(BACKENDS), st.booleans())
+@given(topologies(), specs(), st.sampled_from(backend_choices()), st.booleans())
 def test_plan_invariants(topo: Topology, spec: Spec, backend: str, strict: bool) -> None:
     conf = Settings(backend=backend, strict=strict)
     plan = safe_resolve(conf, topo, spec)
@@ -75,13 +76,13 @@ def test_plan_invariants(topo: Topology, spec: Spec, backend: str, strict: bool)
     # every viable candidate meets its hard requirements; every non-viable one says why
     for cand in plan.candidates:
         if cand.viable:
-            assert requirement(cand.backend, topo, spec) == ""
+            assert catalog.get(cand.backend).blocker(topo, spec) == ""
         assert cand.reason
     # the chosen backend is the first viable candidate
     assert plan.backend == plan.viable[0]
-    assert plan.fused == (plan.backend in FUSED_BACKENDS)
+    assert plan.fused == (plan.backend in catalog.fused_names())
     # allow_fallback in the seed's sense: auto with more than one fused candidate left
-    fused_left = [b for b in plan.viable if b in FUSED_BACKENDS]
+    fused_left = [b for b in plan.viable if b in catalog.fused_names()]
     assert plan.allow_fallback == (backend == "auto" and len(fused_left) > 1)
     # R3: auto never picks trtllm without NVLink between all pairs
     if backend == "auto" and not topo.nvlink_all_pairs:
@@ -96,7 +97,7 @@ def test_plan_invariants(topo: Topology, spec: Spec, backend: str, strict: bool)
 
 
 @settings(max_examples=200, deadline=None)
-@given(topologies(), specs(), st.sampled_from(BACKENDS))
+@given(topologies(), specs(), st.sampled_from(backend_choices()))
 def test_same_inputs_same_plan(topo: Topology, spec: Spec, backend: str) -> None:
     conf = Settings(backend=backend)
     first = safe_resolve(conf, topo, spec)

@@ -47,7 +47,7 @@ def test_shm_numerics(world: int, mode: str) -> None:
 
 def test_shm_automatic_threshold_both_sides() -> None:
     """Without forcing: small calls one-shot, large calls two-shot, same results as reference."""
-    from arfuse.backends.shm import ONESHOT_MAX_BYTES
+    from arfuse.backends.shm.workspace import ONESHOT_MAX_BYTES
 
     big = ONESHOT_MAX_BYTES // (1040 * 2) + 3
     cases = [Case("bf16", 1, 1040, "norm"), Case("bf16", big, 1040, "norm"),
@@ -139,7 +139,7 @@ def test_no_segment_outlives_the_job() -> None:
 
 
 def test_stale_segment_of_a_dead_creator_is_cleaned(tmp_path) -> None:
-    from arfuse.backends import shm
+    from arfuse.backends.shm import workspace as shm
 
     stale = tmp_path / "arfuse-999999999-1-deadbeef0000"
     stale.write_bytes(b"x")

@@ -125,7 +125,7 @@ def registry_story(rank: int, world: int) -> dict[str, Any]:
     a = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.bfloat16)
     b = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.bfloat16, quant="fp8")
     story["plain_and_quant_share"] = a.workspace is b.workspace
-    story["live_after_two"] = len(REGISTRY.live_workspaces())
+    story["live_after_two"] = len(REGISTRY.workspaces())
     x = torch.ones(4, 64, dtype=torch.bfloat16)
     w = torch.ones(64, dtype=torch.bfloat16)
     q = b(x, weight=w, quant="fp8", scale=1.0)
@@ -147,9 +147,9 @@ def registry_story(rank: int, world: int) -> dict[str, Any]:
     for comm in (a, b, c):
         comm.close()
     story["old_destroyed_after_last_user"] = old.destroyed
-    story["live_before_destroy_all"] = len(REGISTRY.live_workspaces())
+    story["live_before_destroy_all"] = len(REGISTRY.workspaces())
     arfuse.destroy_all()
-    story["live_after_destroy_all"] = len(REGISTRY.live_workspaces())
+    story["live_after_destroy_all"] = len(REGISTRY.workspaces())
     story["closed_op_error"] = ""
     try:
         d(x)

@@ -4,27 +4,47 @@
     res = comm(x, residual=residual, weight=weight)     # res.out, res.residual_out, ...
 """
 
+from .catalog import BackendDescriptor, Footprint, register
 from .epilogue import FusedOutput
-from .negotiate import NegotiationError
+from .errors import (
+    ArfuseError,
+    CallTimeout,
+    CollectiveTimeout,
+    CreationFailed,
+    MismatchedCall,
+    NegotiationError,
+    NegotiationTimeout,
+    PeerAborted,
+    WorkspaceBroken,
+)
 from .ops import FusedAllReduce
 from .policy import Candidate, Plan, resolve
 from .registry import destroy_all
-from .rendezvous import NegotiationTimeout
 from .settings import Settings
 from .spec import Spec
 from .topology import Topology
 
 __all__ = [
+    "ArfuseError",
+    "BackendDescriptor",
+    "CallTimeout",
     "Candidate",
+    "CollectiveTimeout",
+    "CreationFailed",
+    "Footprint",
     "FusedAllReduce",
     "FusedOutput",
+    "MismatchedCall",
     "NegotiationError",
     "NegotiationTimeout",
+    "PeerAborted",
     "Plan",
     "Settings",
     "Spec",
     "Topology",
+    "WorkspaceBroken",
     "destroy_all",
+    "register",
     "resolve",
 ]
 __version__ = "0.1.0"

@@ -14,11 +14,14 @@ other backend.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from . import quant as q
+
+if TYPE_CHECKING:
+    from .call_checks import CallArgs
 
 
 class FusedOutput(NamedTuple):
@@ -40,36 +43,35 @@ def rank_order_sum(parts: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def apply(acc: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor | None,
-          weight: torch.Tensor | None, eps: float, weight_bias: float, quant: str | None,
-          scale: float | None, layout: str) -> FusedOutput:
-    """The epilogue on an fp32 sum; see the module docstring for the exact rules."""
-    summed = acc.to(dtype)
-    if weight is None:
+def apply(acc: torch.Tensor, call: CallArgs) -> FusedOutput:
+    """The epilogue on an fp32 sum (see the module docstring for the exact rules), delivered
+    into ``call.out``/``call.residual_out`` when given."""
+    x = call.x
+    summed = acc.to(x.dtype)
+    if call.weight is None:
         out, residual_out = summed, None
     else:
         pre = summed.float()
-        if residual is not None:
-            pre = pre + residual.float()
-        residual_out = pre.to(dtype)
+        if call.residual is not None:
+            pre = pre + call.residual.float()
+        residual_out = pre.to(x.dtype)
         r = residual_out.float()
-        inv = torch.rsqrt((r * r).sum(dim=-1, keepdim=True) / r.shape[-1] + eps)
-        out = ((r * inv) * (weight.float() + weight_bias)).to(dtype)
-    quant_out, scale_out = quantize(out, quant, scale, layout)
-    return FusedOutput(out, residual_out, quant_out, scale_out)
+        inv = torch.rsqrt((r * r).sum(dim=-1, keepdim=True) / r.shape[-1] + call.eps)
+        out = ((r * inv) * (call.weight.float() + call.weight_bias)).to(x.dtype)
+    quant_out, scale_out = quantize(out, call.quant, call.scale, call.layout)
+    return deliver(FusedOutput(out, residual_out, quant_out, scale_out), call)
 
 
-def deliver(result: FusedOutput, out: torch.Tensor | None,
-            residual_out: torch.Tensor | None) -> FusedOutput:
+def deliver(result: FusedOutput, call: CallArgs) -> FusedOutput:
     """Copy a computed result into caller-given destinations (``out=``/``residual_out=``).
 
     Runs after the whole result exists, so a destination may be the input it replaces."""
-    if out is not None:
-        out.copy_(result.out)
-        result = result._replace(out=out)
-    if residual_out is not None and result.residual_out is not None:
-        residual_out.copy_(result.residual_out)
-        result = result._replace(residual_out=residual_out)
+    if call.out is not None:
+        call.out.copy_(result.out)
+        result = result._replace(out=call.out)
+    if call.residual_out is not None and result.residual_out is not None:
+        call.residual_out.copy_(result.residual_out)
+        result = result._replace(residual_out=call.residual_out)
     return result
 
 

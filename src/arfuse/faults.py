@@ -10,7 +10,9 @@ import os
 import time
 from dataclasses import dataclass
 
-FAULT_BACKENDS = ("mnnvl", "trtllm", "shm", "torch")
+from . import catalog
+from .errors import ArfuseError
+
 PHASES = ("probe", "create", "validate", "call")
 MODES = ("raise", "none", "null", "hang", "exit", "oom")
 _PHASE_MODES: dict[str, tuple[str, ...]] = {
@@ -22,7 +24,7 @@ _PHASE_MODES: dict[str, tuple[str, ...]] = {
 EXIT_CODE = 86
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(ArfuseError):
     """Raised by ``raise`` mode; carries where it was injected."""
 
 
@@ -61,9 +63,9 @@ def _parse_clause(clause: str) -> Fault:
         raise ValueError(f"ARFUSE_FAULTS clause {clause!r} is not of the form {form}") from None
     backend, phase, mode, ranks_text = (backend.strip(), phase.strip(), mode.strip(),
                                         ranks_text.strip())
-    if backend not in FAULT_BACKENDS:
+    if backend not in catalog.names():
         raise ValueError(f"ARFUSE_FAULTS clause {clause!r}: backend {backend!r} is not one of "
-                         f"{', '.join(FAULT_BACKENDS)}")
+                         f"{', '.join(catalog.names())}")
     if phase not in PHASES:
         raise ValueError(f"ARFUSE_FAULTS clause {clause!r}: phase {phase!r} is not one of "
                          f"{', '.join(PHASES)}")

@@ -11,23 +11,54 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, NoReturn
 
-from . import faults, log, policy, topology
-from .backends import registry as backend_registry
-from .backends.base import Backend, GroupContext, Workspace
+from . import catalog, faults, log, policy, topology
+from .backends.base import Backend, Workspace
+from .errors import CollectiveTimeout, NegotiationError
 from .policy import Plan
-from .rendezvous import Channel, NegotiationTimeout
+from .rendezvous import Channel
 from .settings import Settings
 from .spec import Spec
 from .topology import LocalFacts, Topology
 
 
-class NegotiationError(RuntimeError):
-    """Ranks disagree (spec, settings) or no candidate could be created on every rank."""
+@dataclass(frozen=True)
+class GroupContext:
+    """One all-reduce group as this rank sees it, with the settings of one ``FusedAllReduce``.
+
+    Immutable: two ops on one group each have their own context (their own timeout and faults);
+    they share the group's channel, whose exchange counter every rank advances alike."""
+
+    group: Any  # torch.distributed.ProcessGroup, or None for a single process
+    rank: int
+    world_size: int
+    device: str
+    key: str
+    channel: Channel
+    settings: Settings
+    faults: tuple[faults.Fault, ...] = field(default=())
+
+    @property
+    def timeout_s(self) -> float:
+        return self.settings.timeout_s
+
+    def all_gather(self, phase: str, value: Any, backend: str = "-",
+                   abortable: bool = True) -> list[Any]:
+        return self.channel.all_gather(phase, value, self.timeout_s, backend, abortable)
+
+    def barrier(self, phase: str, backend: str = "-") -> None:
+        self.channel.barrier(phase, self.timeout_s, backend)
+
+    def fault(self, backend: str, phase: str) -> str | None:
+        """Run the injected fault for this point, if any (``None``, ``"none"`` or ``"null"``)."""
+        if not self.faults:
+            return None
+        return faults.inject(self.faults, backend, phase, self.rank)
 
 
 @dataclass(frozen=True)
@@ -44,11 +75,13 @@ class Attempt:
         return f"{self.backend}: failed at {self.phase} ({ranks})"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Outcome:
+    """What the group agreed on: the plan, the workspace every rank kept, and how."""
+
     plan: Plan
     topology: Topology
-    unavailable: Mapping[str, str]
+    blocked: Mapping[str, str]
     workspace: Workspace
     attempts: tuple[Attempt, ...]
     seconds: float
@@ -64,8 +97,29 @@ def group_key(group: Any) -> str:
     return str(name) if name else f"group@{id(group):x}"
 
 
+_channels: dict[str, Channel] = {}
+_channels_lock = threading.Lock()
+
+
+def forget_group(key: str) -> None:
+    """Let go of the group's store once it has no workspace left. The channel itself stays:
+    its exchange counter must keep counting, or a later negotiation would reuse old keys."""
+    with _channels_lock:
+        channel = _channels.get(key)
+        if channel is not None:
+            channel.store = None
+
+
+def forget_all_groups() -> None:
+    with _channels_lock:
+        for channel in _channels.values():
+            channel.store = None
+
+
 def make_context(group: Any, device: str | None, settings: Settings) -> GroupContext:
-    """Rank, size, device and a timed channel for ``group`` (``None``: WORLD, or one process)."""
+    """Rank, size, device and the shared channel of ``group`` (``None``: WORLD, or one
+    process); bad arguments are errors that name them."""
+    import torch
     import torch.distributed as dist
 
     if group is None and dist.is_available() and dist.is_initialized():
@@ -73,6 +127,9 @@ def make_context(group: Any, device: str | None, settings: Settings) -> GroupCon
     if group is None:
         rank, world, store = 0, 1, None
     else:
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got "
+                            f"{type(group).__name__}")
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         if rank < 0:
             raise ValueError("group: this process is not a member of the given group")
@@ -80,12 +137,19 @@ def make_context(group: Any, device: str | None, settings: Settings) -> GroupCon
     if device is None:
         device = _device_of(group)
     elif device not in topology.DEVICES:
-        raise ValueError(f"device={device!r} is not valid; use cpu or cuda")
+        raise ValueError(f"device={device!r} is not valid; use one of "
+                         f"{', '.join(topology.DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but this process has no usable CUDA device "
+                         "(torch.cuda.is_available() is False); use device='cpu'")
     key = group_key(group)
-    channel = Channel(store, f"arfuse/{key}", rank, world, settings.timeout_s)
+    with _channels_lock:
+        channel = _channels.get(key)
+        if channel is None or channel.world_size != world or channel.rank != rank:
+            channel = _channels[key] = Channel(store, f"arfuse/{key}", rank, world)
+        channel.store = store
     return GroupContext(group=group, rank=rank, world_size=world, device=device, key=key,
-                        channel=channel, settings=settings,
-                        fault_table=faults.parse(settings.faults))
+                        channel=channel, settings=settings, faults=faults.parse(settings.faults))
 
 
 def _device_of(group: Any) -> str:
@@ -104,38 +168,51 @@ def _device_of(group: Any) -> str:
 # --- the protocol -------------------------------------------------------------------------------
 
 
-def _local_payload(ctx: GroupContext, spec: Spec,
-                   backends: Mapping[str, Backend]) -> dict[str, Any]:
+_instances: dict[str, Backend | str] = {}
+
+
+def backend_instance(name: str) -> Backend | str:
+    """The backend's implementation, made once per process, or why this installation cannot
+    load it (FlashInfer's module imports fine without CUDA; a broken third-party one may not)."""
+    found = _instances.get(name)
+    if found is None:
+        try:
+            found = catalog.load(name)()
+        except Exception as exc:
+            found = f"not part of this installation: {type(exc).__name__}: {exc}"
+        _instances[name] = found
+    return found
+
+
+def _local_payload(ctx: GroupContext, spec: Spec) -> dict[str, Any]:
     settings = ctx.settings
     facts = topology.local_facts(ctx.device)
     file_topology = (topology.load(settings.topology_path).to_dict()
                      if settings.topology_path else None)
-    probes: dict[str, str] = {name: "not part of this arfuse installation"
-                              for name in policy.FUSED_BACKENDS if name not in backends}
-    for name, backend in backends.items():
-        why = backend.unavailable()
-        if not why:
-            why = _probe(ctx, backend, spec)
+    blocked: dict[str, str] = {}
+    for name in catalog.names():
+        why = _local_blocker(ctx, name, spec)
         if why:
-            probes[name] = why
+            blocked[name] = why
     return {
         "spec": asdict(spec),
         "settings": {"backend": settings.backend, "strict": settings.strict},
         "facts": asdict(facts),
         "file_topology": file_topology,
-        "probes": probes,
+        "blocked": blocked,
     }
 
 
-def _probe(ctx: GroupContext, backend: Backend, spec: Spec) -> str:
+def _local_blocker(ctx: GroupContext, name: str, spec: Spec) -> str:
+    backend = backend_instance(name)
+    if isinstance(backend, str):
+        return backend
     try:
-        if ctx.fault(backend.name, "probe") == "none":
-            return "probe returned nothing"
-        return backend.probe(ctx, spec)
-    except Exception as exc:  # a failed probe is a reason, not a crash
-        return f"probe failed: {type(exc).__name__}: {exc}"
-    except MemoryError as exc:
-        return f"probe failed: MemoryError: {exc}"
+        if ctx.fault(name, "probe") == "none":
+            return "local check returned nothing"
+        return backend.blocker(ctx, spec)
+    except (Exception, MemoryError) as exc:  # a failed check is a reason, not a crash
+        return f"local check failed: {type(exc).__name__}: {exc}"
 
 
 def _agree(payloads: list[dict[str, Any]], key: str, what: str) -> None:
@@ -159,40 +236,40 @@ def _topology_of(ctx: GroupContext, payloads: list[dict[str, Any]]) -> Topology:
     return topology.merge(facts)
 
 
-def _unavailable(payloads: list[dict[str, Any]]) -> dict[str, str]:
+def _blocked(payloads: list[dict[str, Any]]) -> dict[str, str]:
     merged: dict[str, str] = {}
     for rank, payload in enumerate(payloads):
-        for name, why in payload["probes"].items():
+        for name, why in payload["blocked"].items():
             merged.setdefault(name, f"rank {rank}: {why}")
     return merged
 
 
-def negotiate(ctx: GroupContext, spec: Spec,
-              backends: Mapping[str, Backend] | None = None) -> Outcome:
+def negotiate(ctx: GroupContext, spec: Spec) -> Outcome:
     """Collective: every rank ends with the same backend, or every rank raises."""
     started = time.perf_counter()
-    backends = backends if backends is not None else backend_registry.all_backends()
     epoch = ctx.channel.next_epoch()
-    payloads = ctx.channel.all_gather("facts", _local_payload(ctx, spec, backends))
+    payloads = ctx.all_gather("facts", _local_payload(ctx, spec))
     try:
         _agree(payloads, "spec", "specs (max_token_num, hidden_dim, dtype, quant)")
         _agree(payloads, "settings", "settings (ARFUSE_BACKEND / ARFUSE_STRICT or backend=)")
         topo = _topology_of(ctx, payloads)
     except (NegotiationError, ValueError) as exc:
         _fail_together(ctx, "facts", exc)
-    unavailable = _unavailable(payloads)
-    plan = policy.resolve(ctx.settings, topo, spec, unavailable)
+    blocked = _blocked(payloads)
+    plan = policy.resolve(ctx.settings, topo, spec, blocked)
     log.once(_level(ctx, logging.INFO), (ctx.key, spec, ctx.settings.backend),
              "arfuse group %s: plan for %s\n%s", ctx.key, _spec_text(spec), plan.explain())
     attempts: list[Attempt] = []
     for name in plan.viable:
         ctx.channel.begin(f"n{epoch}/{name}")
-        attempt, workspace = _try(ctx, backends[name], spec)
+        backend = backend_instance(name)
+        assert not isinstance(backend, str)  # a backend this rank cannot load is blocked
+        attempt, workspace = _try(ctx, backend, spec)
         attempts.append(attempt)
         if workspace is not None:
             seconds = time.perf_counter() - started
             _log_outcome(ctx, spec, workspace, attempts, seconds)
-            return Outcome(plan, topo, unavailable, workspace, tuple(attempts), seconds)
+            return Outcome(plan, topo, blocked, workspace, tuple(attempts), seconds)
         log.logger.log(_level(ctx, logging.WARNING), "arfuse group %s: %s; trying the next "
                        "candidate", ctx.key, attempt.describe())
     tried = "; ".join(a.describe() for a in attempts)
@@ -206,7 +283,7 @@ def _fail_together(ctx: GroupContext, phase: str, error: Exception) -> NoReturn:
     before raising, so that no rank's exit (rank 0 hosts the store) cuts another off mid-read."""
     ctx.channel.begin(f"{ctx.channel.scope}/fail")
     with contextlib.suppress(Exception):
-        ctx.channel.barrier(f"{phase}-ack")
+        ctx.barrier(f"{phase}-ack")
     raise error
 
 
@@ -248,7 +325,7 @@ def _step(ctx: GroupContext, backend: str, phase: str,
     every rank votes. Only a timeout ends the negotiation: the ranks are out of step."""
     try:
         why = action()
-    except NegotiationTimeout:
+    except CollectiveTimeout:
         raise
     except (Exception, MemoryError) as exc:
         why = f"{type(exc).__name__}: {exc}"
@@ -259,7 +336,7 @@ def _step(ctx: GroupContext, backend: str, phase: str,
 
 def _vote(ctx: GroupContext, phase: str, backend: str, why: str) -> dict[int, str]:
     """MIN of success across the group; returns the failing ranks with their reasons."""
-    reasons = ctx.channel.all_gather(f"vote/{phase}", why, backend, abortable=False)
+    reasons = ctx.all_gather(f"vote/{phase}", why, backend, abortable=False)
     return {rank: reason for rank, reason in enumerate(reasons) if reason}
 
 

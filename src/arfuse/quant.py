@@ -19,43 +19,16 @@ from __future__ import annotations
 
 import torch
 
+from .sizing import round_up
+from .spec import NVFP4_BLOCK, check_layout
+
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
-NVFP4_BLOCK = 16
-LAYOUTS = ("swizzled_128x4", "linear")
 _SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()  # f32(1/6), as the kernels use
 # Magnitude code thresholds: code = number of thresholds passed. Ties go to the even code,
 # hence alternating strict (>) and non-strict (>=) comparisons.
 _E2M1_STRICT = (0.25, 1.25, 2.5, 5.0)
 _E2M1_LOOSE = (0.75, 1.75, 3.5)
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def _round_up(value: int, to: int) -> int:
-    return (value + to - 1) // to * to
-
-
-def check_layout(layout: str) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not valid; use one of {', '.join(LAYOUTS)}")
-    return layout
-
-
-def scale_value(scale: float | torch.Tensor, name: str = "scale") -> float:
-    """A scale as a Python float (a one-element tensor or a number), checked positive."""
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ValueError(f"{name} must be a number or a one-element tensor, "
-                             f"got shape {tuple(scale.shape)}")
-        value = float(scale.item())
-    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        value = float(scale)
-    else:
-        raise TypeError(f"{name} must be a float or a one-element tensor, got "
-                        f"{type(scale).__name__}")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name}={value} is not valid; it must be a finite number > 0")
-    return value
 
 
 def to_e4m3(values: torch.Tensor) -> torch.Tensor:
@@ -78,13 +51,6 @@ def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
     for threshold in _E2M1_LOOSE:
         code += (mag >= threshold).to(torch.uint8)
     return code | (torch.signbit(values).to(torch.uint8) << 3)
-
-
-def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes -> fp32 values (for tests and dequantisation)."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = table[(codes & 7).long()]
-    return torch.where((codes & 8).bool(), -mag, mag)
 
 
 def nvfp4_quantize(x: torch.Tensor, global_scale: float,
@@ -110,34 +76,15 @@ def swizzle_128x4(linear: torch.Tensor) -> torch.Tensor:
     """Linear ``[T, K]`` scale bytes -> the ``[round_up(T,128), round_up(K,4)]`` swizzled tile
     layout: ``offset = (m//128)*Kp*128 + (k//4)*512 + (m%32)*16 + ((m%128)//32)*4 + k%4``."""
     rows, cols = linear.shape
-    rows_p, cols_p = _round_up(rows, 128), _round_up(cols, 4)
+    rows_p, cols_p = round_up(rows, 128), round_up(cols, 4)
     padded = torch.zeros((rows_p, cols_p), dtype=linear.dtype, device=linear.device)
     padded[:rows, :cols] = linear
     tiles = padded.view(rows_p // 128, 4, 32, cols_p // 4, 4).permute(0, 3, 2, 1, 4)
     return tiles.contiguous().view(rows_p, cols_p)
 
 
-def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of ``swizzle_128x4``, trimmed to ``[rows, cols]``."""
-    rows_p, cols_p = swizzled.shape
-    tiles = swizzled.reshape(rows_p // 128, cols_p // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)
-    return tiles.contiguous().view(rows_p, cols_p)[:rows, :cols]
-
-
 def nvfp4_scale_shape(tokens: int, hidden: int, layout: str) -> tuple[int, int]:
     cols = hidden // NVFP4_BLOCK
     if layout == "linear":
         return tokens, cols
-    return _round_up(tokens, 128), _round_up(cols, 4)
-
-
-def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: float,
-                     layout: str, hidden: int) -> torch.Tensor:
-    """Back to fp32: ``e2m1 * sf / global_scale`` (for tests and error measurement)."""
-    tokens = packed.shape[0]
-    codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(tokens, hidden)
-    cols = hidden // NVFP4_BLOCK
-    linear = scales if layout == "linear" else unswizzle_128x4(scales, tokens, cols)
-    sf = linear.contiguous().view(torch.float8_e4m3fn).float()
-    values = e2m1_decode(codes).reshape(tokens, cols, NVFP4_BLOCK)
-    return (values * sf.unsqueeze(-1) / global_scale).reshape(tokens, hidden)
+    return round_up(tokens, 128), round_up(cols, 4)

@@ -5,7 +5,8 @@
 * One workspace per group for plain and quantised patterns (R5): workspaces are
   pattern-agnostic, so quantisation never causes a second one.
 * Nothing is freed under a live user: a superseded workspace lives until its last user closes.
-* ``destroy_all`` frees everything, and runs at exit (R10).
+* ``destroy_all`` frees everything, and runs at exit (R10). Once a group has no workspace left,
+  arfuse holds no reference to its process group.
 
 Acquire and release are collective in the same sense as construction: every rank makes the
 same calls in the same order, so every rank takes the same reuse-or-negotiate branch.
@@ -19,16 +20,16 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import log, negotiate, policy
-from .backends.base import GroupContext, Workspace
-from .negotiate import Outcome
+from . import log, negotiate
+from .backends.base import Workspace
+from .negotiate import GroupContext, Outcome
 from .settings import Settings
 from .spec import Spec
 
 
 @dataclass(eq=False)
 class Entry:
-    """One live workspace and the comms that use it."""
+    """One live workspace, the decision that made it, and the number of ops using it."""
 
     key: tuple[str, str, bool]
     outcome: Outcome
@@ -40,12 +41,11 @@ class Entry:
         return self.outcome.workspace
 
 
-@dataclass
+@dataclass(eq=False)
 class Lease:
-    """What a ``FusedAllReduce`` holds: its entry, its own plan and its group's context."""
+    """What a ``FusedAllReduce`` holds: its entry and its own view of the group."""
 
     entry: Entry
-    plan: policy.Plan
     ctx: GroupContext
     reused: bool
     released: bool = field(default=False)
@@ -54,41 +54,31 @@ class Lease:
 class Registry:
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._contexts: dict[str, GroupContext] = {}
         self._entries: dict[tuple[str, str, bool], list[Entry]] = {}
-
-    def _context(self, group: Any, device: str | None, settings: Settings) -> GroupContext:
-        ctx = negotiate.make_context(group, device, settings)
-        known = self._contexts.get(ctx.key)
-        if known is None or known.device != ctx.device:
-            self._contexts[ctx.key] = ctx
-            return ctx
-        # keep the channel (its sequence numbers are shared by the group), refresh settings
-        known.settings, known.fault_table = ctx.settings, ctx.fault_table
-        known.channel.timeout_s = settings.timeout_s
-        return known
 
     def acquire(self, group: Any, spec: Spec, settings: Settings,
                 device: str | None = None) -> Lease:
         """Collective: a covering workspace of the group, or a newly negotiated one."""
         with self._lock:
-            ctx = self._context(group, device, settings)
+            ctx = negotiate.make_context(group, device, settings)
             key = (ctx.key, settings.backend, settings.strict)
             live = self._entries.setdefault(key, [])
             for entry in live:
                 if not entry.superseded and entry.workspace.spec.covers(spec):
                     entry.users += 1
-                    plan = policy.resolve(settings, entry.outcome.topology, spec,
-                                          entry.outcome.unavailable)
                     log.logger.debug("arfuse group %s: reusing the %s workspace for %s",
                                      ctx.key, entry.workspace.backend, spec)
-                    return Lease(entry, plan, ctx, reused=True)
+                    return Lease(entry, ctx, reused=True)
             same_shape = [e for e in live if not e.superseded
                           and e.workspace.spec.dtype == spec.dtype
                           and e.workspace.spec.hidden == spec.hidden]
             high_water = max([spec.max_tokens] + [e.workspace.spec.max_tokens
                                                   for e in same_shape])
-            outcome = negotiate.negotiate(ctx, replace(spec, max_tokens=high_water))
+            try:
+                outcome = negotiate.negotiate(ctx, replace(spec, max_tokens=high_water))
+            except BaseException:
+                self._forget_if_unused(ctx.key)
+                raise
             entry = Entry(key, outcome, users=1)
             for old in same_shape:
                 old.superseded = True
@@ -97,9 +87,7 @@ class Registry:
                                "%d (it is freed when its last user closes)", ctx.key,
                                old.workspace.spec.max_tokens, high_water)
             live.append(entry)
-            plan = outcome.plan if high_water == spec.max_tokens else policy.resolve(
-                settings, outcome.topology, spec, outcome.unavailable)
-            return Lease(entry, plan, ctx, reused=False)
+            return Lease(entry, ctx, reused=False)
 
     def release(self, lease: Lease) -> None:
         """Drop one user; the workspace is destroyed when its last user is gone."""
@@ -110,15 +98,20 @@ class Registry:
             entry = lease.entry
             entry.users -= 1
             if entry.users <= 0:
-                self._remove(entry)
+                live = self._entries.get(entry.key, [])
+                if entry in live:
+                    live.remove(entry)
+                if not live:
+                    self._entries.pop(entry.key, None)
+                entry.workspace.destroy()
+                self._forget_if_unused(entry.key[0])
 
-    def _remove(self, entry: Entry) -> None:
-        live = self._entries.get(entry.key, [])
-        if entry in live:
-            live.remove(entry)
-        entry.workspace.destroy()
+    def _forget_if_unused(self, group_key: str) -> None:
+        if not any(key[0] == group_key and entries for key, entries in self._entries.items()):
+            negotiate.forget_group(group_key)
 
-    def live_workspaces(self) -> list[Workspace]:
+    def workspaces(self) -> list[Workspace]:
+        """Every live workspace (for ``arfuse doctor`` and leak checks)."""
         with self._lock:
             return [e.workspace for entries in self._entries.values() for e in entries]
 
@@ -133,6 +126,7 @@ class Registry:
                 except Exception as exc:  # at exit, keep freeing the rest
                     log.logger.warning("arfuse: destroying %s raised %s: %s",
                                        entry.workspace.backend, type(exc).__name__, exc)
+            negotiate.forget_all_groups()
 
 
 REGISTRY = Registry()

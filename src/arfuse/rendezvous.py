@@ -8,36 +8,19 @@ ranks that never answered, on every rank that waited.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Sequence
 from typing import Any, Protocol
 
-
-class NegotiationTimeout(TimeoutError):
-    """A collective step saw silent ranks; the message names phase, backend and ranks."""
-
-    def __init__(self, phase: str, backend: str, silent: Sequence[int] | None,
-                 timeout_s: float):
-        """``silent=None``: a collective operation never finished and cannot tell who is late."""
-        self.phase, self.backend = phase, backend
-        self.silent = None if silent is None else tuple(silent)
-        who = ("the collective operation did not complete (which rank is late is unknown)"
-               if silent is None else f"rank(s) {', '.join(map(str, silent))} of the group did "
-               "not answer (dead, hung, or not calling the same collective)")
-        super().__init__(f"arfuse timed out after {timeout_s:g}s in phase {phase!r} "
-                         f"(backend {backend}): {who}; raise ARFUSE_TIMEOUT_S if they are only "
-                         "slow")
-
-
-class PeerAborted(RuntimeError):
-    """A rank failed locally and said so; waiting for it any longer would be pointless."""
+from .errors import NegotiationError, NegotiationTimeout, PeerAborted
 
 
 class _Store(Protocol):
     def set(self, key: str, value: bytes | str) -> None: ...
     def get(self, key: str) -> bytes: ...
     def check(self, keys: list[str]) -> bool: ...
+    def delete_key(self, key: str) -> bool: ...
 
 
 class Channel:
@@ -47,21 +30,27 @@ class Channel:
     and phase names are unique within a scope, so a rank that fails early and skips steps never
     shifts the keys of the others. A rank that fails announces it with ``abort``; the others
     stop waiting for it at once instead of running into the timeout.
+
+    Keys do not pile up in the store: once the first exchange of negotiation ``n + 1`` is
+    complete, every rank has read everything of negotiation ``n``, and each rank deletes the
+    keys it wrote there.
     """
 
-    def __init__(self, store: Any, prefix: str, rank: int, world_size: int,
-                 timeout_s: float):
+    def __init__(self, store: Any, prefix: str, rank: int, world_size: int):
         if world_size > 1 and store is None:
             raise ValueError("a channel among several ranks needs a store")
         self.store, self.prefix = store, prefix
-        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.rank, self.world_size = rank, world_size
         self.scope = "-"
         self._used: set[str] = set()
         self._epoch = 0
+        self._written: list[str] = []      # keys this rank set in the current negotiation
+        self._stale: list[str] = []        # ... and in the one before, deleted when safe
 
     def next_epoch(self) -> int:
         """A new negotiation: every rank counts the same collective calls, so the same epoch."""
         self._epoch += 1
+        self._stale, self._written = self._stale + self._written, []
         self.begin(f"n{self._epoch}")
         return self._epoch
 
@@ -72,12 +61,16 @@ class Channel:
     def _key(self, phase: str, rank: int | str) -> str:
         return f"{self.prefix}/{self.scope}/{phase}/{rank}"
 
+    def _set(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+        self._written.append(key)
+
     def abort(self, reason: str) -> None:
         """Tell the group this rank failed in the current scope (no-op alone)."""
         if self.world_size > 1:
-            self.store.set(self._key("abort", self.rank), reason)
+            self._set(self._key("abort", self.rank), reason)
 
-    def all_gather(self, phase: str, value: Any, backend: str = "-",
+    def all_gather(self, phase: str, value: Any, timeout_s: float, backend: str = "-",
                    abortable: bool = True) -> list[Any]:
         """Every rank's ``value`` in rank order.
 
@@ -89,10 +82,22 @@ class Channel:
         self._used.add(phase)
         if self.world_size == 1:
             return [value]
+        try:
+            return self._exchange(phase, value, timeout_s, backend, abortable)
+        except (NegotiationTimeout, PeerAborted):
+            raise
+        except Exception as exc:  # the store itself failed: rank 0, which hosts it, is gone
+            raise NegotiationError(
+                f"arfuse: the group's store stopped answering in phase {phase!r} (backend "
+                f"{backend}): {type(exc).__name__}: {str(exc)[:200]}; rank 0 hosts it and has "
+                "most likely died") from None
+
+    def _exchange(self, phase: str, value: Any, timeout_s: float, backend: str,
+                  abortable: bool) -> list[Any]:
         store: _Store = self.store
-        store.set(self._key(phase, self.rank), json.dumps(value))
+        self._set(self._key(phase, self.rank), json.dumps(value))
         pending = [r for r in range(self.world_size) if r != self.rank]
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + timeout_s
         pause = 0.0002
         while pending:
             pending = [r for r in pending if not store.check([self._key(phase, r)])]
@@ -104,13 +109,20 @@ class Channel:
                         reason = store.get(self._key("abort", r)).decode(errors="replace")
                         raise PeerAborted(f"rank {r} failed: {reason}")
             if time.monotonic() > deadline:
-                raise NegotiationTimeout(phase, backend, pending, self.timeout_s)
+                raise NegotiationTimeout(phase, backend, pending, timeout_s)
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
-        out: list[Any] = []
-        for r in range(self.world_size):
-            out.append(value if r == self.rank else json.loads(store.get(self._key(phase, r))))
+        out = [value if r == self.rank else json.loads(store.get(self._key(phase, r)))
+               for r in range(self.world_size)]
+        self._delete_stale()
         return out
 
-    def barrier(self, phase: str, backend: str = "-") -> None:
-        self.all_gather(phase, None, backend)
+    def _delete_stale(self) -> None:
+        """Every rank reached this exchange, so every rank is done with the last negotiation."""
+        stale, self._stale = self._stale, []
+        for key in stale:
+            with contextlib.suppress(Exception):  # a store without delete keeps them; harmless
+                self.store.delete_key(key)
+
+    def barrier(self, phase: str, timeout_s: float, backend: str = "-") -> None:
+        self.all_gather(phase, None, timeout_s, backend)

@@ -1,8 +1,8 @@
 """Settings from the environment and keyword arguments, validated once.
 
 Keyword arguments override the environment. Every bad value is a ``ValueError`` (or ``TypeError``
-for a wrong Python type) that names the variable, the value and what is allowed, so that the CLI
-can turn it into one clear line.
+for a wrong Python type) that names the variable or argument, the value and what is allowed, so
+that the CLI can turn it into one clear line.
 """
 
 from __future__ import annotations
@@ -10,11 +10,26 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
-BACKENDS: tuple[str, ...] = ("auto", "mnnvl", "trtllm", "shm", "torch")
+from . import catalog
+
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning")
 DEFAULT_TIMEOUT_S = 60.0
+# Keyword (dataclass field) -> environment variable, for error messages and ``from_env``.
+ENV_VARS: dict[str, str] = {
+    "backend": "ARFUSE_BACKEND",
+    "strict": "ARFUSE_STRICT",
+    "timeout_s": "ARFUSE_TIMEOUT_S",
+    "topology_path": "ARFUSE_TOPOLOGY",
+    "faults": "ARFUSE_FAULTS",
+    "log_level": "ARFUSE_LOG",
+}
+
+
+def backend_choices() -> tuple[str, ...]:
+    """``auto`` and every registered backend."""
+    return ("auto", *catalog.names())
 
 
 @dataclass(frozen=True)
@@ -29,18 +44,8 @@ class Settings:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        _check_backend(self.backend, "backend")
-        if not isinstance(self.strict, bool):
-            raise TypeError(f"strict must be a bool, got {type(self.strict).__name__}")
-        _check_timeout(self.timeout_s, "timeout_s")
-        if self.topology_path is not None and not isinstance(self.topology_path, str):
-            raise TypeError("topology_path must be a str path or None")
-        if self.faults is not None and not isinstance(self.faults, str):
-            raise TypeError("faults must be a str or None")
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(
-                f"log_level={self.log_level!r} is not valid; use one of {', '.join(LOG_LEVELS)}"
-            )
+        for f in fields(self):
+            check(f.name, getattr(self, f.name), f.name)
 
     @property
     def explicit(self) -> bool:
@@ -49,70 +54,64 @@ class Settings:
     def with_overrides(self, **overrides: object) -> Settings:
         """Apply keyword arguments; ``None`` means "not given"."""
         given = {k: v for k, v in overrides.items() if v is not None}
-        unknown = set(given) - set(self.__dataclass_fields__)
+        valid = {f.name for f in fields(self)}
+        unknown = set(given) - valid
         if unknown:
-            raise TypeError(
-                f"unknown setting(s) {sorted(unknown)}; valid: {sorted(self.__dataclass_fields__)}"
-            )
+            raise TypeError(f"unknown setting(s) {sorted(unknown)}; valid: {sorted(valid)}")
         if "backend" in given and isinstance(given["backend"], str):
             given["backend"] = given["backend"].strip().lower()
         return replace(self, **given)  # type: ignore[arg-type]
 
 
-def _check_backend(value: object, name: str) -> None:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, one of {', '.join(BACKENDS)}")
-    if value not in BACKENDS:
-        raise ValueError(f"{name}={value!r} is not valid; use one of {', '.join(BACKENDS)}")
+def check(key: str, value: object, label: str) -> None:
+    """The one rule per setting; ``label`` is how the error names it (keyword or variable)."""
+    if key == "backend":
+        choices = backend_choices()
+        if not isinstance(value, str):
+            raise TypeError(f"{label} must be a str, one of {', '.join(choices)}")
+        if value not in choices:
+            raise ValueError(f"{label}={value!r} is not valid; use one of {', '.join(choices)}")
+    elif key == "strict":
+        if not isinstance(value, bool):
+            raise TypeError(f"{label} must be a bool, got {type(value).__name__}")
+    elif key == "timeout_s":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{label} must be a number of seconds > 0")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{label}={value!r} is not valid; use a finite number of "
+                             "seconds > 0")
+    elif key == "log_level":
+        if value not in LOG_LEVELS:
+            raise ValueError(f"{label}={value!r} is not valid; use one of "
+                             f"{', '.join(LOG_LEVELS)}")
+    elif value is not None and not isinstance(value, str):  # topology_path, faults
+        raise TypeError(f"{label} must be a str or None")
 
 
-def _check_timeout(value: object, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds > 0")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r} is not valid; use a finite number of seconds > 0")
-
-
-def from_env(env: Mapping[str, str] | None = None, *, backend_var: str = "ARFUSE_BACKEND",
-             backend_values: tuple[str, ...] = BACKENDS) -> Settings:
-    """Read the ``ARFUSE_*`` variables (see DESIGN 3.1).
-
-    ``backend_var``/``backend_values`` let an integration read its own variable (the vLLM shim
-    reads ``VLLM_FLASHINFER_ALLREDUCE_BACKEND`` with ``auto|trtllm|mnnvl``).
-    """
+def from_env(env: Mapping[str, str] | None = None) -> Settings:
+    """Read the ``ARFUSE_*`` variables; a bad value is an error naming its variable."""
     env = os.environ if env is None else env
-    raw_backend = env.get(backend_var, "auto").strip().lower() or "auto"
-    if raw_backend not in backend_values:
-        raise ValueError(
-            f"{backend_var}={raw_backend!r} is not valid; use one of {', '.join(backend_values)}"
-        )
-    raw_strict = env.get("ARFUSE_STRICT", "0").strip() or "0"
-    if raw_strict not in ("0", "1"):
-        raise ValueError(f"ARFUSE_STRICT={raw_strict!r} is not valid; use 0 or 1")
-    raw_timeout = env.get("ARFUSE_TIMEOUT_S", "").strip()
-    timeout = DEFAULT_TIMEOUT_S
-    if raw_timeout:
-        try:
-            timeout = float(raw_timeout)
-        except ValueError:
-            raise ValueError(
-                f"ARFUSE_TIMEOUT_S={raw_timeout!r} is not valid; use a number of seconds > 0"
-            ) from None
-        if not math.isfinite(timeout) or timeout <= 0:
-            raise ValueError(
-                f"ARFUSE_TIMEOUT_S={raw_timeout!r} is not valid; use a number of seconds > 0"
-            )
-    raw_log = env.get("ARFUSE_LOG", "info").strip().lower() or "info"
-    if raw_log not in LOG_LEVELS:
-        raise ValueError(f"ARFUSE_LOG={raw_log!r} is not valid; use one of {', '.join(LOG_LEVELS)}")
-    return Settings(
-        backend=raw_backend,
-        strict=raw_strict == "1",
-        timeout_s=timeout,
-        topology_path=env.get("ARFUSE_TOPOLOGY") or None,
-        faults=env.get("ARFUSE_FAULTS") or None,
-        log_level=raw_log,
-    )
+    values: dict[str, object] = {}
+    for key, var in ENV_VARS.items():
+        text = env.get(var, "").strip()
+        if not text:
+            continue
+        value: object = text
+        if key in ("backend", "log_level"):
+            value = text.lower()
+        elif key == "strict":
+            if text not in ("0", "1"):
+                raise ValueError(f"{var}={text!r} is not valid; use 0 or 1")
+            value = text == "1"
+        elif key == "timeout_s":
+            try:
+                value = float(text)
+            except ValueError:
+                raise ValueError(f"{var}={text!r} is not valid; use a number of seconds "
+                                 "> 0") from None
+        check(key, value, var)
+        values[key] = value
+    return Settings(**values)  # type: ignore[arg-type]
 
 
 def load(env: Mapping[str, str] | None = None, **overrides: object) -> Settings:

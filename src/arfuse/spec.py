@@ -1,4 +1,5 @@
-"""What a fused all-reduce is asked to carry: the spec every rank must agree on.
+"""What a fused all-reduce is asked to carry: the spec every rank must agree on, and the rules
+of its patterns (quantisation names, the NVFP4 preconditions, scale layouts).
 
 Kept free of torch so the policy can be reasoned about (and property-tested) as plain data;
 ``torch.dtype`` values are accepted and named by their canonical short names.
@@ -8,29 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
-"""Canonical dtype name -> element size in bytes."""
-
-_DTYPE_ALIASES: dict[str, str] = {
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "fp32": "fp32", "float32": "fp32", "float": "fp32",
-}
+from .dtypes import DTYPES, parse_dtype
 
 QUANTS: tuple[str, ...] = ("fp8", "nvfp4")
 NVFP4_BLOCK = 16
-
-
-def parse_dtype(value: object, name: str = "dtype") -> str:
-    """Canonical name (``bf16``, ``fp16``, ``fp32``) of a dtype given by name or ``torch.dtype``."""
-    text = str(value).strip().lower()
-    text = text.removeprefix("torch.")
-    if text not in _DTYPE_ALIASES:
-        raise ValueError(
-            f"{name}={value!r} is not supported; use bf16, fp16 or fp32 "
-            "(or torch.bfloat16, torch.float16, torch.float32)"
-        )
-    return _DTYPE_ALIASES[text]
+LAYOUTS: tuple[str, ...] = ("swizzled_128x4", "linear")
 
 
 def parse_quant(value: object, name: str = "quant") -> str | None:
@@ -47,6 +30,24 @@ def parse_quant(value: object, name: str = "quant") -> str | None:
     if text not in QUANTS:
         raise ValueError(f"{name}={value!r} is not valid; use none, fp8 or nvfp4")
     return text
+
+
+def check_layout(layout: object) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not valid; use one of {', '.join(LAYOUTS)}")
+    return str(layout)
+
+
+def nvfp4_problem(dtype: str, hidden: int) -> str:
+    """Why NVFP4 cannot quantise rows of ``hidden`` elements of ``dtype`` ("" when it can).
+
+    The one copy of this rule: the spec, the call checks and the kernel's fast path (which
+    mirrors it, tested against this) all refuse the same cases."""
+    if dtype == "fp32":
+        return "quant='nvfp4' needs dtype bf16 or fp16, not fp32"
+    if hidden % NVFP4_BLOCK:
+        return f"quant='nvfp4' needs hidden a multiple of {NVFP4_BLOCK}, got hidden={hidden}"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -68,17 +69,13 @@ class Spec:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         object.__setattr__(self, "quant", parse_quant(self.quant))
         if self.quant == "nvfp4":
-            if self.dtype == "fp32":
-                raise ValueError("quant='nvfp4' needs dtype bf16 or fp16, not fp32")
-            if self.hidden % NVFP4_BLOCK:
-                raise ValueError(
-                    f"quant='nvfp4' needs hidden a multiple of {NVFP4_BLOCK}, "
-                    f"got hidden={self.hidden}"
-                )
+            problem = nvfp4_problem(self.dtype, self.hidden)
+            if problem:
+                raise ValueError(problem)
 
     @property
     def elem_size(self) -> int:
-        return DTYPES[self.dtype]
+        return DTYPES[self.dtype].size
 
     @property
     def row_bytes(self) -> int:

@@ -75,9 +75,6 @@ class Topology:
         data["hosts"] = list(self.hosts)
         return data
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Topology:
         """Missing fields take the safe value (``false``, ``null``, one host)."""

@@ -1,12 +1,13 @@
-"""The torch side of the spec's dtype names (``spec`` itself stays free of torch)."""
+"""The torch side of the dtype table (``dtypes`` itself stays free of torch)."""
 
 from __future__ import annotations
 
 import torch
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-}
+from .dtypes import DTYPES
+
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, d.torch_name)
+                                        for name, d in DTYPES.items()}
 
 
 def device_of(kind: str) -> torch.device:

@@ -1,1 +1,2 @@
-"""Backends: torch (unfused reference), shm (CPU shared memory), flashinfer (trtllm, mnnvl)."""
+"""Backends, one package each: its ``__init__`` holds the pure descriptor(s) the policy reads
+(``DESCRIPTORS``), its other modules the implementation. See ``arfuse.catalog``."""

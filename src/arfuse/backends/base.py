@@ -1,60 +1,42 @@
-"""What a backend is: requirements, a collective create, a functional validation, capacity in
-tokens for the mode it really runs (R1), bytes, the fused op, and a destroy that frees all (R10).
+"""What a backend implementation is: a local check, a collective create, and workspaces that
+validate, run the fused op on checked arguments (``CallArgs``) and free everything (R10).
+
+What the policy knows about a backend (requirements, bytes, capacity, order) is its descriptor
+in ``arfuse.catalog``; the class here points at it by name.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from .. import faults, policy
+from .. import catalog, faults
+from ..catalog import BackendDescriptor
 from ..spec import Spec
-from ..topology import Topology
 
 if TYPE_CHECKING:
+    from ..call_checks import CallArgs
     from ..epilogue import FusedOutput
-    from ..rendezvous import Channel
-    from ..settings import Settings
-
-
-class CreationFailed(RuntimeError):
-    """This rank could not create (or validate) a workspace; negotiation moves on."""
-
-
-@dataclass
-class GroupContext:
-    """One all-reduce group as this rank sees it; shared by every workspace of the group."""
-
-    group: Any  # torch.distributed.ProcessGroup, or None for a single process
-    rank: int
-    world_size: int
-    device: str
-    key: str
-    channel: Channel
-    settings: Settings
-    fault_table: tuple[faults.Fault, ...] = field(default=())
-
-    def fault(self, backend: str, phase: str) -> str | None:
-        """Run the injected fault for this point, if any (``None``, ``"none"`` or ``"null"``)."""
-        if not self.fault_table:
-            return None
-        return faults.inject(self.fault_table, backend, phase, self.rank)
+    from ..negotiate import GroupContext
 
 
 class Workspace(ABC):
     """A created backend instance for one group and one spec."""
 
-    backend: str = ""
-    fuses_quant: bool = False
+    backend: ClassVar[str] = ""
+    fuses_quant: ClassVar[bool] = False
 
     def __init__(self, ctx: GroupContext, spec: Spec, nbytes: int, capacity: int):
         self.ctx, self.spec = ctx, spec
         self.nbytes, self.capacity = nbytes, capacity
         self.destroyed = False
-        self.call_fault = faults.mode_for(ctx.fault_table, self.backend, "call", ctx.rank)
+        self.call_fault = faults.mode_for(ctx.faults, self.backend, "call", ctx.rank)
+
+    @property
+    def descriptor(self) -> BackendDescriptor:
+        return catalog.get(self.backend)
 
     @property
     def fast_call(self) -> Any:
@@ -71,8 +53,14 @@ class Workspace(ABC):
                            device=device_of(self.ctx.device))
 
     def shared_span(self) -> tuple[int, int] | None:
-        """[start, end) addresses of memory the peers read during a call (no output may be
-        written there); ``None`` when the backend has none in this process."""
+        """[start, end) addresses of memory the peers read during a call (no argument of a
+        call may lie there, except ``x`` exactly at ``input_buffer()``); ``None`` when the
+        backend has none in this process."""
+        return None
+
+    def input_slot_start(self) -> int | None:
+        """Address where ``input_buffer()`` of the next call starts, when it is shared memory:
+        the one place inside ``shared_span()`` where ``x`` may lie."""
         return None
 
     @abstractmethod
@@ -87,12 +75,9 @@ class Workspace(ABC):
         """Break this rank's workspace the way a null handle would (fault mode ``null``)."""
 
     @abstractmethod
-    def run(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-            eps: float, weight_bias: float, quant: str | None, scale: float | None,
-            layout: str, out: torch.Tensor | None = None,
-            residual_out: torch.Tensor | None = None) -> FusedOutput:
-        """The fused op on inputs already checked by ``FusedAllReduce``; ``out`` and
-        ``residual_out``, when given, receive those results (they may be ``x`` and
+    def run(self, call: CallArgs) -> FusedOutput:
+        """The fused op on arguments already checked (``arfuse.call_checks``); ``call.out``
+        and ``call.residual_out``, when given, receive those results (they may be ``x`` and
         ``residual`` themselves: in place)."""
 
     @abstractmethod
@@ -106,7 +91,8 @@ class Workspace(ABC):
             self._free()
 
     def describe(self) -> str:
-        capacity = "unlimited" if self.capacity >= 2**62 else f"{self.capacity} tokens"
+        capacity = ("unlimited" if self.capacity >= catalog.UNLIMITED
+                    else f"{self.capacity} tokens")
         return (f"{self.backend}: {self.nbytes / 2**20:.2f} MiB per rank, capacity "
                 f"{capacity}, hidden {self.spec.hidden}, {self.spec.dtype}")
 
@@ -114,18 +100,11 @@ class Workspace(ABC):
 class Backend(ABC):
     """A factory of workspaces; stateless apart from one-time setup (a compiled kernel)."""
 
-    name: str = ""
+    name: ClassVar[str] = ""
 
-    def requirements(self, topology: Topology, spec: Spec) -> str:
-        """Hard requirements are the policy's table (pure); "" when met."""
-        return policy.requirement(self.name, topology, spec)
-
-    def unavailable(self) -> str:
-        """Why this installation cannot run the backend at all ("" when it can)."""
-        return ""
-
-    def probe(self, ctx: GroupContext, spec: Spec) -> str:
-        """Local check on this rank before any allocation; "" when fine."""
+    def blocker(self, ctx: GroupContext, spec: Spec) -> str:
+        """Why this rank cannot create the backend ("" when it can): what this installation
+        lacks, or a local check before any allocation. Gathered from every rank."""
         return ""
 
     @abstractmethod

@@ -19,19 +19,20 @@ from typing import Any
 
 import torch
 
-from .. import sizing
-from ..epilogue import FusedOutput, apply, deliver, rank_order_sum
-from ..rendezvous import NegotiationTimeout
-from ..sizing import ShmLayout
-from ..spec import Spec
-from ..torch_types import TORCH_DTYPES
-from . import shm_build
-from .base import Backend, CreationFailed, GroupContext, Workspace
+from ...call_checks import CallArgs
+from ...dtypes import DTYPES
+from ...epilogue import FusedOutput, apply, rank_order_sum
+from ...errors import CallTimeout, CreationFailed, NegotiationTimeout
+from ...sizing import ceil_div
+from ...spec import Spec
+from ...torch_types import TORCH_DTYPES
+from ..base import Backend, Workspace
+from . import build as shm_build
+from . import layout_of
+from .layout import ARRIVE_OFFSET, HEADER_BYTES, IDENTITY_OFFSET, MAX_WORLD, ShmLayout
 
 SHM_DIR = Path(os.environ.get("ARFUSE_SHM_DIR", "/dev/shm"))
 PREFIX = "arfuse-"
-LINE = 64
-MAX_WORLD = 16
 # One-shot (every rank reduces and finishes every row, block by block while it is in cache) up
 # to this many bytes per rank; two-shot (each rank sums a block of rows, every rank finishes
 # every row from those sums) above. Measured with benchmarks/shm_threshold.py
@@ -48,7 +49,6 @@ ONESHOT_MAX_BYTES = 32 * 1024
 COPY_MODES = ("auto", "cached", "streaming")  # the kernel's codes are the indices
 
 
-_DTYPE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
 _QUANT_CODE = {None: 0, "fp8": 1, "nvfp4": 2}
 
 
@@ -92,9 +92,9 @@ class ShmWorkspace(Workspace):
     backend = "shm"
     fuses_quant = True
 
-    def __init__(self, ctx: GroupContext, spec: Spec, layout: ShmLayout, name: str, fd: int,
+    def __init__(self, ctx: Any, spec: Spec, layout: ShmLayout, name: str, fd: int,
                  mapping: mmap.mmap):
-        super().__init__(ctx, spec, nbytes=sizing.ceil_div(layout.total_bytes, ctx.world_size),
+        super().__init__(ctx, spec, nbytes=ceil_div(layout.total_bytes, ctx.world_size),
                          capacity=spec.max_tokens)
         self.layout, self.name, self._fd, self._mmap = layout, name, fd, mapping
         self._view: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -110,8 +110,8 @@ class ShmWorkspace(Workspace):
         if self.kernel is not None:
             self._comm = self.kernel.ShmComm(
                 self._base, ctx.world_size, ctx.rank, spec.max_tokens, spec.hidden,
-                _DTYPE_CODE[spec.dtype], sizing.SHM_HEADER_BYTES, layout.slot_bytes,
-                layout.input_bytes, layout.chunk_rows, ctx.settings.timeout_s,
+                DTYPES[spec.dtype].code, HEADER_BYTES, layout.slot_bytes,
+                layout.input_bytes, layout.chunk_rows, ctx.timeout_s,
                 ONESHOT_MAX_BYTES)
             self._comm.set_result_type(FusedOutput)
         if self._comm is None:
@@ -121,7 +121,7 @@ class ShmWorkspace(Workspace):
 
     def _identity_view(self) -> torch.Tensor:
         view = self._view_or_private()
-        return view[LINE:LINE * (1 + MAX_WORLD)].view(torch.int64).view(MAX_WORLD, LINE // 8)
+        return view[IDENTITY_OFFSET:ARRIVE_OFFSET].view(torch.int64).view(MAX_WORLD, -1)
 
     def _view_or_private(self) -> torch.Tensor:
         view = self._private if self._private is not None else self._view
@@ -149,15 +149,14 @@ class ShmWorkspace(Workspace):
 
     def validate(self) -> None:
         """Every rank writes a token into its slot and reads every other rank's (R2)."""
-        nonce = self.ctx.channel.all_gather("validate-nonce", secrets.randbits(48),
-                                            self.backend)[0]
+        nonce = self.ctx.all_gather("validate-nonce", secrets.randbits(48), self.backend)[0]
         self._token_view(self.ctx.rank)[0] = nonce + self.ctx.rank
         self._token_view(self.ctx.rank)[1] = self.ctx.rank
-        self.ctx.channel.barrier("validate", self.backend)
+        self.ctx.barrier("validate", self.backend)
         wrong = [r for r in range(self.ctx.world_size)
                  if int(self._token_view(r)[0]) != nonce + r or int(self._token_view(r)[1]) != r]
         # everyone has read before anyone's slot is reused by a call
-        self.ctx.channel.barrier("validate-read", self.backend)
+        self.ctx.barrier("validate-read", self.backend)
         if wrong:
             raise CreationFailed(f"shared memory check failed: rank {self.ctx.rank} cannot see "
                                  f"the token of rank(s) {wrong} (not one shared segment)")
@@ -253,14 +252,17 @@ class ShmWorkspace(Workspace):
     def path(self) -> str:
         return "c++" if self._comm is not None else "pure-torch"
 
-    def run(self, x: torch.Tensor, residual: torch.Tensor | None,
-            weight: torch.Tensor | None, eps: float, weight_bias: float,
-            quant: str | None, scale: float | None, layout: str,
-            out: torch.Tensor | None = None,
-            residual_out: torch.Tensor | None = None) -> FusedOutput:
-        return FusedOutput(*self._comm.run(x, residual, weight, eps, weight_bias,
-                                           _QUANT_CODE[quant], scale or 0.0,
-                                           layout == "swizzled_128x4", out, residual_out))
+    def run(self, call: CallArgs) -> FusedOutput:
+        return FusedOutput(*self._comm.run(call.x, call.residual, call.weight, call.eps,
+                                           call.weight_bias, _QUANT_CODE[call.quant],
+                                           call.scale or 0.0, call.layout == "swizzled_128x4",
+                                           call.out, call.residual_out))
+
+    def input_slot_start(self) -> int:
+        view = self._view_or_private()
+        if self._comm is not None:
+            return view.data_ptr() + int(self._comm.next_input_offset())
+        return view.data_ptr() + self.layout.slot_offset(self.ctx.rank, (self._seq + 1) & 1)
 
     def shared_span(self) -> tuple[int, int]:
         """[start, end) addresses of the shared segment: the peers read it during a call, so
@@ -268,16 +270,12 @@ class ShmWorkspace(Workspace):
         view = self._view_or_private()
         return view.data_ptr(), view.data_ptr() + view.numel()
 
-    def _run_pure(self, x: torch.Tensor, residual: torch.Tensor | None,
-                  weight: torch.Tensor | None, eps: float, weight_bias: float,
-                  quant: str | None, scale: float | None, layout: str,
-                  out: torch.Tensor | None = None,
-                  residual_out: torch.Tensor | None = None) -> FusedOutput:
+    def _run_pure(self, call: CallArgs) -> FusedOutput:
         """One-shot in torch: same protocol and flags as the kernel, the reference epilogue."""
+        x = call.x
         tokens, world = x.shape[0], self.ctx.world_size
         if tokens == 0:
-            return deliver(apply(x.float(), x.dtype, residual, weight, eps, weight_bias, quant,
-                                 scale, layout), out, residual_out)
+            return apply(x.float(), call)
         self._seq += 1
         seq, buf = self._seq, self._seq & 1
         view = self._view_or_private()
@@ -287,16 +285,15 @@ class ShmWorkspace(Workspace):
                  .view(self._dtype).view(tokens, self.spec.hidden) for r in range(world)]
         if slots[self.ctx.rank].data_ptr() != x.data_ptr():
             slots[self.ctx.rank].copy_(x)
-        flags = view[LINE * (1 + MAX_WORLD):LINE * (1 + 2 * MAX_WORLD)].view(torch.int64)
-        flags = flags.view(MAX_WORLD, LINE // 8)[:, 0]
+        flags = view[ARRIVE_OFFSET:ARRIVE_OFFSET + MAX_WORLD * 64].view(torch.int64)
+        flags = flags.view(MAX_WORLD, -1)[:, 0]
         flags[self.ctx.rank] = seq  # x86-64 stores are ordered: the copy lands first
         self._wait(flags, seq)
         acc = rank_order_sum(torch.stack(slots))
-        return deliver(apply(acc, x.dtype, residual, weight, eps, weight_bias, quant, scale,
-                             layout), out, residual_out)
+        return apply(acc, call)
 
     def _wait(self, flags: torch.Tensor, seq: int) -> None:
-        deadline = time.monotonic() + self.ctx.settings.timeout_s
+        deadline = time.monotonic() + self.ctx.timeout_s
         spins = 0
         while True:
             silent = [r for r in range(self.ctx.world_size) if int(flags[r]) < seq]
@@ -306,8 +303,7 @@ class ShmWorkspace(Workspace):
             if spins > 100:
                 time.sleep(0)
             if spins % 256 == 0 and time.monotonic() > deadline:
-                raise NegotiationTimeout("call", self.backend, silent,
-                                         self.ctx.settings.timeout_s)
+                raise CallTimeout("call", self.backend, silent, self.ctx.timeout_s)
 
     def _free(self) -> None:
         if self._comm is not None:  # a FusedAllReduce may still hold its entry point
@@ -319,7 +315,7 @@ class ShmWorkspace(Workspace):
         try:
             self._mmap.close()
         except (BufferError, ValueError) as exc:  # a live view: the mapping goes with it
-            from .. import log
+            from ... import log
 
             log.logger.debug("arfuse shm: mapping of %s not closed yet: %s", self.name, exc)
         with contextlib.suppress(OSError):
@@ -332,10 +328,10 @@ class ShmWorkspace(Workspace):
 class ShmBackend(Backend):
     name = "shm"
 
-    def probe(self, ctx: GroupContext, spec: Spec) -> str:
+    def blocker(self, ctx: Any, spec: Spec) -> str:
         if not SHM_DIR.is_dir() or not os.access(SHM_DIR, os.W_OK):
             return f"{SHM_DIR} is not a writable directory"
-        need = sizing.shm_layout(ctx.world_size, spec).total_bytes
+        need = layout_of(ctx.world_size, spec).total_bytes
         stat = os.statvfs(SHM_DIR)
         free = stat.f_bavail * stat.f_frsize
         if free < need:
@@ -344,9 +340,9 @@ class ShmBackend(Backend):
         shm_build.load()  # build (or fail to build) before any timed step
         return ""
 
-    def create(self, ctx: GroupContext, spec: Spec) -> Workspace | None:
+    def create(self, ctx: Any, spec: Spec) -> Workspace | None:
         """Collective: rank 0 creates, everyone maps, rank 0 unlinks once everyone answered."""
-        layout = sizing.shm_layout(ctx.world_size, spec)
+        layout = layout_of(ctx.world_size, spec)
         name, error, mode = "", "", None
         if ctx.rank == 0:
             try:
@@ -361,8 +357,7 @@ class ShmBackend(Backend):
                     os.close(fd)
             except (Exception, MemoryError) as exc:
                 name, error = "", f"{type(exc).__name__}: {exc}"
-        shared = ctx.channel.all_gather("shm-name", {"name": name, "error": error},
-                                        self.name)[0]
+        shared = ctx.all_gather("shm-name", {"name": name, "error": error}, self.name)[0]
         if not shared["name"]:
             raise CreationFailed(f"rank 0 could not create the segment: {shared['error']}")
         workspace: ShmWorkspace | None = None
@@ -377,7 +372,7 @@ class ShmBackend(Backend):
             failure = exc
         why = "" if failure is None else f"{type(failure).__name__}: {failure}"
         try:
-            mapped = ctx.channel.all_gather("shm-mapped", {"why": why, "kernel": bool(
+            mapped = ctx.all_gather("shm-mapped", {"why": why, "kernel": bool(
                 workspace is not None and workspace.kernel is not None)}, self.name)
         except NegotiationTimeout:
             if workspace is not None:
@@ -396,7 +391,7 @@ class ShmBackend(Backend):
         return workspace
 
     @staticmethod
-    def _map(ctx: GroupContext, spec: Spec, layout: ShmLayout, name: str) -> ShmWorkspace:
+    def _map(ctx: Any, spec: Spec, layout: ShmLayout, name: str) -> ShmWorkspace:
         fd = os.open(SHM_DIR / name, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size

@@ -16,10 +16,10 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from .. import log
-from ..machine import cpu_flags
+from ... import log
+from ...machine import cpu_flags
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "shm_kernel.cpp"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "shm_kernel.cpp"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 

@@ -21,12 +21,15 @@ from typing import Any
 
 import torch
 
-from .. import sizing
-from ..epilogue import FusedOutput
-from ..rendezvous import NegotiationTimeout
-from ..spec import Spec
-from ..torch_types import TORCH_DTYPES, device_of
-from .base import Backend, CreationFailed, GroupContext, Workspace
+from ...call_checks import CallArgs
+from ...epilogue import FusedOutput
+from ...errors import CreationFailed, NegotiationTimeout
+from ...quant import nvfp4_scale_shape
+from ...sizing import largest_fitting
+from ...spec import Spec
+from ...topology import Topology, flashinfer_version
+from ...torch_types import TORCH_DTYPES, device_of
+from ..base import Backend, Workspace
 
 # AllReduceFusionPattern (flashinfer/comm/trtllm_ar.py)
 K_ALLREDUCE, K_RESIDUAL_RMSNORM = 0, 1
@@ -55,38 +58,20 @@ def trtllm_use_oneshot(world: int, tokens: int, hidden: int, elem: int) -> bool 
 
 
 class FlashInferWorkspace(Workspace):
-    fuses_quant = True  # the policy still decides per topology (NVFP4 needs SM >= 100)
+    fuses_quant = True  # the descriptor still decides per topology (NVFP4 needs SM >= 100)
 
-    def __init__(self, ctx: GroupContext, spec: Spec, name: str, handle: Any, comm: Any,
-                 group_for_destroy: Any):
-        self.backend = name
-        self._handle, self._comm, self._group = handle, comm, group_for_destroy
+    def __init__(self, ctx: Any, spec: Spec, handle: Any, comm: Any):
+        self._handle, self._comm = handle, comm
         self._dtype = TORCH_DTYPES[spec.dtype]
         self._poisoned = False
-        nbytes = int(getattr(handle, "workspace_size_bytes", 0)) or sizing.predict(
-            name, ctx.world_size, spec)[0]
-        super().__init__(ctx, spec, nbytes=nbytes, capacity=self._capacity(ctx, spec, handle))
-
-    @staticmethod
-    def _capacity(ctx: GroupContext, spec: Spec, handle: Any) -> int:
-        """Largest token count FlashInfer itself accepts for this workspace (bisection: the
-        need grows with the token count)."""
-        dtype = TORCH_DTYPES[spec.dtype]
-
-        def fits(tokens: int) -> bool:
-            return bool(handle.is_buffer_size_sufficient(ctx.world_size, tokens, spec.hidden,
-                                                         dtype))
-
-        if fits(spec.max_tokens):
-            return spec.max_tokens
-        lo, hi, best = 1, spec.max_tokens - 1, 0
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                best, lo = mid, mid + 1
-            else:
-                hi = mid - 1
-        return best
+        super().__init__(ctx, spec, nbytes=0, capacity=0)
+        topology = Topology(device="cuda", world_size=ctx.world_size,
+                            flashinfer=flashinfer_version())
+        self.nbytes = int(getattr(handle, "workspace_size_bytes", 0)) or \
+            self.descriptor.footprint(ctx.world_size, spec, topology).bytes_per_rank
+        # R1: the largest token count FlashInfer itself accepts for this workspace
+        self.capacity = largest_fitting(spec.max_tokens, lambda tokens: bool(
+            handle.is_buffer_size_sufficient(ctx.world_size, tokens, spec.hidden, self._dtype)))
 
     def poison(self) -> None:
         self._poisoned = True
@@ -99,20 +84,19 @@ class FlashInferWorkspace(Workspace):
                                      "multicast on this rank (vLLM #48071)")
         elif self._poisoned:
             raise CreationFailed("trtllm workspace has no IPC buffers (injected null)")
-        self.ctx.channel.barrier("validate", self.backend)
+        self.ctx.barrier("validate", self.backend)
         x = torch.full((1, self.spec.hidden), float(self.ctx.rank + 1), dtype=self._dtype,
                        device=device_of(self.ctx.device))
-        out = self._launch(x, None, None, 1e-6, 0.0, None, None, "swizzled_128x4", None,
-                           None).out
+        out = self.run(CallArgs(x)).out
         if out.is_cuda:
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record()
-            deadline = time.monotonic() + self.ctx.settings.timeout_s
+            deadline = time.monotonic() + self.ctx.timeout_s
             # a broken peer mapping hangs the kernel: never wait forever
             while not done.query():  # type: ignore[no-untyped-call]
                 if time.monotonic() > deadline:
                     raise NegotiationTimeout("validate", self.backend, None,
-                                             self.ctx.settings.timeout_s)
+                                             self.ctx.timeout_s)
                 time.sleep(0.0005)
         world = self.ctx.world_size
         if not bool(torch.all(out == world * (world + 1) / 2)):
@@ -120,19 +104,10 @@ class FlashInferWorkspace(Workspace):
             raise CreationFailed("functional check failed: the fused all-reduce returned "
                                  f"{out.flatten()[0].item():g}, expected {expected:g}")
 
-    def run(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-            eps: float, weight_bias: float, quant: str | None, scale: float | None,
-            layout: str, out: torch.Tensor | None = None,
-            residual_out: torch.Tensor | None = None) -> FusedOutput:
-        return self._launch(x, residual, weight, eps, weight_bias, quant, scale, layout, out,
-                            residual_out)
-
-    def _launch(self, x: torch.Tensor, residual: torch.Tensor | None,
-                weight: torch.Tensor | None, eps: float, weight_bias: float,
-                quant: str | None, scale: float | None, layout: str,
-                out: torch.Tensor | None, residual_out: torch.Tensor | None) -> FusedOutput:
+    def run(self, call: CallArgs) -> FusedOutput:
         """Caller-given destinations go to the kernel as its outputs (``norm_out = input``
         and ``residual_out = residual_in`` in place, as vLLM passes them)."""
+        x, weight, out, residual_out = call.x, call.weight, call.out, call.residual_out
         tokens, hidden = x.shape
         kwargs: dict[str, Any] = {"launch_with_pdl": False}
         if self.backend == "trtllm":
@@ -146,33 +121,33 @@ class FlashInferWorkspace(Workspace):
             self._comm.allreduce_fusion(input=x, workspace=self._handle, pattern=K_ALLREDUCE,
                                         output=summed, **kwargs)
             return FusedOutput(summed)
-        residual_in = residual if residual is not None else torch.zeros_like(x)
+        residual_in = call.residual if call.residual is not None else torch.zeros_like(x)
         norm_out = out if out is not None else torch.empty_like(x)
         if residual_out is None:
             residual_out = torch.empty_like(x)
         quant_out = scale_out = scale_bytes = None
         pattern = K_RESIDUAL_RMSNORM
-        if quant is not None:
-            assert scale is not None
-            kwargs["scale_factor"] = torch.tensor([scale], dtype=torch.float32, device=x.device)
-            if quant == "fp8":
+        if call.quant is not None:
+            assert call.scale is not None
+            kwargs["scale_factor"] = torch.tensor([call.scale], dtype=torch.float32,
+                                                  device=x.device)
+            if call.quant == "fp8":
                 pattern = K_OUT_FP8_QUANT
                 quant_out = torch.empty((tokens, hidden), dtype=torch.float8_e4m3fn,
                                         device=x.device)
             else:
                 pattern = K_OUT_FP4_QUANT
-                kwargs["layout_code"] = LAYOUT_CODE[layout]
+                kwargs["layout_code"] = LAYOUT_CODE[call.layout]
                 quant_out = torch.empty((tokens, hidden // 2), dtype=torch.uint8, device=x.device)
-                rows, cols = tokens, hidden // 16
-                if layout == "swizzled_128x4":
-                    rows, cols = -(-tokens // 128) * 128, -(-cols // 4) * 4
+                rows, cols = nvfp4_scale_shape(tokens, hidden, call.layout)
                 # zeroed: FlashInfer never writes the swizzle padding
                 scale_out = torch.zeros(rows * cols, dtype=torch.float8_e4m3fn, device=x.device)
                 scale_bytes = scale_out.view(torch.uint8).view(rows, cols)
         self._comm.allreduce_fusion(
             input=x, workspace=self._handle, pattern=pattern, residual_in=residual_in,
             residual_out=residual_out, norm_out=norm_out, quant_out=quant_out,
-            scale_out=scale_out, rms_gamma=weight, rms_eps=eps, weight_bias=weight_bias,
+            scale_out=scale_out, rms_gamma=weight, rms_eps=call.eps,
+            weight_bias=call.weight_bias,
             **kwargs)
         return FusedOutput(norm_out, residual_out, quant_out, scale_bytes)
 
@@ -185,35 +160,41 @@ class FlashInferWorkspace(Workspace):
 
             # destroy() alone leaves the IPC buffers referenced in a module dict (R10)
             trtllm_ar.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(handle.ipc_handles,
-                                                                         self._group)
+                                                                         self.ctx.group)
         handle.destroy()
 
 
-class FlashInferBackend(Backend):
-    def __init__(self, name: str):
-        if name not in ("trtllm", "mnnvl"):
-            raise ValueError(f"name={name!r} is not valid; use trtllm or mnnvl")
-        self.name = name
+class MnnvlWorkspace(FlashInferWorkspace):
+    backend = "mnnvl"
 
-    def unavailable(self) -> str:
+
+class TrtllmWorkspace(FlashInferWorkspace):
+    backend = "trtllm"
+
+
+class FlashInferBackend(Backend):
+    """Creates ``workspace_class`` through ``flashinfer.comm``; one subclass per backend."""
+
+    workspace_class: type[FlashInferWorkspace] = FlashInferWorkspace
+
+    def blocker(self, ctx: Any, spec: Spec) -> str:
         if not torch.cuda.is_available():
             return "no CUDA device in this process"
-        return _import_comm()[1]
-
-    def probe(self, ctx: GroupContext, spec: Spec) -> str:
         if ctx.device != "cuda":
             return f"the group's tensors are on {ctx.device}"
-        if self.name == "mnnvl":
-            try:
-                from flashinfer.comm import mnnvl
-            except Exception as exc:
-                return f"flashinfer.comm.mnnvl: {type(exc).__name__}: {exc}"
-            supported = getattr(mnnvl, "is_multicast_supported", None)  # FlashInfer >= 0.6.16
-            if supported is not None and not supported(torch.cuda.current_device()):
-                return "this GPU reports no multicast support"
+        why = _import_comm()[1]
+        if why or self.name != "mnnvl":
+            return why
+        try:
+            from flashinfer.comm import mnnvl
+        except Exception as exc:
+            return f"flashinfer.comm.mnnvl: {type(exc).__name__}: {exc}"
+        supported = getattr(mnnvl, "is_multicast_supported", None)  # FlashInfer >= 0.6.16
+        if supported is not None and not supported(torch.cuda.current_device()):
+            return "this GPU reports no multicast support"
         return ""
 
-    def create(self, ctx: GroupContext, spec: Spec) -> Workspace | None:
+    def create(self, ctx: Any, spec: Spec) -> Workspace | None:
         comm, why = _import_comm()
         if comm is None:
             raise CreationFailed(why)
@@ -229,7 +210,17 @@ class FlashInferBackend(Backend):
             group=ctx.group)
         if handle is None:
             return None
-        workspace = FlashInferWorkspace(ctx, spec, self.name, handle, comm, ctx.group)
+        workspace = self.workspace_class(ctx, spec, handle, comm)
         if mode == "null":
             workspace.poison()
         return workspace
+
+
+class MnnvlBackend(FlashInferBackend):
+    name = "mnnvl"
+    workspace_class = MnnvlWorkspace
+
+
+class TrtllmBackend(FlashInferBackend):
+    name = "trtllm"
+    workspace_class = TrtllmWorkspace

@@ -5,6 +5,7 @@ reference of the whole layer, and timed against the unfused path, side by side.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import math
 import os
@@ -16,7 +17,8 @@ from typing import Any
 
 import torch
 
-from arfuse.torch_types import TORCH_DTYPES, device_of
+from ..torch_types import TORCH_DTYPES, device_of
+from . import args as cli_args
 
 EPS = 1e-6
 # max |out - reference| / max |reference| allowed, per dtype: a few roundings of the dtype
@@ -59,7 +61,8 @@ def run_body(rank: int, world: int, opts: RunOptions) -> int:
 
     import arfuse
     from arfuse import quant as q
-    from arfuse.launch import init_from_env, pin_to_core
+
+    from .launch import init_from_env, pin_to_core
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world) if opts.device == "cpu" else 1)
     init_from_env(opts.device)
@@ -156,7 +159,7 @@ def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
     leaving its previous gloo call)."""
     import torch.distributed as dist
 
-    from arfuse.epilogue import quantize
+    from ..epilogue import quantize
 
     def fused() -> None:
         comm(partial, residual=residual, weight=gamma, eps=EPS, quant=opts.quant, scale=scale)
@@ -190,3 +193,44 @@ def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
                 sync()
                 times.append(time.perf_counter_ns() - start)
     return statistics.median(fused_t) / 1e3, statistics.median(unfused_t) / 1e3
+
+
+DEFAULT_TOKENS = (1, 8, 64, 512)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("run", help="the main job: row-parallel layer + fused all-reduce, "
+                       "checked against a reference and timed against the unfused path")
+    p.add_argument("--world-size", type=cli_args.positive_int, default=2, help="ranks (2)")
+    p.add_argument("--tokens", type=cli_args.int_list, default=DEFAULT_TOKENS,
+                   help="token counts (1,8,64,512)")
+    p.add_argument("--steps", type=cli_args.positive_int, default=50,
+                   help="timed steps per size (50)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda when there is a GPU per rank, else cpu")
+    p.add_argument("--strict", action="store_true", default=None,
+                   help="fail instead of running unfused")
+    cli_args.add_spec_flags(p)
+    p.set_defaults(func=run)
+
+
+def _default_device(world: int) -> str:
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
+        return "cuda"
+    return "cpu"
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import settings
+    from ..spec import Spec
+    from .launch import launch
+
+    settings.load(backend=args.backend)  # a bad ARFUSE_* is one line here, not one per rank
+    device = args.device or _default_device(args.world_size)
+    Spec(max_tokens=max(args.tokens), hidden=args.hidden, dtype=args.dtype, quant=args.quant)
+    opts = RunOptions(world_size=args.world_size, tokens=tuple(args.tokens), hidden=args.hidden,
+                      dtype=args.dtype, quant=args.quant, steps=args.steps,
+                      backend=args.backend, device=device, strict=args.strict)
+    # the job prints the plan itself; the log repeats it only if asked (ARFUSE_LOG=info)
+    return launch(run_body, args.world_size, opts,
+                  env={"ARFUSE_LOG": os.environ.get("ARFUSE_LOG", "warning")})

@@ -22,6 +22,7 @@ and negotiation time.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import glob
 import json
@@ -36,7 +37,8 @@ from typing import Any
 
 import torch
 
-from arfuse.torch_types import TORCH_DTYPES
+from ..torch_types import TORCH_DTYPES
+from . import args as cli_args
 
 EPS = 1e-6
 BASELINE = "torch"
@@ -136,7 +138,8 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
     import torch.distributed as dist
 
     import arfuse
-    from arfuse.launch import init_from_env, pin_to_core
+
+    from .launch import init_from_env, pin_to_core
 
     torch.set_num_threads(1)
     ds, ds_note = (None, "not requested")
@@ -296,7 +299,7 @@ def _overhead(comm: Any, weight: torch.Tensor, opts: BenchOptions) -> dict[str, 
 
 
 def _machine(pinned: bool, world: int) -> dict[str, Any]:
-    from arfuse.machine import cpu_flags, cpu_model
+    from ..machine import cpu_flags, cpu_model
 
     return {"cpu": cpu_model() or platform.processor(), "cores": os.cpu_count(),
             "isa": " ".join(f for f in ("avx512f", "avx512bw", "avx2", "fma", "f16c")
@@ -440,3 +443,60 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+BENCH_TOKENS = tuple(2**i for i in range(13))
+ROWS = ("shm", "torch", "deepspeed")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="latency sweep: shm vs torch (gloo) vs deepspeed")
+    p.add_argument("--world-size", type=cli_args.positive_int, default=2, help="ranks (2)")
+    p.add_argument("--tokens", type=cli_args.int_list, default=BENCH_TOKENS,
+                   help="token counts (1,2,4,...,4096)")
+    p.add_argument("--hidden", type=cli_args.positive_int, default=4096,
+                   help="hidden size (4096)")
+    p.add_argument("--dtype", type=cli_args.dtype_list, default=("bf16", "fp32"),
+                   help="dtypes (bf16,fp32)")
+    p.add_argument("--backends", default=",".join(ROWS),
+                   help="rows to measure (shm,torch,deepspeed)")
+    p.add_argument("--out", default="bench-out", help="folder for bench.json/.txt/.png")
+    p.add_argument("--min-seconds", type=float, default=0.3,
+                   help="measure each row for about this long (0.3)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .launch import launch
+
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    unknown = set(backends) - set(ROWS)
+    if unknown:
+        raise ValueError(f"--backends: unknown {sorted(unknown)}; use {', '.join(ROWS)}")
+    if args.world_size < 2:
+        raise ValueError("--world-size must be >= 2 for a benchmark of a collective")
+    opts = BenchOptions(world_size=args.world_size, tokens=tuple(args.tokens),
+                        hidden=args.hidden, dtypes=tuple(args.dtype), backends=backends,
+                        out=args.out, min_seconds=args.min_seconds)
+    if "deepspeed" in backends:
+        _prebuild_deepspeed()
+    if "shm" in backends:
+        from ..backends.shm import build
+
+        build.load()  # build once here, not in every rank at once
+    # the report names the backend and its negotiation time; the plan log would only cut
+    # through the progress bar (ARFUSE_LOG=info brings it back)
+    return launch(bench_body, args.world_size, opts,
+                  env={"OMP_NUM_THREADS": "1",
+                       "ARFUSE_LOG": os.environ.get("ARFUSE_LOG", "warning")})
+
+
+def _prebuild_deepspeed() -> None:
+    """Build DeepSpeed's shm op once before the ranks start (about a minute the first time)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
+    except Exception as exc:  # the bench then reports deepspeed as unavailable
+        print(f"arfuse bench: deepspeed unavailable: {type(exc).__name__}: {exc}")

@@ -1,0 +1,173 @@
+"""The unfused reference backend: ``torch.distributed`` on the given group, then the epilogue.
+
+Runs on gloo and NCCL, any world size (1 included), across nodes. Ranks exchange their inputs
+with ``all_gather`` rather than ``all_reduce`` so the sum is taken in fp32 and in rank order
+on every rank: bit-identical results whatever the collective's internal order. It is also the
+path every other backend takes for a call over its capacity.
+
+Every call first exchanges a small descriptor of itself (tokens, hidden, dtype, pattern), so a
+call whose ranks disagree fails on every rank (R11) instead of reaching a collective of
+mismatched sizes. Every wait has the group's deadline (R8); a rank that times out posts that in
+the group's store, so the ranks that did call can name the ones that did not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...call_checks import CallArgs
+from ...catalog import UNLIMITED
+from ...dtypes import DTYPES
+from ...epilogue import FusedOutput, apply, rank_order_sum
+from ...errors import (
+    CallTimeout,
+    CreationFailed,
+    MismatchedCall,
+    NegotiationTimeout,
+    WorkspaceBroken,
+)
+from ...spec import LAYOUTS, QUANTS, Spec
+from ...torch_types import device_of
+from ..base import Backend, Workspace
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single; same semantics
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_DESCRIPTOR_FIELDS = ("tokens", "hidden", "dtype", "pattern")
+# how long ranks that timed out wait to see which others timed out too
+_SILENT_GRACE_S = 0.5
+
+
+def pattern_code(call: CallArgs) -> int:
+    """Plain, norm, norm + residual, times quantisation (none, fp8, nvfp4 per layout)."""
+    norm = 0 if call.weight is None else (2 if call.residual is not None else 1)
+    quant = 0 if call.quant is None else 1 + QUANTS.index(call.quant) + (
+        LAYOUTS.index(call.layout) if call.quant == "nvfp4" else 0)
+    return norm * 8 + quant
+
+
+def describe_pattern(code: int) -> str:
+    norm = ("plain all-reduce", "+ RMSNorm", "+ residual + RMSNorm")[code // 8]
+    quant = ("", " + fp8", " + nvfp4 (swizzled)", " + nvfp4 (linear)")[code % 8]
+    return norm + quant
+
+
+class TorchWorkspace(Workspace):
+    backend = "torch"
+
+    def __init__(self, ctx: Any, spec: Spec):
+        super().__init__(ctx, spec, nbytes=0, capacity=UNLIMITED)
+        self._poisoned = False
+        self._calls = 0
+        self._broken = ""
+
+    def poison(self) -> None:
+        self._poisoned = True
+
+    def _wait(self, work: Any, phase: str) -> None:
+        """Wait for an async collective within the group's deadline; on a timeout (ours or
+        the process group's), name the ranks that never joined this call."""
+        deadline = time.monotonic() + self.ctx.timeout_s
+        try:
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                time.sleep(0.0002)
+            work.wait()
+        except Exception as exc:
+            silent = self._silent_ranks(phase)
+            error = CallTimeout(phase, self.backend, silent, self.ctx.timeout_s,
+                                detail=f" (call {self._calls})"
+                                + ("" if isinstance(exc, TimeoutError)
+                                   else f"; the process group reported {type(exc).__name__}: "
+                                   f"{str(exc)[:200]}"))
+            self._broken = str(error)
+            raise error from None
+
+    def _silent_ranks(self, phase: str) -> list[int] | None:
+        """Ranks that timed out at this call say so in the store; the others are silent."""
+        store = self.ctx.channel.store
+        if store is None:
+            return None
+        prefix = f"{self.ctx.channel.prefix}/torch-timeout/{phase}/{self._calls}"
+        with contextlib.suppress(Exception):
+            store.set(f"{prefix}/{self.ctx.rank}", "1")
+            time.sleep(_SILENT_GRACE_S)
+            return [r for r in range(self.ctx.world_size)
+                    if not store.check([f"{prefix}/{r}"])]
+        return None
+
+    def _gather(self, x: torch.Tensor, phase: str) -> torch.Tensor:
+        """``[world, T, H]`` of every rank's ``x``, within the deadline."""
+        world = self.ctx.world_size
+        contribution = torch.zeros_like(x) if self._poisoned else x
+        out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self._wait(_all_gather(out, contribution, group=self.ctx.group, async_op=True), phase)
+        return out.view(world, *x.shape)
+
+    def _check_agreement(self, call: CallArgs) -> None:
+        """R11: every rank's (tokens, hidden, dtype, pattern) must be the same."""
+        mine = torch.tensor([[call.tokens, call.x.shape[1], DTYPES[self.spec.dtype].code,
+                              pattern_code(call)]], dtype=torch.int64, device=call.x.device)
+        every = self._gather(mine, "call-descriptor").view(self.ctx.world_size, 4).tolist()
+        if all(row == every[0] for row in every):
+            return
+        names = {d.code: name for name, d in DTYPES.items()}
+        lines = [f"rank {r}: tokens={row[0]} hidden={row[1]} dtype={names.get(row[2], row[2])}"
+                 f" pattern={describe_pattern(row[3])}" for r, row in enumerate(every)]
+        differ = [r for r, row in enumerate(every) if row != every[0]]
+        raise MismatchedCall(f"arfuse torch: the ranks of call {self._calls} passed different "
+                             f"arguments (ranks {differ} differ from rank 0): "
+                             + "; ".join(lines) + ". Every rank must call with the same tokens, "
+                             "dtype, hidden size and pattern")
+
+    def validate(self) -> None:
+        # Every rank contributes rank+1 in a known pattern; everyone checks the same sum.
+        self.ctx.barrier("validate", self.backend)
+        world, rank = self.ctx.world_size, self.ctx.rank
+        x = torch.full((1, 8), float(rank + 1), dtype=torch.float32,
+                       device=device_of(self.ctx.device))
+        if world == 1:
+            got = x.clone()
+        else:
+            try:
+                got = rank_order_sum(self._gather(x, "validate"))
+            except CallTimeout as exc:  # the ranks are out of step: negotiation ends
+                self._broken = ""
+                raise NegotiationTimeout("validate", self.backend, exc.silent,
+                                         self.ctx.timeout_s) from None
+        expected = world * (world + 1) / 2
+        if not torch.all(got == expected):
+            raise CreationFailed(
+                f"functional check failed: all-reduce gave {got.flatten()[0].item():g}, "
+                f"expected {expected:g}")
+
+    def run(self, call: CallArgs) -> FusedOutput:
+        if self._broken:
+            raise WorkspaceBroken(f"arfuse torch: this workspace is unusable after an earlier "
+                                  f"failure ({self._broken}); create a new FusedAllReduce")
+        self._calls += 1
+        x = call.x
+        if self.ctx.world_size == 1:
+            source = torch.zeros_like(x) if self._poisoned else x
+            acc = source.to(torch.float32, copy=True)
+        else:
+            self._check_agreement(call)
+            acc = rank_order_sum(self._gather(x, "call"))
+        return apply(acc, call)
+
+    def _free(self) -> None:
+        """Nothing allocated beyond per-call tensors."""
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def create(self, ctx: Any, spec: Spec) -> Workspace | None:
+        if ctx.fault(self.name, "create") == "none":
+            return None
+        return TorchWorkspace(ctx, spec)

@@ -1,0 +1,228 @@
+"""The checks of one call of the fused op, in one place (DESIGN 3.6).
+
+``check_call`` turns the arguments of ``FusedAllReduce.__call__`` into a ``CallArgs`` or raises a
+``ValueError``/``TypeError`` that names the argument. The shm kernel's fast path mirrors these
+rules in C++ (it declines, returning ``None``, wherever this module would raise); a test table
+runs the same bad calls through both paths.
+
+Numbers: any real scalar (Python, NumPy, a one-element tensor) is a number; the kernels compute
+in fp32, so ``eps``, ``weight_bias`` and ``scale`` must survive the conversion to fp32 (finite,
+and ``eps``/``scale`` still > 0), and an FP8 scale's reciprocal must be finite too.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .spec import check_layout, nvfp4_problem, parse_quant
+
+FP32_MAX = 3.4028234663852886e38
+FP32_TINY = 1.401298464324817e-45  # the smallest positive fp32 (subnormal)
+
+Span = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class CallArgs:
+    """One checked call: what every backend's ``Workspace.run`` receives."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    eps: float = 1e-6
+    weight_bias: float = 0.0
+    quant: str | None = None
+    scale: float | None = None
+    layout: str = "swizzled_128x4"
+    out: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> int:
+        return int(self.x.shape[0])
+
+    def without_quant(self) -> CallArgs:
+        return CallArgs(self.x, self.residual, self.weight, self.eps, self.weight_bias, None,
+                        None, self.layout, self.out, self.residual_out)
+
+
+def real_number(value: Any, name: str) -> float:
+    """A real scalar as a Python float: int, float, NumPy scalar, or a one-element tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
+                             f"{tuple(value.shape)}")
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} must be a real number, got a {value.dtype} tensor")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+            type(value).__name__ == "bool_":
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name}={value!r} is not valid: it is beyond float32 "
+                         f"(|{name}| <= {FP32_MAX:.4g})") from None
+
+
+def fp32_number(value: Any, name: str, positive: bool = False,
+                reciprocal: bool = False) -> float:
+    """``real_number`` that the fp32 kernels can carry: finite in fp32; with ``positive`` also
+    > 0 after rounding to fp32; with ``reciprocal`` its fp32 reciprocal finite too."""
+    number = real_number(value, name)
+    if not math.isfinite(number) or abs(number) > FP32_MAX:
+        raise ValueError(f"{name}={number!r} is not valid: it must be finite in float32 "
+                         f"(|{name}| <= {FP32_MAX:.4g})")
+    if positive:
+        low = 1.0 / FP32_MAX if reciprocal else FP32_TINY
+        if not number >= low:
+            raise ValueError(f"{name}={number!r} is not valid: it must be a number >= {low:.4g} "
+                             "(> 0 in float32" + (", with a finite reciprocal)" if reciprocal
+                                                  else ")"))
+    return number
+
+
+def span(tensor: torch.Tensor) -> Span:
+    start = tensor.data_ptr()
+    return start, start + tensor.numel() * tensor.element_size()
+
+
+def overlap(a: Span, b: Span) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+@dataclass(frozen=True)
+class OpShape:
+    """What every call of one ``FusedAllReduce`` must match."""
+
+    hidden: int
+    dtype: torch.dtype
+    dtype_name: str
+    device_type: str
+
+
+def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, weight_bias: Any,
+               quant: Any, scale: Any, layout: Any, out: Any, residual_out: Any,
+               shared: Span | None, slot_start: int | None) -> CallArgs:
+    """Every rule of one call. ``shared``: the memory the peers read during a call (no argument
+    may lie there, except ``x`` starting exactly at ``slot_start``, the next input slot)."""
+    _check_x(shape, x)
+    eps_f, bias_f = 1e-6, 0.0
+    if residual is not None:
+        if weight is None:
+            raise ValueError("residual needs weight: the residual pattern is all-reduce + "
+                             "residual + RMSNorm")
+        check_like(residual, x, "residual")
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        if tuple(weight.shape) != (shape.hidden,):
+            raise ValueError(f"weight must have shape ({shape.hidden},), got "
+                             f"{tuple(weight.shape)}")
+        if weight.dtype != x.dtype:
+            raise ValueError(f"weight has dtype {weight.dtype}; it must match x ({x.dtype})")
+        if weight.device != x.device:
+            raise ValueError(f"weight is on {weight.device}; x is on {x.device}")
+        if not weight.is_contiguous():
+            raise ValueError("weight must be contiguous")
+        eps_f = fp32_number(eps, "eps", positive=True)
+        bias_f = fp32_number(weight_bias, "weight_bias")
+    quant_name = parse_quant(quant)
+    scale_f: float | None = None
+    layout_name = "swizzled_128x4"
+    if quant_name is not None:
+        if scale is None:
+            raise ValueError(f"quant={quant_name!r} needs scale (fp8: the dequantisation scale; "
+                             "nvfp4: the global encode scale)")
+        scale_f = fp32_number(scale, "scale", positive=True, reciprocal=quant_name == "fp8")
+        if quant_name == "nvfp4":
+            problem = nvfp4_problem(shape.dtype_name, shape.hidden)
+            if problem:
+                raise ValueError(problem)
+            layout_name = check_layout(layout)
+    _check_memory(x, residual, weight, out, residual_out, shared, slot_start)
+    return CallArgs(x, residual, weight, eps_f, bias_f, quant_name, scale_f, layout_name, out,
+                    residual_out)
+
+
+def _check_x(shape: OpShape, x: Any) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
+    if x.dtype != shape.dtype:
+        raise ValueError(f"x has dtype {x.dtype}; this op was built for {shape.dtype}")
+    if x.shape[1] != shape.hidden:
+        raise ValueError(f"x has hidden size {x.shape[1]}; this op was built for "
+                         f"hidden_dim={shape.hidden}")
+    if x.device.type != shape.device_type:
+        raise ValueError(f"x is on {x.device}; this op runs on {shape.device_type}")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous (call .contiguous() first)")
+
+
+def check_like(tensor: Any, x: torch.Tensor, name: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.shape != x.shape:
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}; x has {tuple(x.shape)}")
+    if tensor.dtype != x.dtype:
+        raise ValueError(f"{name} has dtype {tensor.dtype}; x has {x.dtype}")
+    if tensor.device != x.device:
+        raise ValueError(f"{name} is on {tensor.device}; x is on {x.device}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_memory(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                  out: Any, residual_out: Any, shared: Span | None,
+                  slot_start: int | None) -> None:
+    """Inputs may not lie in the shared segment (a peer's copy or our own would overwrite
+    them), except ``x`` written exactly at ``input_buffer()``. ``out`` is ``x`` or memory of
+    its own; ``residual_out`` is ``residual`` (``x`` without one) or memory of its own;
+    neither is in the shared segment, and neither may require grad (as torch's ``out=``)."""
+    if shared is not None:
+        x_span = span(x)
+        if overlap(x_span, shared) and x_span[0] != slot_start:
+            raise ValueError("x lies in the shared segment but does not start where "
+                             "input_buffer() does (an offset view of it, or an older slot); "
+                             "pass input_buffer(tokens) itself or memory of its own")
+        for name, tensor in (("residual", residual), ("weight", weight)):
+            if tensor is not None and overlap(span(tensor), shared):
+                raise ValueError(f"{name} lies in the shared segment (input_buffer()); the "
+                                 "copy of x into it would overwrite it")
+    if out is None and residual_out is None:
+        return
+    if residual_out is not None and weight is None:
+        raise ValueError("residual_out needs weight: without RMSNorm there is no residual_out")
+    wanted = [("out", out, x, "x"),
+              ("residual_out", residual_out, residual if residual is not None else x,
+               "residual" if residual is not None else "x")]
+    for name, dest, own, own_name in wanted:
+        if dest is None:
+            continue
+        check_like(dest, x, name)
+        if dest.requires_grad:
+            raise ValueError(f"{name} requires grad; an output written in place cannot take "
+                             "part in autograd (as torch refuses out= tensors that require "
+                             "grad)")
+        dest_span = span(dest)
+        if shared is not None and overlap(dest_span, shared):
+            raise ValueError(f"{name} is in the shared input slot (input_buffer()); the other "
+                             "ranks read it during the call, so it cannot take an output")
+        if overlap(dest_span, span(own)) and dest_span != span(own):
+            raise ValueError(f"{name} overlaps {own_name} only partly; pass {own_name} itself "
+                             "(in place) or memory of its own")
+        for other_name, other in (("x", x), ("residual", residual), ("weight", weight)):
+            if other is None or other_name == own_name or span(other) == span(own):
+                continue
+            if overlap(dest_span, span(other)):
+                raise ValueError(f"{name} overlaps {other_name}; it may only be {own_name} "
+                                 "itself (in place) or memory of its own")
+    if out is not None and residual_out is not None and overlap(span(out), span(residual_out)):
+        raise ValueError("out and residual_out overlap; they must be different memory")

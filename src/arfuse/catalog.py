@@ -1,0 +1,151 @@
+"""The table of backends: one descriptor each, registered the way
+``torch.distributed.Backend.register_backend`` lets each backend own its entry.
+
+A descriptor is pure data and pure functions (no torch, no I/O): what the backend needs (the
+reasons it cannot run, from topology + spec), which quantisations it fuses, its predicted bytes
+and capacity, its place in ``auto``'s order, and where its implementation lives (imported only
+when a workspace is made). The policy, settings, fault injection and the CLI iterate over this
+table; nothing else lists backend names.
+
+Adding a backend: one module that defines ``DESCRIPTORS`` (and its implementation), plus its
+module name in ``BUILTIN_MODULES`` (or a ``register()`` call from your own code).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .spec import Spec
+from .topology import Topology
+
+UNLIMITED = 2**62
+UNFUSED = "torch"  # the backend every plan ends with, and every over-capacity call runs on
+BUILTIN_MODULES: tuple[str, ...] = (
+    "arfuse.backends.flashinfer",
+    "arfuse.backends.shm",
+    "arfuse.backends.torch_dist",
+)
+
+
+def _never(topology: Topology, spec: Spec) -> str:
+    return ""
+
+
+def _no_quant(topology: Topology, spec: Spec) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a workspace costs and holds: bytes per rank, and tokens per call that run fused."""
+
+    bytes_per_rank: int
+    capacity: int
+
+
+@dataclass(frozen=True)
+class BackendDescriptor:
+    """Everything the decision needs to know about one backend (DESIGN 3.3)."""
+
+    name: str
+    fused: bool
+    devices: tuple[str, ...]
+    implementation: str                     # "module:attribute" of its Backend class
+    blocker: Callable[[Topology, Spec], str] = _never
+    """Why it cannot run on this topology for this spec ("" when it can): hard requirements."""
+    auto_blocker: Callable[[Topology, Spec], str] = _never
+    """Why ``auto`` skips it although it could run (R3: known slower than unfused)."""
+    explicit_refusal: Callable[[Topology], str] = field(default=lambda topology: "")
+    """A request for it that is a user error on this topology (raises at resolve time)."""
+    fuses_quant: Callable[[Topology, Spec], bool] = _no_quant
+    footprint: Callable[[int, Spec, Topology], Footprint] = field(
+        default=lambda world, spec, topology: Footprint(0, 0))
+    auto_rank: int | None = None
+    """Place in ``auto``'s order on its devices (lower first); ``None``: never picked by auto."""
+
+
+_lock = threading.Lock()
+_table: dict[str, BackendDescriptor] = {}
+_loaded = False
+
+
+def register(descriptor: BackendDescriptor) -> BackendDescriptor:
+    """Add a backend to the table; its name must be new."""
+    if not isinstance(descriptor, BackendDescriptor):
+        raise TypeError(f"descriptor must be a BackendDescriptor, got {type(descriptor).__name__}")
+    if not descriptor.name or descriptor.name == "auto" or not descriptor.name.isidentifier():
+        raise ValueError(f"backend name {descriptor.name!r} is not valid; use an identifier "
+                         "other than 'auto'")
+    _ensure_builtins()
+    with _lock:
+        if descriptor.name in _table:
+            raise ValueError(f"backend {descriptor.name!r} is already registered")
+        _table[descriptor.name] = descriptor
+    return descriptor
+
+
+def unregister(name: str) -> None:
+    """Remove a registered backend (a built-in one cannot be removed)."""
+    _ensure_builtins()
+    with _lock:
+        if name in _BUILTIN_NAMES:
+            raise ValueError(f"backend {name!r} is built in and cannot be removed")
+        _table.pop(name, None)
+
+
+_BUILTIN_NAMES: set[str] = set()
+
+
+def _ensure_builtins() -> None:
+    global _loaded
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        for module_name in BUILTIN_MODULES:
+            module = importlib.import_module(module_name)
+            for descriptor in module.DESCRIPTORS:
+                _table[descriptor.name] = descriptor
+                _BUILTIN_NAMES.add(descriptor.name)
+        _loaded = True
+
+
+def descriptors() -> tuple[BackendDescriptor, ...]:
+    _ensure_builtins()
+    with _lock:
+        return tuple(_table.values())
+
+
+def get(name: str) -> BackendDescriptor:
+    _ensure_builtins()
+    with _lock:
+        found = _table.get(name)
+    if found is None:
+        raise ValueError(f"backend={name!r} is not valid; use one of {', '.join(names())}")
+    return found
+
+
+def names() -> tuple[str, ...]:
+    return tuple(d.name for d in descriptors())
+
+
+def fused_names() -> tuple[str, ...]:
+    return tuple(d.name for d in descriptors() if d.fused)
+
+
+def auto_order(device: str) -> tuple[BackendDescriptor, ...]:
+    """The fused backends ``auto`` tries on ``device``, in order."""
+    ranked = [d for d in descriptors()
+              if d.fused and d.auto_rank is not None and device in d.devices]
+    return tuple(sorted(ranked, key=lambda d: d.auto_rank or 0))
+
+
+def load(name: str) -> Any:
+    """The backend's implementation class (imports it: this may load torch or CUDA)."""
+    module_name, _, attribute = get(name).implementation.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)

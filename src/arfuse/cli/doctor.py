@@ -1,0 +1,59 @@
+"""``arfuse doctor``: what this machine has, and for each backend whether it can run here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from .. import catalog, policy, settings, topology
+from ..spec import Spec
+from . import args as cli_args
+from .explain import installation_blockers
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("doctor", help="what this machine has, and which backends can run")
+    p.add_argument("--world-size", type=cli_args.positive_int, default=None,
+                   help="ranks to check for (default: GPUs, or 2 on CPU)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..backends.shm import build as shm_build
+    from ..backends.shm import workspace as shm
+    from ..machine import cpu_flags
+
+    device = topology.default_device()
+    world = args.world_size or cli_args.default_world_size(device)
+    topo = topology.this_machine(world, device)
+    print(f"arfuse doctor: {topo.world_size} ranks on this machine ({device})")
+    print(f"  torch {torch.__version__}; flashinfer {topo.flashinfer or 'not installed'}")
+    isa = cpu_flags() & {"avx2", "avx512f", "avx512bw", "fma", "f16c", "asimd"}
+    print(f"  cores {os.cpu_count()}; ISA {' '.join(sorted(isa)) or 'unknown'}")
+    if device == "cuda":
+        print(f"  GPU {topo.gpu}, SM {topo.sm}; multicast/NVLink/fabric not detected yet "
+              "(treated as absent)")
+    print(f"  C++ compiler: {shm_build.compiler() or 'none'}")
+    module = shm_build.load()
+    kernel = (f"compiled ({module.__file__})" if module
+              else f"pure-torch path: {shm_build.why_not()}")
+    print(f"  shm kernel: {kernel}")
+    try:
+        stat = os.statvfs(shm.SHM_DIR)
+        print(f"  {shm.SHM_DIR}: {stat.f_bavail * stat.f_frsize / 2**30:.1f} GiB free")
+    except OSError as exc:
+        print(f"  {shm.SHM_DIR}: not usable ({exc.strerror})")
+    blocked = installation_blockers()
+    spec = Spec(max_tokens=2048, hidden=4096, dtype="bf16")
+    print("\n  backend  can run here  why")
+    for descriptor in catalog.descriptors():
+        why = descriptor.blocker(topo, spec) or blocked.get(descriptor.name, "")
+        print(f"  {descriptor.name:<8} {'yes' if not why else 'no':<13} {why or 'ok'}")
+    plan = policy.resolve(settings.load(), topo, spec, blocked)
+    print(f"\n  auto picks: {plan.backend} for {world} ranks (arfuse explain shows why)")
+    removed = shm.clean_stale_segments()
+    print(f"  stale shm segments of dead jobs removed: {len(removed)}")
+    return 0

@@ -1,0 +1,56 @@
+"""``arfuse explain``: what arfuse would pick, and why (DESIGN 3.7)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from .. import catalog, faults, policy, settings, topology
+from ..spec import Spec
+from . import args as cli_args
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("explain", help="what arfuse would pick, and why")
+    p.add_argument("--topology", default=None, help="topology JSON (default: this machine)")
+    p.add_argument("--world-size", type=cli_args.positive_int, default=None,
+                   help="ranks, for this machine without --topology (default: GPUs, or 2 on CPU)")
+    p.add_argument("--max-tokens", type=cli_args.positive_int, default=2048,
+                   help="tokens per call (2048)")
+    cli_args.add_spec_flags(p)
+    p.add_argument("--strict", action="store_true", default=None,
+                   help="no unfused fallback (ARFUSE_STRICT=1)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def _topology(args: argparse.Namespace, conf: settings.Settings) -> topology.Topology:
+    path = args.topology or conf.topology_path
+    if path:
+        return topology.load(path)
+    device = topology.default_device()
+    world = args.world_size or cli_args.default_world_size(device)
+    return topology.this_machine(world, device)
+
+
+def installation_blockers() -> dict[str, str]:
+    """Backends whose implementation this installation cannot import, with why."""
+    from ..negotiate import backend_instance
+
+    blocked: dict[str, str] = {}
+    for name in catalog.names():
+        backend = backend_instance(name)
+        if isinstance(backend, str):
+            blocked[name] = backend
+    return blocked
+
+
+def run(args: argparse.Namespace) -> int:
+    conf = settings.load(backend=args.backend, strict=args.strict)
+    faults.parse(conf.faults)  # a malformed ARFUSE_FAULTS is the same error as in the API
+    topo = _topology(args, conf)
+    spec = Spec(max_tokens=args.max_tokens, hidden=args.hidden, dtype=args.dtype, quant=args.quant)
+    plan = policy.resolve(conf, topo, spec, installation_blockers())
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.explain())
+    return 0

@@ -1,0 +1,85 @@
+"""arfuse's own failures, in one family. Bad arguments stay ``ValueError``/``TypeError``.
+
+* ``NegotiationError``: ranks disagree, or no candidate could be created on every rank.
+* ``CreationFailed``: this rank could not create or validate a workspace (negotiation catches it,
+  votes, and moves on; a user sees it only inside a ``NegotiationError``).
+* ``CollectiveTimeout``: a collective step or a call saw silent ranks; it names the phase, the
+  backend and the ranks. ``NegotiationTimeout`` (phases of negotiation) and ``CallTimeout``
+  (phase ``call``, raised alike by the Python paths and the C++ kernel) are its two kinds.
+* ``MismatchedCall``: the ranks of one call passed different tokens, dtype, hidden size or
+  pattern (R11); raised on every rank, naming the ranks and the values.
+* ``PeerAborted``: a rank failed locally and said so; nobody waits for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class ArfuseError(RuntimeError):
+    """Base of every failure of arfuse itself (not of the caller's arguments)."""
+
+
+class NegotiationError(ArfuseError):
+    """Ranks disagree (spec, settings) or no candidate could be created on every rank."""
+
+
+class CreationFailed(ArfuseError):
+    """This rank could not create (or validate) a workspace; negotiation moves on."""
+
+
+class PeerAborted(ArfuseError):
+    """A rank failed locally and said so; waiting for it any longer would be pointless."""
+
+
+class MismatchedCall(ArfuseError):
+    """The ranks of one call passed different arguments (R11)."""
+
+
+class WorkspaceBroken(ArfuseError):
+    """A workspace that failed once (timeout, dead peer, mismatch) refuses every later call."""
+
+
+class CollectiveTimeout(ArfuseError, TimeoutError):
+    """A collective step saw silent ranks; the message names phase, backend and ranks."""
+
+    def __init__(self, phase: str, backend: str, silent: Sequence[int] | None,
+                 timeout_s: float, detail: str = ""):
+        """``silent=None``: the step never finished and who is late is unknown."""
+        self.phase, self.backend, self.timeout_s = phase, backend, timeout_s
+        self.silent = None if silent is None else tuple(silent)
+        who = ("the collective operation did not complete (which rank is late is unknown)"
+               if silent is None else f"rank(s) {', '.join(map(str, silent))} of the group did "
+               "not answer (dead, hung, or not calling the same collective)")
+        super().__init__(f"arfuse timed out after {timeout_s:g}s in phase {phase!r} "
+                         f"(backend {backend}): {who}{detail}; raise ARFUSE_TIMEOUT_S if they "
+                         "are only slow")
+
+    def __reduce__(self) -> tuple[object, ...]:  # picklable across processes (tests, launchers)
+        return (type(self), (self.phase, self.backend, self.silent, self.timeout_s))
+
+
+class NegotiationTimeout(CollectiveTimeout):
+    """A step of negotiation timed out."""
+
+
+class CallTimeout(CollectiveTimeout):
+    """A call timed out waiting for its peers, or a peer died during it.
+
+    The C++ kernel raises it too, with its own message (``message`` given), so a caller can
+    catch one class whatever path ran."""
+
+    def __init__(self, phase: str = "call", backend: str = "-",
+                 silent: Sequence[int] | None = None, timeout_s: float = 0.0,
+                 detail: str = "", message: str | None = None):
+        if message is None:
+            super().__init__(phase, backend, silent, timeout_s, detail)
+        else:
+            self.phase, self.backend, self.timeout_s = phase, backend, timeout_s
+            self.silent = None if silent is None else tuple(silent)
+            ArfuseError.__init__(self, message)
+        self._message = message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.phase, self.backend, self.silent, self.timeout_s, "",
+                             self._message or str(self)))
