@@ -325,7 +325,7 @@ def _step(ctx: GroupContext, backend: str, phase: str,
     every rank votes. Only a timeout ends the negotiation: the ranks are out of step."""
     try:
         why = action()
-    except CollectiveTimeout:
+    except (CollectiveTimeout, NegotiationError):  # the group is out of step or gone
         raise
     except (Exception, MemoryError) as exc:
         why = f"{type(exc).__name__}: {exc}"

@@ -68,7 +68,9 @@ class Channel:
     def abort(self, reason: str) -> None:
         """Tell the group this rank failed in the current scope (no-op alone)."""
         if self.world_size > 1:
-            self._set(self._key("abort", self.rank), reason)
+            # best effort: if the store is gone, the vote that follows reports it
+            with contextlib.suppress(Exception):
+                self._set(self._key("abort", self.rank), reason)
 
     def all_gather(self, phase: str, value: Any, timeout_s: float, backend: str = "-",
                    abortable: bool = True) -> list[Any]:

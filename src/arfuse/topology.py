@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 DEVICES = ("cpu", "cuda")
+MAX_WORLD_SIZE = 1 << 16          # far beyond any all-reduce group; bounds what a file may ask
+MAX_FILE_BYTES = 4 << 20          # a topology of MAX_WORLD_SIZE ranks fits with room to spare
 _FIELDS = ("device", "world_size", "hosts", "sm", "gpu", "multicast", "nvlink_all_pairs",
            "fabric", "flashinfer")
 
@@ -43,8 +45,8 @@ class Topology:
             )
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
             raise TypeError(f"world_size must be an int, got {type(self.world_size).__name__}")
-        if self.world_size < 1:
-            raise ValueError(f"world_size={self.world_size} is not valid; it must be >= 1")
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise ValueError(f"world_size={self.world_size} is not valid; use 1..{MAX_WORLD_SIZE}")
         hosts = tuple(self.hosts) if self.hosts else ("host0",) * self.world_size
         if len(hosts) != self.world_size:
             raise ValueError(
@@ -87,8 +89,9 @@ class Topology:
         if hosts is not None and not isinstance(hosts, list):
             raise TypeError("hosts must be a list of strings, one per rank")
         world_size = data.get("world_size", len(hosts) if hosts else 1)
-        if hosts is None and isinstance(world_size, int) and not isinstance(world_size, bool):
-            hosts = ["host0"] * max(world_size, 0)
+        if hosts is None and isinstance(world_size, int) and not isinstance(world_size, bool) \
+                and 1 <= world_size <= MAX_WORLD_SIZE:
+            hosts = ["host0"] * world_size
         return cls(
             device=data.get("device", "cpu"),
             world_size=world_size,
@@ -112,22 +115,35 @@ def _safe_bool(data: Mapping[str, Any], name: str) -> bool:
 
 
 def load(path: str | os.PathLike[str]) -> Topology:
-    """Read a topology JSON file; every problem is a ``ValueError`` naming the file."""
+    """Read a topology JSON file; every problem is a ``ValueError`` naming the file. What is
+    read is bounded (file size, nesting, world size), so an absurd file fails at once."""
     path = Path(path)
+    name = repr(str(path))
     try:
-        text = path.read_text()
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
-        raise ValueError(f"cannot read topology file {str(path)!r}: {exc.strerror}") from None
+        raise ValueError(f"cannot read topology file {name}: {exc.strerror}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ValueError(f"topology file {name} is larger than {MAX_FILE_BYTES >> 20} MiB; a "
+                         "topology lists one host per rank and needs far less")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"topology file {name} is not UTF-8 text (byte {exc.start})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(
-            f"topology file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}"
+            f"topology file {name} is not valid JSON: {exc.msg} at line {exc.lineno}"
         ) from None
+    except RecursionError:
+        raise ValueError(f"topology file {name} is nested too deeply to be a topology "
+                         "(a flat JSON object is expected)") from None
     try:
         return Topology.from_dict(data)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"topology file {str(path)!r}: {exc}") from None
+        raise ValueError(f"topology file {name}: {exc}") from None
 
 
 @dataclass(frozen=True)

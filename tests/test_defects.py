@@ -1,0 +1,203 @@
+"""Each input gives the right answer or a clear error, on every rank (the Python-side items of
+the adversarial probe; the kernel's own items are in test_mismatched_calls.py,
+test_shm_kernel_contract.py and test_kernel_cache.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import arfuse
+from arfuse import topology
+from arfuse.call_checks import OpShape, check_call
+
+import defect_workers as dw
+from harness import run_ranks, values
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = OpShape(hidden=16, dtype=torch.float32, dtype_name="fp32", device_type="cpu")
+
+
+def check(**kwargs: object) -> object:
+    args = {"x": torch.ones(2, 16), "residual": None, "weight": torch.ones(16), "eps": 1e-6,
+            "weight_bias": 0.0, "quant": None, "scale": None, "layout": "swizzled_128x4",
+            "out": None, "residual_out": None, "shared": None, "slot_start": None}
+    args.update(kwargs)
+    return check_call(SHAPE, **args)  # type: ignore[arg-type]
+
+
+# --- item 5: values float64 carries but fp32 cannot ---
+
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"eps": 1e39}, "eps"), ({"eps": 1e-50}, "eps"), ({"eps": float("inf")}, "eps"),
+    ({"eps": 10**400}, "eps"), ({"weight_bias": 1e39}, "weight_bias"),
+    ({"weight_bias": -(10**400)}, "weight_bias"), ({"weight_bias": float("nan")}, "weight_bias"),
+    ({"quant": "fp8", "scale": 1e-300}, "scale"), ({"quant": "fp8", "scale": 1e39}, "scale"),
+    ({"quant": "fp8", "scale": 1e-39}, "scale"), ({"quant": "fp8", "scale": 10**400}, "scale"),
+])
+def test_values_outside_fp32_are_refused_naming_the_argument(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        check(**kwargs)
+
+
+def test_values_at_the_edge_of_fp32_are_accepted_and_compute_finite_results() -> None:
+    comm = arfuse.FusedAllReduce(max_token_num=4, hidden_dim=16, dtype=torch.float32)
+    zero = torch.zeros(2, 16)
+    out = comm(zero, weight=torch.ones(16), eps=1.5e-45).out  # subnormal eps: still > 0
+    assert torch.equal(out, zero)  # not NaN (0 * rsqrt(eps) with eps > 0)
+    big = comm(torch.ones(2, 16), weight=torch.ones(16), eps=3e38).out
+    assert torch.all(torch.isfinite(big)) and torch.all(big > 0)
+    q = comm(torch.ones(2, 16), weight=torch.ones(16), quant="fp8", scale=3e-39).quant_out
+    assert q is not None and not torch.any(torch.isnan(q.float()))
+    comm.close()
+
+
+# --- item 6: any real scalar is a number ---
+
+@pytest.mark.parametrize("eps", [np.float32(1e-5), np.float64(1e-5), np.int64(1),
+                                 torch.tensor(1e-5), torch.tensor([1e-5])])
+def test_numpy_and_tensor_scalars_are_numbers(eps: object) -> None:
+    call = check(eps=eps, weight_bias=np.float32(0.5))
+    assert isinstance(call.eps, float) and isinstance(call.weight_bias, float)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("eps", [True, np.bool_(True), "1e-5", torch.tensor(True), [1e-5]])
+def test_non_numbers_are_type_errors(eps: object) -> None:
+    with pytest.raises(TypeError, match="eps"):
+        check(eps=eps)
+
+
+# --- items 7 and R11 on the torch backend ---
+
+def test_torch_backend_keeps_the_timeout_and_names_the_silent_rank() -> None:
+    results = run_ranks(dw.torch_peer_never_calls, 2, 2.0, timeout=60)
+    caller = results[0].value
+    assert caller is not None, results
+    assert caller["type"] == "CallTimeout", caller
+    assert "rank(s) 1" in caller["error"] and "phase 'call" in caller["error"], caller
+    assert "backend torch" in caller["error"]
+    assert caller["seconds"] < 2.0 + 3.0, caller  # the timeout and a grace, never gloo's 30 s
+    assert caller["second"]["type"] == "WorkspaceBroken", caller  # not "pair closure"
+
+
+@pytest.mark.parametrize(("world", "tokens", "residual_on"), [
+    (2, [1, 2], [False, False]), (2, [8, 1], [False, False]), (3, [3, 5, 3], [False] * 3),
+    (2, [4, 4], [True, False])])
+def test_torch_backend_mismatched_calls_fail_on_every_rank(world: int, tokens: list[int],
+                                                           residual_on: list[bool]) -> None:
+    for result in values(run_ranks(dw.mismatched_tokens, world, tokens, "torch", residual_on)):
+        assert result["type"] == "MismatchedCall", result
+        for rank in range(world):
+            assert f"rank {rank}: tokens={tokens[rank]}" in result["error"], result
+
+
+# --- item 8: no reference to the process group once arfuse is done with it ---
+
+@pytest.mark.parametrize("backend", ["torch", "shm"])
+def test_close_and_destroy_all_release_the_process_group(backend: str) -> None:
+    for refs in values(run_ranks(dw.process_group_references, 2, backend)):
+        assert refs["during"] > refs["before"], refs  # arfuse did hold it while in use
+        assert refs["after_close"] == refs["before"], refs
+        assert refs["after_destroy_all"] == refs["before"], refs
+
+
+# --- item 12: store keys do not pile up ---
+
+def test_store_keys_stay_bounded_over_many_creations() -> None:
+    for seen in values(run_ranks(dw.store_keys_after_creations, 2, [2, 10, 40], timeout=120)):
+        assert seen[2] <= seen[0] + 2, seen  # not 16 more per creation
+
+
+# --- item 10: each bad argument names itself ---
+
+@pytest.mark.parametrize(("tokens", "error"), [(-1, ValueError), (1.5, TypeError),
+                                               ("4", TypeError), (True, TypeError)])
+def test_input_buffer_arguments(tokens: object, error: type[Exception]) -> None:
+    comm = arfuse.FusedAllReduce(max_token_num=4, hidden_dim=16, dtype=torch.float32)
+    with pytest.raises(error, match="tokens"):
+        comm.input_buffer(tokens)  # type: ignore[arg-type]
+    comm.close()
+
+
+def test_group_and_device_arguments_name_themselves() -> None:
+    with pytest.raises(TypeError, match="group must be a torch"):
+        arfuse.FusedAllReduce("abc", max_token_num=4, hidden_dim=16)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda'"):
+            arfuse.FusedAllReduce(max_token_num=4, hidden_dim=16, device="cuda")
+
+
+def test_rank0_exiting_in_creation_is_named_by_the_survivor() -> None:
+    env = {"ARFUSE_FAULTS": "shm.create@*=exit", "ARFUSE_TIMEOUT_S": "3"}
+    results = run_ranks(dw.create_then_report, 2, env=env, timeout=60, expect=1)
+    survivor = results[1].value
+    assert survivor is not None, results
+    assert "phase 'shm-name'" in survivor["error"] and "backend shm" in survivor["error"]
+    assert "rank 0" in survivor["error"], survivor
+
+
+# --- item 11: in place on a tensor that requires grad: refused everywhere ---
+
+@pytest.mark.parametrize("backend", ["torch", "shm"])
+def test_out_requiring_grad_is_refused_on_every_backend(backend: str) -> None:
+    for result in values(run_ranks(dw.requires_grad_destination, 2, backend)):
+        assert result["type"] == "ValueError" and "requires grad" in result["error"], result
+        assert result["version"] == 0 and result["then_works"], result
+
+
+# --- items 9 and 14: files and the command line ---
+
+def _explain(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "arfuse.cli", "explain", *args],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "ARFUSE_LOG": "warning", **(env or {})})
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (json.dumps({"world_size": 10**8}), "world_size=100000000 is not valid"),
+    (json.dumps({"world_size": 10**12}), "is not valid"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    (b'{"device": "\xff"}', "not UTF-8"),
+    (" " * (5 << 20), "larger than"),
+])
+def test_absurd_topology_files_fail_at_once_naming_the_file(tmp_path: Path, content: object,
+                                                            message: str) -> None:
+    path = tmp_path / "topo.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(str(content))
+    with pytest.raises(ValueError, match=message) as info:
+        topology.load(path)
+    assert str(path) in str(info.value)
+    result = _explain("--topology", str(path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("faults", ["shm.create", "nccl.create@1=raise", "shm.call@1=null",
+                                    "shm.create@x=raise"])
+def test_explain_refuses_malformed_faults_as_the_api_does(faults: str) -> None:
+    from arfuse.faults import parse
+
+    with pytest.raises(ValueError):
+        parse(faults)
+    result = _explain(env={"ARFUSE_FAULTS": faults})
+    assert result.returncode == 2 and "ARFUSE_FAULTS" in result.stderr, result.stderr
+
+
+def test_the_plan_states_the_shm_kernels_token_limit() -> None:
+    from arfuse.backends.shm.layout import MAX_TOKENS
+
+    result = _explain("--topology", str(ROOT / "examples/topologies/cpu-host-2.json"),
+                      "--max-tokens", str(2**20), "--hidden", "16", "--json")
+    plan = json.loads(result.stdout)
+    assert plan["backend"] == "torch", plan
+    shm = next(c for c in plan["candidates"] if c["backend"] == "shm")
+    assert not shm["viable"] and str(MAX_TOKENS) in shm["reason"], shm
