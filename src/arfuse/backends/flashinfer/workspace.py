@@ -73,6 +73,12 @@ class FlashInferWorkspace(Workspace):
         self.capacity = largest_fitting(spec.max_tokens, lambda tokens: bool(
             handle.is_buffer_size_sufficient(ctx.world_size, tokens, spec.hidden, self._dtype)))
 
+    @property
+    def handle(self) -> Any:
+        """FlashInfer's own workspace object (``allreduce_fusion`` dispatches on its type), or
+        ``None`` once destroyed."""
+        return self._handle
+
     def poison(self) -> None:
         self._poisoned = True
 
