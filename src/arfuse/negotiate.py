@@ -190,7 +190,10 @@ def _local_payload(ctx: GroupContext, spec: Spec) -> dict[str, Any]:
     file_topology = (topology.load(settings.topology_path).to_dict()
                      if settings.topology_path else None)
     blocked: dict[str, str] = {}
-    for name in catalog.names():
+    for descriptor in catalog.descriptors():
+        name = descriptor.name
+        if ctx.device not in descriptor.devices:
+            continue  # the policy rules it out from the device alone; no local check to pay
         why = _local_blocker(ctx, name, spec)
         if why:
             blocked[name] = why
@@ -224,7 +227,11 @@ def _agree(payloads: list[dict[str, Any]], key: str, what: str) -> None:
                                "Every rank of the group must ask for the same thing")
 
 
-def _topology_of(ctx: GroupContext, payloads: list[dict[str, Any]]) -> Topology:
+def topology_of(ctx: GroupContext, payloads: list[dict[str, Any]]) -> Topology:
+    """The group's topology from every rank's payload of an exchange that carried
+    ``file_topology`` and ``facts`` (the ``ARFUSE_TOPOLOGY`` file when ranks gave one, all
+    alike; else every rank's detected facts merged). Integrations with their own exchange
+    reuse it."""
     if payloads[0]["file_topology"] is not None:
         _agree(payloads, "file_topology", "topology files (ARFUSE_TOPOLOGY)")
         topo = Topology.from_dict(payloads[0]["file_topology"])
@@ -252,9 +259,9 @@ def negotiate(ctx: GroupContext, spec: Spec) -> Outcome:
     try:
         _agree(payloads, "spec", "specs (max_token_num, hidden_dim, dtype, quant)")
         _agree(payloads, "settings", "settings (ARFUSE_BACKEND / ARFUSE_STRICT or backend=)")
-        topo = _topology_of(ctx, payloads)
+        topo = topology_of(ctx, payloads)
     except (NegotiationError, ValueError) as exc:
-        _fail_together(ctx, "facts", exc)
+        fail_together(ctx, "facts", exc)
     blocked = _blocked(payloads)
     plan = policy.resolve(ctx.settings, topo, spec, blocked)
     log.once(_level(ctx, logging.INFO), (ctx.key, spec, ctx.settings.backend),
@@ -273,12 +280,12 @@ def negotiate(ctx: GroupContext, spec: Spec) -> Outcome:
         log.logger.log(_level(ctx, logging.WARNING), "arfuse group %s: %s; trying the next "
                        "candidate", ctx.key, attempt.describe())
     tried = "; ".join(a.describe() for a in attempts)
-    _fail_together(ctx, "end", NegotiationError(
+    fail_together(ctx, "end", NegotiationError(
         f"arfuse group {ctx.key}: no candidate could be created on every rank ({tried})"
         + (" and ARFUSE_STRICT=1 forbids the unfused path" if ctx.settings.strict else "")))
 
 
-def _fail_together(ctx: GroupContext, phase: str, error: Exception) -> NoReturn:
+def fail_together(ctx: GroupContext, phase: str, error: Exception) -> NoReturn:
     """Every rank reached the same verdict from the same facts; wait until all have read them
     before raising, so that no rank's exit (rank 0 hosts the store) cuts another off mid-read."""
     ctx.channel.begin(f"{ctx.channel.scope}/fail")

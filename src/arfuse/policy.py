@@ -46,6 +46,8 @@ class Plan:
     workspace_bytes: int
     max_fused_tokens: int
     warnings: tuple[str, ...] = field(default=())
+    unknown_facts: tuple[tuple[str, str], ...] = field(default=())
+    """(fact, why) for topology facts some rank could not read; the rules took them as absent."""
 
     @property
     def viable(self) -> tuple[str, ...]:
@@ -71,6 +73,8 @@ class Plan:
             "workspace_bytes": self.workspace_bytes,
             "max_fused_tokens": self.max_fused_tokens,
             "warnings": list(self.warnings),
+            # only when some fact is unknown, so the keys of a fully known plan stay as they were
+            **({"unknown_facts": dict(self.unknown_facts)} if self.unknown_facts else {}),
         }
 
     def explain(self) -> str:
@@ -82,9 +86,11 @@ class Plan:
             f"device={self.device}, world_size={self.world_size}, nodes={self.node_count}",
             f"spec: max_tokens={spec.max_tokens} hidden={spec.hidden} dtype={spec.dtype} "
             f"quant={quant}",
-            "",
-            f"  {'candidate':<8} {'viable':<7} why",
         ]
+        if self.unknown_facts:
+            lines.append("unknown facts (treated as absent):")
+            lines.extend(f"  {name}: {why}" for name, why in self.unknown_facts)
+        lines += ["", f"  {'candidate':<8} {'viable':<7} why"]
         for cand in self.candidates:
             mark = "yes" if cand.viable else "no"
             lines.append(f"  {cand.backend:<8} {mark:<7} {cand.reason}")
@@ -169,4 +175,5 @@ def resolve(settings: Settings, topology: Topology, spec: Spec,
         workspace_bytes=footprint.bytes_per_rank,
         max_fused_tokens=footprint.capacity,
         warnings=tuple(warnings),
+        unknown_facts=tuple(topology.unknown.items()),
     )

@@ -3,7 +3,8 @@
 A ``Topology`` always describes the *group* (R6): ``world_size`` is the group's size and
 ``hosts`` holds one host identity per group rank, so ``node_count`` never counts ranks outside it.
 Gathering every rank's ``LocalFacts`` is collective and lives in ``negotiate``; here the merge
-is pure: a capability counts only when every rank has it.
+is pure: a capability counts only when every rank has it. A fact some rank could not read is
+unknown (``None``), and ``Topology.unknown`` keeps why, so ``explain`` can say it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import os
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,10 @@ DEVICES = ("cpu", "cuda")
 MAX_WORLD_SIZE = 1 << 16          # far beyond any all-reduce group; bounds what a file may ask
 MAX_FILE_BYTES = 4 << 20          # a topology of MAX_WORLD_SIZE ranks fits with room to spare
 _FIELDS = ("device", "world_size", "hosts", "sm", "gpu", "multicast", "nvlink_all_pairs",
-           "fabric", "flashinfer")
+           "fabric", "flashinfer", "unknown")
+FACTS = ("sm", "gpu", "multicast", "nvlink_all_pairs", "fabric", "flashinfer")
+"""The facts that may be unknown (keys of ``Topology.unknown``)."""
+_MAX_REASONS = 3                  # distinct reasons named per fact; the rest are counted
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,9 @@ class Topology:
     nvlink_all_pairs: bool | None = False
     fabric: bool | None = False
     flashinfer: str | None = None
+    unknown: dict[str, str] = field(default_factory=dict, hash=False)
+    """Fact -> why it is unknown ("rank 3: nvidia-ml-py not installed"), for facts that are
+    ``None``; optional in topology files. Not hashed: the facts themselves identify a topology."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -67,24 +74,45 @@ class Topology:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{name} must be a string or null, got {value!r}")
+        object.__setattr__(self, "unknown", self._checked_unknown())
+
+    def _checked_unknown(self) -> dict[str, str]:
+        """A copy holding reasons of facts that really are unknown (a known fact needs none)."""
+        if not isinstance(self.unknown, Mapping):
+            raise TypeError("unknown must map fact names to reasons (a JSON object of strings)")
+        bad = sorted(str(k) for k in self.unknown if k not in FACTS)
+        if bad:
+            raise ValueError(f"unknown names no fact {bad}; valid: {', '.join(FACTS)}")
+        if not all(isinstance(v, str) for v in self.unknown.values()):
+            raise TypeError("unknown must map fact names to reasons (strings)")
+        return {k: v for k, v in self.unknown.items() if getattr(self, k) is None}
 
     @property
     def node_count(self) -> int:
         return len(set(self.hosts))
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; ``unknown`` only when some fact is, so files stay readable by older
+        versions whenever nothing is unknown."""
         data = asdict(self)
         data["hosts"] = list(self.hosts)
+        if not self.unknown:
+            del data["unknown"]
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Topology:
-        """Missing fields take the safe value (``false``, ``null``, one host)."""
+        """Missing fields take the safe value (``false``, ``null``, one host). A capability that
+        is ``null`` reads as ``false``, unless ``unknown`` gives its reason: then it stays
+        unknown (the policy treats both as absent; ``explain`` says why)."""
         if not isinstance(data, Mapping):
             raise ValueError("a topology must be a JSON object")
-        unknown = sorted(set(data) - set(_FIELDS))
-        if unknown:
-            raise ValueError(f"unknown topology field(s) {unknown}; valid: {', '.join(_FIELDS)}")
+        extra = sorted(set(data) - set(_FIELDS))
+        if extra:
+            raise ValueError(f"unknown topology field(s) {extra}; valid: {', '.join(_FIELDS)}")
+        reasons = data.get("unknown", {})
+        if not isinstance(reasons, Mapping):
+            raise TypeError("unknown must map fact names to reasons (a JSON object of strings)")
         hosts = data.get("hosts")
         if hosts is not None and not isinstance(hosts, list):
             raise TypeError("hosts must be a list of strings, one per rank")
@@ -98,17 +126,18 @@ class Topology:
             hosts=tuple(hosts or ()),
             sm=data.get("sm"),
             gpu=data.get("gpu"),
-            multicast=_safe_bool(data, "multicast"),
-            nvlink_all_pairs=_safe_bool(data, "nvlink_all_pairs"),
-            fabric=_safe_bool(data, "fabric"),
+            multicast=_safe_bool(data, "multicast", reasons),
+            nvlink_all_pairs=_safe_bool(data, "nvlink_all_pairs", reasons),
+            fabric=_safe_bool(data, "fabric", reasons),
             flashinfer=data.get("flashinfer"),
+            unknown=dict(reasons),
         )
 
 
-def _safe_bool(data: Mapping[str, Any], name: str) -> bool:
+def _safe_bool(data: Mapping[str, Any], name: str, reasons: Mapping[str, Any]) -> bool | None:
     value = data.get(name, False)
     if value is None:
-        return False
+        return None if name in reasons else False
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be true or false, got {value!r}")
     return value
@@ -148,7 +177,12 @@ def load(path: str | os.PathLike[str]) -> Topology:
 
 @dataclass(frozen=True)
 class LocalFacts:
-    """What one rank knows about itself; gathered from every rank and merged by ``merge``."""
+    """What one rank knows about itself; gathered from every rank (as JSON) and merged by
+    ``merge``. A rank sees only its own GPU, so for NVLink it reports who it is (``gpu_id``)
+    and which GPUs of its host it reaches (``nvlink_peers``); ``merge`` judges every pair.
+
+    ``nvlink_all_pairs`` is a rank's own verdict when it needs no peers: false (a CPU rank), or
+    true (this rank reaches every GPU of its host); ``None`` leaves it to the peers."""
 
     host: str
     device: str
@@ -159,10 +193,19 @@ class LocalFacts:
     fabric: bool | None = None
     flashinfer: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    gpu_id: str | None = None
+    """This rank's physical GPU (NVML UUID): what its host's other ranks list as a peer."""
+    nvlink_peers: list[str] | None = None
+    """GPUs of this host this GPU has NVLink P2P to (NVML UUIDs); ``None``: unknown."""
+    fabric_cluster: str | None = None
+    fabric_clique: int | None = None
+    unknown: dict[str, str] = field(default_factory=dict)
+    """Fact -> why this rank could not read it (only for facts it left ``None``)."""
 
 
 def merge(facts: Sequence[LocalFacts]) -> Topology:
-    """One topology from every rank's facts, in rank order (pure)."""
+    """One topology from every rank's facts, in rank order (pure). A capability is true only
+    when every rank has it, false when some rank lacks it, else unknown with the reasons."""
     if not facts:
         raise ValueError("merge needs the facts of at least one rank")
     devices = {f.device for f in facts}
@@ -171,7 +214,9 @@ def merge(facts: Sequence[LocalFacts]) -> Topology:
     sms = {f.sm for f in facts}
     gpus = {f.gpu for f in facts}
     versions = {f.flashinfer for f in facts}
-    return Topology(
+    nvlink, nvlink_ranks = _nvlink_all_pairs(facts)
+    fabric = _fabric(facts)
+    topo = Topology(
         device=facts[0].device,
         world_size=len(facts),
         hosts=tuple(f.host for f in facts),
@@ -180,10 +225,23 @@ def merge(facts: Sequence[LocalFacts]) -> Topology:
         sm=None if None in sms else min(s for s in sms if s is not None),
         gpu=facts[0].gpu if len(gpus) == 1 else "mixed",
         multicast=_all_of(f.multicast for f in facts),
-        nvlink_all_pairs=_all_of(f.nvlink_all_pairs for f in facts),
-        fabric=_all_of(f.fabric for f in facts),
+        nvlink_all_pairs=nvlink,
+        fabric=fabric,
         flashinfer=facts[0].flashinfer if len(versions) == 1 else None,
     )
+    if topo.device != "cuda":
+        return topo  # GPU facts do not apply: nothing is unknown, it is absent
+    unknown: dict[str, str] = {}
+    for name in ("sm", "gpu", "multicast", "fabric"):
+        if getattr(topo, name) is None:
+            ranks = [r for r, f in enumerate(facts) if getattr(f, name) is None]
+            unknown[name] = _reasons(facts, name, ranks)
+    if nvlink is None:
+        unknown["nvlink_all_pairs"] = _reasons(facts, "nvlink_all_pairs", nvlink_ranks)
+    if len(versions) > 1:
+        unknown["flashinfer"] = "ranks disagree: " + _grouped(
+            [(r, f.flashinfer or "not installed") for r, f in enumerate(facts)])
+    return replace(topo, unknown={name: unknown[name] for name in FACTS if name in unknown})
 
 
 def _all_of(values: Any) -> bool | None:
@@ -193,6 +251,83 @@ def _all_of(values: Any) -> bool | None:
     if any(v is None for v in seen):
         return None
     return True
+
+
+def _link(a: LocalFacts, b: LocalFacts) -> bool | None:
+    """Whether two ranks of one host are NVLink-connected: yes if either side reports it, no if
+    a side that could name the other does not, else unknown."""
+    if a.gpu_id is not None and a.gpu_id == b.gpu_id:
+        return True  # one GPU: nothing to link
+    if a.nvlink_all_pairs or b.nvlink_all_pairs:
+        return True
+    if (a.nvlink_peers is not None and b.gpu_id in a.nvlink_peers) or (
+            b.nvlink_peers is not None and a.gpu_id in b.nvlink_peers):
+        return True
+    a_knows = a.nvlink_peers is not None and b.gpu_id is not None
+    b_knows = b.nvlink_peers is not None and a.gpu_id is not None
+    return False if a_knows or b_knows else None
+
+
+def _nvlink_all_pairs(facts: Sequence[LocalFacts]) -> tuple[bool | None, list[int]]:
+    """Per host, is every pair of the group's GPUs there NVLink-connected? (One GPU on a host:
+    trivially yes.) Also the ranks whose missing facts leave it unknown."""
+    if any(f.nvlink_all_pairs is False for f in facts):
+        return False, []
+    by_host: dict[str, list[int]] = {}
+    for rank, f in enumerate(facts):
+        by_host.setdefault(f.host, []).append(rank)
+    vague: set[int] = set()
+    for ranks in by_host.values():
+        for i, a in enumerate(ranks):
+            for b in ranks[i + 1:]:
+                linked = _link(facts[a], facts[b])
+                if linked is False:
+                    return False, []
+                if linked is None:
+                    vague.update(r for r in (a, b) if facts[r].nvlink_peers is None
+                                 or facts[r].gpu_id is None)
+    if vague:
+        return None, sorted(vague)
+    return True, []
+
+
+def _fabric(facts: Sequence[LocalFacts]) -> bool | None:
+    """One MNNVL fabric: every rank registered, all in the same cluster and clique."""
+    seen = _all_of(f.fabric for f in facts)
+    if seen is not True:
+        return seen
+    cliques = {(f.fabric_cluster, f.fabric_clique) for f in facts}
+    cluster, clique = next(iter(cliques))
+    return len(cliques) == 1 and cluster is not None and clique is not None
+
+
+def _reasons(facts: Sequence[LocalFacts], name: str, ranks: Sequence[int]) -> str:
+    """"rank 3: why" for the ranks that left ``name`` unknown, grouped by reason."""
+    return _grouped([(r, facts[r].unknown.get(name) or "not reported") for r in ranks])
+
+
+def _grouped(items: Sequence[tuple[int, str]]) -> str:
+    by_reason: dict[str, list[int]] = {}
+    for rank, reason in items:
+        by_reason.setdefault(reason, []).append(rank)
+    parts = [f"{_rank_text(ranks)}: {reason}" for reason, ranks in by_reason.items()]
+    if len(parts) > _MAX_REASONS:
+        parts = [*parts[:_MAX_REASONS], f"{len(parts) - _MAX_REASONS} other reasons"]
+    return "; ".join(parts)
+
+
+def _rank_text(ranks: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> "ranks 0-2, 5"; [3] -> "rank 3"."""
+    spans: list[str] = []
+    start = prev = ranks[0]
+    for rank in [*ranks[1:], None]:
+        if rank is not None and rank == prev + 1:
+            prev = rank
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        if rank is not None:
+            start = prev = rank
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)
 
 
 def host_identity() -> str:
@@ -217,22 +352,22 @@ def flashinfer_version() -> str | None:
 
 
 def local_facts(device: str) -> LocalFacts:
-    """This process's facts. GPU capabilities are not detected yet: they stay unknown (``None``)."""
+    """This process's facts. On CUDA every GPU fact is read (``gpu_facts``); what cannot be read
+    stays unknown (``None``) with its reason."""
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is not valid; use one of {', '.join(DEVICES)}")
     if device == "cpu":
         return LocalFacts(host=host_identity(), device="cpu", multicast=False,
                           nvlink_all_pairs=False, fabric=False, flashinfer=flashinfer_version())
-    import torch
+    from . import gpu_facts
 
-    sm: int | None = None
-    gpu: str | None = None
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        sm = major * 10 + minor
-        gpu = torch.cuda.get_device_name()
-    return LocalFacts(host=host_identity(), device="cuda", sm=sm, gpu=gpu,
-                      flashinfer=flashinfer_version())
+    gpu = gpu_facts.read()
+    return LocalFacts(
+        host=host_identity(), device="cuda", sm=gpu.sm, gpu=gpu.gpu, multicast=gpu.multicast,
+        fabric=gpu.fabric, flashinfer=flashinfer_version(), gpu_id=gpu.gpu_id,
+        nvlink_peers=None if gpu.nvlink_peers is None else list(gpu.nvlink_peers),
+        fabric_cluster=gpu.fabric_cluster, fabric_clique=gpu.fabric_clique,
+        unknown=dict(gpu.unknown))
 
 
 def default_device() -> str:
@@ -241,7 +376,14 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def this_machine(world_size: int, device: str | None = None) -> Topology:
-    """What-if topology of ``world_size`` ranks all on this machine (for ``arfuse explain``)."""
-    facts = local_facts(device or default_device())
+def this_machine(world_size: int, device: str | None = None,
+                 facts: LocalFacts | None = None) -> Topology:
+    """What-if topology of ``world_size`` ranks all on this machine (for ``arfuse explain``):
+    this GPU's facts on every rank, NVLink judged as this GPU and ``world_size - 1`` of its
+    NVLink peers (the best group this host offers it)."""
+    facts = facts or local_facts(device or default_device())
+    if facts.device == "cuda" and world_size > 1 and facts.nvlink_all_pairs is None:
+        reach = (None if facts.nvlink_peers is None
+                 else len(facts.nvlink_peers) >= world_size - 1)
+        facts = replace(facts, nvlink_all_pairs=reach, gpu_id=None, nvlink_peers=None)
     return merge([facts] * world_size)

@@ -19,6 +19,37 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _value(value: object, why: str | None) -> str:
+    if value is None:
+        return f"unknown ({why or 'not reported'})"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def gpu_lines(facts: topology.LocalFacts, topo: topology.Topology) -> list[str]:
+    """Each GPU fact of this process's device with its value, or why it is unknown (an unknown
+    fact is treated as absent, so this is where to look when ``auto`` does not fuse)."""
+    why = facts.unknown
+    lines = [f"  GPU {_value(facts.gpu, why.get('gpu'))}, SM {_value(facts.sm, why.get('sm'))}"
+             f"{f' ({facts.gpu_id})' if facts.gpu_id else ''}",
+             f"  multicast:     {_value(facts.multicast, why.get('multicast'))}"]
+    if facts.nvlink_peers is None:
+        nvlink = _value(None, why.get("nvlink_all_pairs"))
+    else:
+        count = len(facts.nvlink_peers)
+        nvlink = f"P2P to {count} other GPU{'' if count == 1 else 's'} of this host"
+        if topo.world_size > 1:
+            every = _value(topo.nvlink_all_pairs, topo.unknown.get("nvlink_all_pairs"))
+            nvlink += f"; every pair of {topo.world_size} ranks: {every}"
+    lines.append(f"  NVLink:        {nvlink}")
+    fabric = _value(facts.fabric, why.get("fabric"))
+    if facts.fabric:
+        fabric += f" (cluster {facts.fabric_cluster}, clique {facts.fabric_clique})"
+    lines.append(f"  MNNVL fabric:  {fabric}")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -28,14 +59,15 @@ def run(args: argparse.Namespace) -> int:
 
     device = topology.default_device()
     world = args.world_size or cli_args.default_world_size(device)
-    topo = topology.this_machine(world, device)
+    facts = topology.local_facts(device)
+    topo = topology.this_machine(world, device, facts)
     print(f"arfuse doctor: {topo.world_size} ranks on this machine ({device})")
     print(f"  torch {torch.__version__}; flashinfer {topo.flashinfer or 'not installed'}")
     isa = cpu_flags() & {"avx2", "avx512f", "avx512bw", "fma", "f16c", "asimd"}
     print(f"  cores {os.cpu_count()}; ISA {' '.join(sorted(isa)) or 'unknown'}")
     if device == "cuda":
-        print(f"  GPU {topo.gpu}, SM {topo.sm}; multicast/NVLink/fabric not detected yet "
-              "(treated as absent)")
+        for line in gpu_lines(facts, topo):
+            print(line)
     print(f"  C++ compiler: {shm_build.compiler() or 'none'}")
     module = shm_build.load()
     kernel = (f"compiled ({module.__file__})" if module
