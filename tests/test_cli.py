@@ -128,3 +128,15 @@ def test_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert report["machine"]["cores"] and report["python_overhead"]["bf16"]["calls"] > 0
     assert (out / "bench.png").stat().st_size > 1000
     assert "torch median / this median" in (out / "bench.txt").read_text()
+
+
+def test_explain_shows_unknown_facts_of_a_topology_file(tmp_path: Path) -> None:
+    data = json.loads((TOPOLOGIES / "h200-nvswitch-8.json").read_text())
+    data.update(multicast=None, unknown={"multicast": "rank 5: NVML init failed: Unknown Error"})
+    path = tmp_path / "unknown.json"
+    path.write_text(json.dumps(data))
+    plan = explain_json("--topology", str(path))
+    assert plan["unknown_facts"] == {"multicast": "rank 5: NVML init failed: Unknown Error"}
+    assert plan["backend"] == "trtllm"          # multicast taken as absent: mnnvl is out
+    text = arfuse("explain", "--topology", str(path)).stdout
+    assert "multicast: rank 5: NVML init failed: Unknown Error" in text

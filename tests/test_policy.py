@@ -200,7 +200,9 @@ def test_shm_fuses_both_quant_patterns() -> None:
 
 def test_workspace_predictions() -> None:
     p = plan(backend="trtllm")
-    assert p.workspace_bytes == 4 * 8 * 2048 * 4096 * 2
+    # 4*tp*S in three IPC buffers (FlashInfer 0.6.13, bf16), each with its allocator's signal
+    # pad rounded to the 2 MiB granularity: +2 MiB on each of the two large ones and the flags
+    assert p.workspace_bytes == 4 * 8 * 2048 * 4096 * 2 + 3 * 2**21
     m = plan()
     assert m.workspace_bytes > 0 and 0 < m.max_fused_tokens <= 2048
     cpu = plan(Topology(device="cpu", world_size=2))
@@ -229,3 +231,22 @@ def test_explain_mentions_every_candidate() -> None:
     text = plan(spec=Spec(max_tokens=64, hidden=4096, quant="fp8")).explain()
     for word in ("mnnvl", "trtllm", "torch", "MiB", "capacity", "fp8"):
         assert word in text
+
+
+def test_unknown_facts_are_explained_but_decide_nothing() -> None:
+    """A fact some rank could not read is treated as absent (the rules do not change); the plan
+    carries why, for ``explain`` and ``explain --json``."""
+    why = {"multicast": "rank 3: cuda-python not installed",
+           "nvlink_all_pairs": "ranks 0-7: nvidia-ml-py not installed"}
+    unknown = replace(NVSWITCH, multicast=None, nvlink_all_pairs=None, unknown=why)
+    absent = replace(NVSWITCH, multicast=None, nvlink_all_pairs=None)
+    told, silent = plan(unknown), plan(absent)
+    assert told.candidates == silent.candidates and told.backend == silent.backend == "torch"
+    assert dict(told.unknown_facts) == why and silent.unknown_facts == ()
+    text = told.explain()
+    assert "unknown facts (treated as absent):" in text
+    assert "  multicast: rank 3: cuda-python not installed" in text
+    assert "  nvlink_all_pairs: ranks 0-7: nvidia-ml-py not installed" in text
+    assert "unknown facts" not in silent.explain()
+    assert told.to_dict()["unknown_facts"] == why
+    assert "unknown_facts" not in silent.to_dict()

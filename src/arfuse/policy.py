@@ -135,6 +135,8 @@ def resolve(settings: Settings, topology: Topology, spec: Spec,
         why = descriptor.blocker(topology, spec) or blocked.get(name, "")
         if not why and not explicit:
             why = descriptor.auto_blocker(topology, spec)
+        if not why and descriptor.footprint(topology.world_size, spec, topology).capacity < 1:
+            why = "its workspace would hold no call of this spec (fused capacity 0 tokens)"
         fuses_quant = not why and descriptor.fuses_quant(topology, spec)
         candidates.append(Candidate(name, not why, why or "meets every requirement",
                                     fuses_quant))

@@ -1,40 +1,41 @@
 """``mnnvl`` and ``trtllm``: FlashInfer's fused all-reduce on NVIDIA GPUs (DESIGN 3.3, 4).
 
 This module holds their descriptors (pure): hard requirements, quantisation fusion, and the
-bytes each allocates per rank (FlashInfer 0.6.13). ``workspace`` creates and runs them.
+bytes each allocates per rank for the FlashInfer version the topology names (``sizes``; the
+primary version is 0.7.2.post1, the oldest supported 0.6.13). ``workspace`` creates and runs
+them.
 """
 
 from __future__ import annotations
 
 from ...catalog import BackendDescriptor, Footprint
-from ...sizing import MIB, ceil_div, largest_fitting
+from ...sizing import largest_fitting
 from ...spec import Spec
 from ...topology import Topology
+from .sizes import (
+    MIN_VERSION,
+    UINT32_MAX,
+    mnnvl_bytes,
+    mnnvl_need,
+    mnnvl_requested_buffer,
+    mnnvl_usable_buffer,
+    mnnvl_use_oneshot,
+    sizing_version,
+    trtllm_bytes,
+    trtllm_capacity,
+    version_tuple,
+)
+
+__all__ = ["DESCRIPTORS", "MIN_VERSION", "mnnvl_buffer_bytes", "mnnvl_footprint", "mnnvl_need",
+           "mnnvl_use_oneshot", "trtllm_footprint", "version_tuple"]
 
 SUPPORTED_SMS = frozenset({90, 100, 103})
 TRTLLM_SMS_FROM_0_6_17 = frozenset({120, 121})
 MNNVL_WORLD_SIZES = frozenset({2, 4, 8, 16, 32, 64})
 TRTLLM_WORLD_SIZES = frozenset({2, 4, 8, 16})
-MIN_VERSION = (0, 6, 13)
-
-
-def version_tuple(version: str | None) -> tuple[int, ...]:
-    """``"0.6.13.post1"`` -> ``(0, 6, 13)``; ``None`` or junk -> ``()``."""
-    if not version:
-        return ()
-    parts: list[int] = []
-    for piece in version.split("+")[0].split("."):
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if digits != piece:
-            break
-    return tuple(parts)
+FP8_DYNAMIC_FROM = (0, 6, 15)
+"""Patterns 10/11 (per-token dynamic FP8) exist in both backends from 0.6.15 (trtllm_ar.py,
+allreduce.py); the kernels' scale rule is the same through 0.7.2.post1."""
 
 
 def _common_blocker(topology: Topology, spec: Spec, sms: frozenset[int]) -> str:
@@ -66,6 +67,12 @@ def mnnvl_blocker(topology: Topology, spec: Spec) -> str:
     if topology.node_count > 1 and not topology.fabric:
         return (f"{topology.node_count} nodes without an MNNVL fabric "
                 "(vLLM #45800: rendezvous hangs)")
+    buffer = mnnvl_requested_buffer(sizing_version(topology.flashinfer), topology.world_size,
+                                    spec.max_tokens, spec.row_bytes)
+    if buffer > UINT32_MAX:
+        # the constructor raises ValueError on every rank: refuse before any rank enters it
+        return (f"one mnnvl buffer would need {buffer} bytes, above FlashInfer's limit of "
+                f"{UINT32_MAX} (UINT32_MAX); lower max_token_num")
     return ""
 
 
@@ -98,51 +105,53 @@ def trtllm_explicit_refusal(topology: Topology) -> str:
             f"{topology.node_count} nodes; use 'mnnvl' (needs an MNNVL fabric) or 'auto'")
 
 
-def _nvfp4_fusable(topology: Topology, spec: Spec) -> bool:
-    return spec.quant != "nvfp4" or ((topology.sm or 0) >= 100 and spec.dtype != "fp32")
+def _quant_fusable(topology: Topology, spec: Spec) -> bool:
+    """NVFP4 needs SM >= 100 and a 16-bit dtype; ``fp8_dynamic`` (patterns 10/11) needs a
+    FlashInfer that has the patterns (``FP8_DYNAMIC_FROM``)."""
+    if spec.quant is None:
+        return False
+    if spec.quant == "nvfp4":
+        return (topology.sm or 0) >= 100 and spec.dtype != "fp32"
+    if spec.quant == "fp8_dynamic":
+        return version_tuple(topology.flashinfer) >= FP8_DYNAMIC_FROM
+    return True
 
 
 def mnnvl_fuses_quant(topology: Topology, spec: Spec) -> bool:
-    return (spec.quant is not None and _nvfp4_fusable(topology, spec)
-            and version_tuple(topology.flashinfer) >= MIN_VERSION)
+    return _quant_fusable(topology, spec) and version_tuple(topology.flashinfer) >= MIN_VERSION
 
 
 def trtllm_fuses_quant(topology: Topology, spec: Spec) -> bool:
-    return spec.quant is not None and _nvfp4_fusable(topology, spec)
+    return _quant_fusable(topology, spec)
 
 
-# --- bytes per rank (FlashInfer 0.6.13) ---------------------------------------------------------
+# --- bytes per rank, for the topology's FlashInfer version (formulas and sources: sizes.py) ----
 
 def trtllm_footprint(world_size: int, spec: Spec, topology: Topology) -> Footprint:
-    """About 4 * tp * S per rank, S = max_tokens * hidden * elem (DESIGN 4)."""
-    return Footprint(4 * world_size * spec.max_tokens * spec.row_bytes, spec.max_tokens)
+    """Three IPC buffers: ``W*T*H*2`` (``*4`` for fp32 from 0.7.2), ``W*256*4`` flags and
+    ``3*W*T*H*elem`` Lamport bytes, each rounded by its allocator (about ``8*W*T*H`` in 16-bit
+    dtypes, ``14*W*T*H`` in fp32 before 0.7.2 and ``16*W*T*H`` from 0.7.2)."""
+    version = sizing_version(topology.flashinfer)
+    return Footprint(
+        trtllm_bytes(version, world_size, spec.max_tokens, spec.hidden, spec.elem_size),
+        trtllm_capacity(version, world_size, spec.max_tokens, spec.elem_size))
 
 
-def mnnvl_use_oneshot(world_size: int, tokens: int, row_bytes: int) -> bool:
-    return tokens * world_size * row_bytes <= MIB
-
-
-def mnnvl_need(world_size: int, tokens: int, row_bytes: int) -> int:
-    """Bytes of one buffer a call of ``tokens`` uses in the mode FlashInfer picks for it."""
-    if mnnvl_use_oneshot(world_size, tokens, row_bytes):
-        return tokens * world_size * row_bytes
-    return 2 * ceil_div(tokens, world_size) * world_size * row_bytes
-
-
-def mnnvl_buffer_bytes(world_size: int, spec: Spec) -> int:
-    """One of the three rotating buffers (B in DESIGN 4)."""
-    oneshot_tokens = min(MIB // (world_size * spec.row_bytes), spec.max_tokens)
-    return max(oneshot_tokens * world_size * spec.row_bytes,
-               2 * ceil_div(spec.max_tokens, world_size) * world_size * spec.row_bytes)
+def mnnvl_buffer_bytes(world_size: int, spec: Spec, flashinfer: str | None = None) -> int:
+    """What one of the three rotating buffers holds (B in DESIGN 4) on that version."""
+    return mnnvl_usable_buffer(sizing_version(flashinfer), world_size, spec.max_tokens,
+                               spec.row_bytes)
 
 
 def mnnvl_footprint(world_size: int, spec: Spec, topology: Topology) -> Footprint:
     """Triple-buffered: only one buffer serves a call (vLLM #50877), so capacity is the largest
     token count whose mode fits one buffer (R1)."""
-    buffer = mnnvl_buffer_bytes(world_size, spec)
+    version = sizing_version(topology.flashinfer)
+    buffer = mnnvl_usable_buffer(version, world_size, spec.max_tokens, spec.row_bytes)
     capacity = largest_fitting(spec.max_tokens, lambda tokens: mnnvl_need(
         world_size, tokens, spec.row_bytes) <= buffer)
-    return Footprint(3 * buffer, capacity)
+    return Footprint(mnnvl_bytes(version, world_size, spec.max_tokens, spec.row_bytes),
+                     capacity)
 
 
 DESCRIPTORS = (

@@ -1,43 +1,59 @@
 """FlashInfer's fused all-reduce on CUDA: ``trtllm`` (IPC, one node) and ``mnnvl`` (multicast).
 
-Written against FlashInfer 0.6.13's unified API (``flashinfer.comm.allreduce``); NOT VERIFIED
-ON HARDWARE in this repository's CI (no GPU there): the tests drive it through a stand-in of that
-API. What it designs out:
+Written against FlashInfer's unified API (``flashinfer.comm.allreduce``), 0.6.13 through
+0.7.2.post1 (the primary version); NOT VERIFIED ON HARDWARE in this repository's CI (no GPU
+there): the tests drive it through a stand-in of that API, and
+``tests/contract/flashinfer_contract.py`` binds every call to the real packages' signatures.
+What it designs out:
 
-* R9: ``comm_backend`` is a ``TorchDistBackend`` bound to the given group (0.6.13 ignores
-  ``group=`` for mnnvl and would rendezvous on WORLD).
+* R9: ``comm_backend`` is FlashInfer's ``TorchDistBackend`` bound to the given group (0.6.13
+  ignores ``group=`` for mnnvl and would rendezvous on WORLD), its exchanges run on the group's
+  channel (``comm``): a constructor that raises on one rank is a failed vote on every rank,
+  never a hang in a peer's handle exchange; ``comm.agree_to_enter`` first settles what would
+  make it raise on some ranks only.
 * R1: capacity is FlashInfer's own ``is_buffer_size_sufficient`` for the mode that will run;
   ``use_oneshot=None`` lets mnnvl pick the mode its workspace was sized for (vLLM #47284).
-* R2: a null multicast pointer fails validation (0.6.13 does not check it; vLLM #48071), and a
-  functional all-reduce runs with a deadline before the workspace is used.
+* R2: multicast is agreed before creation (``blocker``: the installed FlashInfer's own check,
+  else the driver's attribute, else torch's; unknown blocks); a null multicast pointer fails
+  validation (0.6.13 does not check it; vLLM #48071), and a functional all-reduce runs with a
+  deadline before the workspace is used.
 * R10: trtllm's explicit destroy function frees the IPC buffers ``destroy()`` leaves behind; the
   one-shot table's missing world-size-16 entry (KeyError) is avoided by choosing the mode here.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
 import torch
 
+from ... import catalog
 from ...call_checks import CallArgs
 from ...epilogue import FusedOutput
-from ...errors import CreationFailed, NegotiationTimeout
+from ...errors import ArfuseError, CreationFailed, NegotiationTimeout
 from ...quant import nvfp4_scale_shape
 from ...sizing import largest_fitting
 from ...spec import Spec
 from ...topology import Topology, flashinfer_version
 from ...torch_types import TORCH_DTYPES, device_of
 from ..base import Backend, Workspace
+from . import MNNVL_WORLD_SIZES, TRTLLM_WORLD_SIZES
+from .comm import agree_to_enter, channel_comm
+from .probe import confidential_compute, fabric_handles, multicast_support
+from .sizes import SYMM_DEVICE_MEMORY_FROM, sizing_version, trtllm_capacity, version_tuple
 
 # AllReduceFusionPattern (flashinfer/comm/trtllm_ar.py)
 K_ALLREDUCE, K_RESIDUAL_RMSNORM = 0, 1
+K_FP8_QUANT, K_FP4_QUANT = 2, 3
 K_OUT_FP8_QUANT, K_OUT_FP4_QUANT = 4, 5
+K_DYNAMIC_FP8_QUANT, K_OUT_DYNAMIC_FP8_QUANT = 10, 11   # FlashInfer >= 0.6.15
 # QuantizationSFLayout
 LAYOUT_CODE = {"swizzled_128x4": 0, "linear": 2}
 # trtllm's one-shot heuristic covers only these world sizes (MiB of traffic per call)
 _TRTLLM_ONESHOT_MIB = {2: 512, 4: 64, 8: 42}
+WORLD_SIZES = {"mnnvl": MNNVL_WORLD_SIZES, "trtllm": TRTLLM_WORLD_SIZES}
 
 
 def _import_comm() -> tuple[Any, str]:
@@ -46,6 +62,13 @@ def _import_comm() -> tuple[Any, str]:
     except Exception as exc:  # ImportError, or CUDA errors raised at import
         return None, f"flashinfer.comm cannot be imported: {type(exc).__name__}: {exc}"
     return fi_allreduce, ""
+
+
+def installed_version() -> str | None:
+    """The imported FlashInfer's ``__version__`` (the code that runs), else its metadata."""
+    module = sys.modules.get("flashinfer")
+    version = getattr(module, "__version__", None)
+    return str(version) if version else flashinfer_version()
 
 
 def trtllm_use_oneshot(world: int, tokens: int, hidden: int, elem: int) -> bool | None:
@@ -57,27 +80,105 @@ def trtllm_use_oneshot(world: int, tokens: int, hidden: int, elem: int) -> bool 
     return tokens <= world or mib <= _TRTLLM_ONESHOT_MIB[8]
 
 
+def _symm_device_memory() -> type | None:
+    """FlashInfer's own allocation class (the one that can checkpoint), if importable."""
+    try:
+        from flashinfer.comm.mnnvl import SymmDeviceMemory
+    except Exception:
+        return None
+    return SymmDeviceMemory if isinstance(SymmDeviceMemory, type) else None
+
+
 class FlashInferWorkspace(Workspace):
     fuses_quant = True  # the descriptor still decides per topology (NVFP4 needs SM >= 100)
 
-    def __init__(self, ctx: Any, spec: Spec, handle: Any, comm: Any):
-        self._handle, self._comm = handle, comm
+    def __init__(self, ctx: Any, spec: Spec, handle: Any, comm: Any,
+                 comm_backend: Any = None, version: str | None = None):
+        self._handle, self._comm, self._comm_backend = handle, comm, comm_backend
+        self._version = version
         self._dtype = TORCH_DTYPES[spec.dtype]
-        self._poisoned = False
+        self._poisoned = self._detached = False
+        self._scope = str(getattr(ctx.channel, "scope", "-"))
+        self._checkpoints = 0
         super().__init__(ctx, spec, nbytes=0, capacity=0)
-        topology = Topology(device="cuda", world_size=ctx.world_size,
-                            flashinfer=flashinfer_version())
-        self.nbytes = int(getattr(handle, "workspace_size_bytes", 0)) or \
-            self.descriptor.footprint(ctx.world_size, spec, topology).bytes_per_rank
+        topology = Topology(device="cuda", world_size=ctx.world_size, flashinfer=version)
+        predicted = self.descriptor.footprint(ctx.world_size, spec, topology)
+        self.nbytes = self.allocated_bytes() or predicted.bytes_per_rank
         # R1: the largest token count FlashInfer itself accepts for this workspace
         self.capacity = largest_fitting(spec.max_tokens, lambda tokens: bool(
             handle.is_buffer_size_sufficient(ctx.world_size, tokens, spec.hidden, self._dtype)))
+        if self.backend == "trtllm":  # fp32 before 0.7.2: its two-shot buffer is half the size
+            self.capacity = min(self.capacity, trtllm_capacity(
+                sizing_version(version), ctx.world_size, spec.max_tokens, spec.elem_size))
 
     @property
     def handle(self) -> Any:
         """FlashInfer's own workspace object (``allreduce_fusion`` dispatches on its type), or
         ``None`` once destroyed."""
         return self._handle
+
+    def _symm_memories(self) -> list[Any] | None:
+        """The ``SymmDeviceMemory`` objects holding this workspace (FlashInfer >= 0.6.15), or
+        ``None`` where torch's symmetric memory holds it (older, or Confidential Computing)."""
+        handle = self._handle
+        if handle is None:
+            return None
+        if self.backend == "mnnvl":
+            memories = [getattr(getattr(handle, "handle", None), "mcast_device_memory", None)]
+        else:
+            memories = list(vars(handle).get("mem_handles") or [])
+        symm = _symm_device_memory()
+        if not memories or symm is None or not all(isinstance(m, symm) for m in memories):
+            return None
+        return memories
+
+    def allocated_bytes(self) -> int | None:
+        """Bytes this rank's buffers really hold, where FlashInfer exposes them (its own
+        allocations, >= 0.6.15); ``None`` otherwise (the descriptor's formula then stands:
+        trtllm's ``workspace_size_bytes`` reads 0, mnnvl's counts usable bytes only)."""
+        memories = self._symm_memories()
+        if memories is None:
+            return None
+        sizes = [getattr(m, "allocation_size", None) for m in memories]
+        if not all(isinstance(size, int) and size > 0 for size in sizes):
+            return None
+        return sum(int(size) for size in sizes if size is not None)
+
+    # --- checkpoint (FlashInfer >= 0.6.15, its own allocations only) -----------------------
+
+    @property
+    def supports_checkpoint(self) -> bool:
+        """True where FlashInfer can release and restore this workspace's memory at the same
+        virtual addresses (graphs stay valid): >= 0.6.15, not torch-backed."""
+        handle = self._handle
+        return (handle is not None and callable(getattr(type(handle), "checkpoint_prepare", None))
+                and version_tuple(self._version) >= SYMM_DEVICE_MEMORY_FROM
+                and self._comm_backend is not None and self._symm_memories() is not None)
+
+    def _checkpoint_scope(self) -> None:
+        if not self.supports_checkpoint:
+            raise NotImplementedError(
+                f"{self.backend} workspace of FlashInfer {self._version} cannot checkpoint "
+                "(needs FlashInfer >= 0.6.15 and its own allocations; supports_checkpoint is "
+                "False)")
+        self._checkpoints += 1
+        self._comm_backend.rescope(f"{self._scope}/checkpoint{self._checkpoints}")
+
+    def checkpoint_prepare(self) -> None:
+        """Collective: release the physical memory, keep the addresses; calls refuse until
+        ``checkpoint_restore``."""
+        self._checkpoint_scope()
+        self._handle.checkpoint_prepare()
+        self._detached = True
+
+    def checkpoint_restore(self) -> None:
+        """Collective: map fresh memory at the same addresses, exchanging handles within this
+        workspace's own group."""
+        self._checkpoint_scope()
+        self._handle.checkpoint_restore(self._comm_backend)
+        self._detached = False
+
+    # --- use ---------------------------------------------------------------------------------
 
     def poison(self) -> None:
         self._poisoned = True
@@ -113,6 +214,9 @@ class FlashInferWorkspace(Workspace):
     def run(self, call: CallArgs) -> FusedOutput:
         """Caller-given destinations go to the kernel as its outputs (``norm_out = input``
         and ``residual_out = residual_in`` in place, as vLLM passes them)."""
+        if self._detached:
+            raise ArfuseError(f"{self.backend} workspace is checkpointed: call "
+                              "checkpoint_restore() on every rank before the next call")
         x, weight, out, residual_out = call.x, call.weight, call.out, call.residual_out
         tokens, hidden = x.shape
         kwargs: dict[str, Any] = {"launch_with_pdl": False}
@@ -131,9 +235,16 @@ class FlashInferWorkspace(Workspace):
         norm_out = out if out is not None else torch.empty_like(x)
         if residual_out is None:
             residual_out = torch.empty_like(x)
-        quant_out = scale_out = scale_bytes = None
+        quant_out = scale_out = scale_result = None
         pattern = K_RESIDUAL_RMSNORM
-        if call.quant is not None:
+        if call.quant == "fp8_dynamic":
+            # per-token scales [T, 1] fp32, computed by the kernel: no scale_factor
+            pattern = K_OUT_DYNAMIC_FP8_QUANT
+            quant_out = torch.empty((tokens, hidden), dtype=torch.float8_e4m3fn,
+                                    device=x.device)
+            scale_out = scale_result = torch.empty((tokens, 1), dtype=torch.float32,
+                                                   device=x.device)
+        elif call.quant is not None:
             assert call.scale is not None
             kwargs["scale_factor"] = torch.tensor([call.scale], dtype=torch.float32,
                                                   device=x.device)
@@ -148,14 +259,14 @@ class FlashInferWorkspace(Workspace):
                 rows, cols = nvfp4_scale_shape(tokens, hidden, call.layout)
                 # zeroed: FlashInfer never writes the swizzle padding
                 scale_out = torch.zeros(rows * cols, dtype=torch.float8_e4m3fn, device=x.device)
-                scale_bytes = scale_out.view(torch.uint8).view(rows, cols)
+                scale_result = scale_out.view(torch.uint8).view(rows, cols)
         self._comm.allreduce_fusion(
             input=x, workspace=self._handle, pattern=pattern, residual_in=residual_in,
             residual_out=residual_out, norm_out=norm_out, quant_out=quant_out,
             scale_out=scale_out, rms_gamma=weight, rms_eps=call.eps,
             weight_bias=call.weight_bias,
             **kwargs)
-        return FusedOutput(norm_out, residual_out, quant_out, scale_bytes)
+        return FusedOutput(norm_out, residual_out, quant_out, scale_result)
 
     def _free(self) -> None:
         handle, self._handle = self._handle, None
@@ -178,6 +289,10 @@ class TrtllmWorkspace(FlashInferWorkspace):
     backend = "trtllm"
 
 
+def _cuda_here(ctx: Any) -> bool:
+    return bool(ctx.device == "cuda" and torch.cuda.is_available())
+
+
 class FlashInferBackend(Backend):
     """Creates ``workspace_class`` through ``flashinfer.comm``; one subclass per backend."""
 
@@ -189,34 +304,66 @@ class FlashInferBackend(Backend):
         if ctx.device != "cuda":
             return f"the group's tensors are on {ctx.device}"
         why = _import_comm()[1]
-        if why or self.name != "mnnvl":
+        if why:
             return why
-        try:
-            from flashinfer.comm import mnnvl
-        except Exception as exc:
-            return f"flashinfer.comm.mnnvl: {type(exc).__name__}: {exc}"
-        supported = getattr(mnnvl, "is_multicast_supported", None)  # FlashInfer >= 0.6.16
-        if supported is not None and not supported(torch.cuda.current_device()):
-            return "this GPU reports no multicast support"
+        sizes = WORLD_SIZES[self.name]
+        if ctx.world_size not in sizes:
+            return f"world size {ctx.world_size} not in {sorted(sizes)}"
+        if self.name != "mnnvl":
+            return ""
+        if confidential_compute():
+            return ("NVIDIA Confidential Computing is on: FlashInfer's mnnvl refuses it (no "
+                    "multicast)")
+        device = torch.cuda.current_device()
+        supported, source = multicast_support(device, installed_version())
+        if supported is None:
+            return ("multicast support unknown on this rank (no FlashInfer, driver or torch "
+                    "answer): treated as absent")
+        if not supported:
+            return f"this GPU reports no multicast support ({source})"
         return ""
+
+    def _entry_facts(self, ctx: Any, spec: Spec,
+                     version: str | None) -> tuple[dict[str, Any], str]:
+        """What every rank must share to enter the constructor together, and this rank's own
+        reason not to (free memory below the predicted bytes)."""
+        if not _cuda_here(ctx):
+            return {"flashinfer": version}, ""
+        device = torch.cuda.current_device()
+        facts = {"flashinfer": version, "fabric": fabric_handles(device),
+                 "confidential_compute": confidential_compute()}
+        topology = Topology(device="cuda", world_size=ctx.world_size, flashinfer=version)
+        need = catalog.get(self.name).footprint(ctx.world_size, spec, topology).bytes_per_rank
+        free, _ = torch.cuda.mem_get_info(device)
+        if free < need:
+            return facts, (f"needs {need / 2**20:.0f} MiB of GPU memory, "
+                           f"{free / 2**20:.0f} MiB free")
+        return facts, ""
 
     def create(self, ctx: Any, spec: Spec) -> Workspace | None:
         comm, why = _import_comm()
         if comm is None:
             raise CreationFailed(why)
+        sizes = WORLD_SIZES[self.name]
+        if ctx.world_size not in sizes:  # the same on every rank: nobody enters
+            raise CreationFailed(f"{self.name} does not run at world size {ctx.world_size} "
+                                 f"(FlashInfer supports {sorted(sizes)})")
         mode = ctx.fault(self.name, "create")
         if mode == "none":
             return None
         from flashinfer.comm.mnnvl import TorchDistBackend
 
+        version = installed_version()
+        facts, problem = self._entry_facts(ctx, spec, version)
+        agree_to_enter(ctx, self.name, facts, problem)
+        comm_backend = channel_comm(ctx, self.name, TorchDistBackend)
         handle = comm.create_allreduce_fusion_workspace(
             backend=self.name, world_size=ctx.world_size, rank=ctx.rank,
             max_token_num=spec.max_tokens, hidden_dim=spec.hidden,
-            dtype=TORCH_DTYPES[spec.dtype], comm_backend=TorchDistBackend(ctx.group),
-            group=ctx.group)
+            dtype=TORCH_DTYPES[spec.dtype], comm_backend=comm_backend, group=ctx.group)
         if handle is None:
             return None
-        workspace = self.workspace_class(ctx, spec, handle, comm)
+        workspace = self.workspace_class(ctx, spec, handle, comm, comm_backend, version)
         if mode == "null":
             workspace.poison()
         return workspace
