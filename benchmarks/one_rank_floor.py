@@ -37,7 +37,7 @@ def measure(tokens: int, hidden: int, dtype_name: str, calls: int) -> dict[str, 
     memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     comm = module.ShmComm(memory.data_ptr(), 1, 0, tokens, hidden, code,
                           shm_layout.HEADER_BYTES, layout.slot_bytes, layout.input_bytes,
-                          layout.chunk_rows, 10.0, 1 << 40)
+                          10.0, 1 << 40)
     comm.set_copy_mode(1)  # cached: no peer reads the copy
     x0 = torch.randn(tokens, hidden).to(dtype)
     r0 = torch.randn(tokens, hidden).to(dtype)

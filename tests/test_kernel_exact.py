@@ -9,6 +9,8 @@ a private buffer."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -29,7 +31,7 @@ def kernel_on_private_memory(tokens: int, hidden: int, dtype: torch.dtype) -> tu
     memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     comm = module.ShmComm(memory.data_ptr(), 1, 0, tokens, hidden, DTYPE_CODE[dtype],
                           shm_layout.HEADER_BYTES, layout.slot_bytes, layout.input_bytes,
-                          layout.chunk_rows, 10.0, 1 << 40)
+                          10.0, 1 << 40)
     return comm, memory
 
 
@@ -68,3 +70,75 @@ def test_out_is_the_documented_formula_bit_for_bit(dtype: torch.dtype, hidden: i
     assert torch.equal(out.view(torch.int16) if dtype != torch.float32 else out.view(torch.int32),
                        expected.view(torch.int16) if dtype != torch.float32
                        else expected.view(torch.int32))
+
+
+# --- NVFP4 with NaN and infinities: FlashInfer's rule, the same bytes on every path ------------
+# The block amax ignores NaN (__hmax2/__hmax return the other operand), so a NaN takes no part
+# in the block scale unless all 16 values are NaN (scale 0x7f, the e4m3 NaN); an infinity
+# saturates the scale to 448 (0x7e); the e2m1 conversion (cvt.rn.satfinite.e2m1x2.f32)
+# saturates +-inf to +-6 and turns NaN into +6 (code 7, no sign). Global scale 6: sf = amax.
+NAN, INF = float("nan"), float("inf")
+NVFP4_SPECIAL = [  # (block, its 8 code bytes, its scale byte)
+    ([NAN, 2, 1, 0.5, 0, -1, -2, 0.25] + [1.0] * 8,          # scale from the others: 2
+     [0x77, 0x35, 0xD0, 0x2F, 0x55, 0x55, 0x55, 0x55], 0x40),
+    ([NAN] * 16, [0x77] * 8, 0x7F),                           # all NaN
+    ([INF, 1.0, -0.5, 0.0] + [0.0] * 12, [0x07, 0x08] + [0x00] * 6, 0x7E),
+    ([-INF, NAN] + [0.0] * 14, [0x7F] + [0x00] * 7, 0x7E),
+    ([NAN] + [0.0] * 15, [0x07] + [0x00] * 7, 0x00),          # scale 0: NaN * 0 is NaN
+    ([-0.0] * 15 + [NAN], [0x88] * 7 + [0x78], 0x00),
+]
+
+
+def nvfp4_special(dtype: torch.dtype, blocks: list[Any] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of the special blocks (rotated per row), their predicted codes and scales."""
+    blocks = NVFP4_SPECIAL if blocks is None else blocks
+    rows, codes, scales = [], [], []
+    count = len(blocks)
+    for shift in range(3):
+        order = [blocks[(i + shift) % count] for i in range(count)]
+        rows.append([v for block, _, _ in order for v in block])
+        codes.append([c for _, block_codes, _ in order for c in block_codes])
+        scales.append([scale for _, _, scale in order])
+    return (torch.tensor(rows).to(dtype), torch.tensor(codes, dtype=torch.uint8),
+            torch.tensor(scales, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["linear", "swizzled_128x4"])
+def test_nvfp4_nan_and_inf_follow_flashinfer_on_every_path(dtype: torch.dtype,
+                                                           layout: str) -> None:
+    from arfuse import quant
+
+    x, codes, scales = nvfp4_special(dtype)
+    tokens, hidden = x.shape
+    comm, _memory = kernel_on_private_memory(tokens, hidden, dtype)
+    out, _, q, s = comm.run(x, None, None, 1e-6, 0.0, 2, 6.0, layout == "swizzled_128x4",
+                            None, None)
+    assert torch.equal(out.view(torch.int16), x.view(torch.int16))  # NaN stays NaN
+    ref_q, ref_s = quant.nvfp4_quantize(x, 6.0, layout)
+    assert torch.equal(q, ref_q) and torch.equal(s, ref_s)
+    linear_q, linear_s = quant.nvfp4_quantize(x, 6.0, "linear")
+    assert torch.equal(linear_q, codes), (linear_q, codes)
+    assert torch.equal(linear_s, scales), (linear_s, scales)
+    module = shm_build.load()
+    has_vector = module.isa.startswith("avx2") and (dtype == torch.bfloat16
+                                                    or "f16c" in module.isa)
+    for vector in (True, False) if has_vector else (False,):  # vector and scalar block code
+        vq, vs = module.nvfp4_quantize(x, 6.0, vector)
+        assert torch.equal(vq, codes) and torch.equal(vs, scales), vector
+
+
+def test_nvfp4_nan_and_inf_on_real_ranks() -> None:
+    from arfuse import quant
+
+    import workers
+    from harness import run_ranks, values
+
+    # rank 0 passes the blocks, the others zeros: the sum is the blocks, but for -0 (+0 then)
+    x, codes, scales = nvfp4_special(torch.bfloat16, NVFP4_SPECIAL[:-1])
+    for result in values(run_ranks(workers.quant_edges, 2, x, "nvfp4", 6.0, "linear")):
+        assert result["backend"] == "shm"
+        assert torch.equal(result["quant_out"], codes)
+        assert torch.equal(result["scale_out"], scales)
+        assert torch.equal(result["quant_out"], quant.nvfp4_quantize(x, 6.0, "linear")[0])

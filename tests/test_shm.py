@@ -107,7 +107,8 @@ def _kill_mid_call(rank: int, world: int) -> dict[str, object]:
     try:
         comm(x)
     except RuntimeError as exc:
-        return {"error": str(exc), "seconds": time.monotonic() - started, "name": name}
+        return {"error": str(exc), "seconds": time.monotonic() - started, "name": name,
+                "type": type(exc).__name__, "silent": getattr(exc, "silent", None)}
     return {"error": "", "seconds": time.monotonic() - started, "name": name}
 
 
@@ -117,6 +118,7 @@ def test_rank_killed_mid_call_others_fail_clearly_and_nothing_is_left() -> None:
     assert survivor.ok, survivor.error
     err = survivor.value["error"]
     assert "rank 1" in err and ("died" in err or "timed out" in err), err
+    assert survivor.value["type"] == "CallTimeout" and survivor.value["silent"] == (1,), err
     assert survivor.value["seconds"] < 8.5
     assert results[1].exitcode == -9
     assert not (os.path.exists(f"/dev/shm/{survivor.value['name']}"))
@@ -158,6 +160,7 @@ def test_hung_rank_in_a_call_times_out_naming_it(mode: str) -> None:
     survivor = results[0].value
     assert survivor is not None and survivor["backend"] == "shm", results
     assert "timed out" in survivor["error"] and "rank(s) 1" in survivor["error"], survivor
+    assert survivor["error"].startswith("CallTimeout: "), survivor
     assert "phase 'call'" in survivor["error"] and "backend shm" in survivor["error"]
     assert survivor["seconds"] < 2 + 3
 

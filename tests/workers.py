@@ -420,3 +420,115 @@ def one_vs_two_shot(rank: int, world: int) -> list[str]:
                     differ.append(f"{dtype} {name} {field}")
         comm.close()
     return differ
+
+
+def mismatched_calls(rank: int, world: int, mode: str | None,
+                     cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case on a fresh op: rank r calls with ``case["ranks"][min(r, len - 1)]`` as
+    (tokens, pattern, quant); reports how that call and the call after it end on this rank."""
+    import arfuse
+
+    hidden = 4096  # 16 KiB fp32 rows: 4-row blocks, so 16 and 40 tokens differ in blocks
+    report = []
+    for case in cases:
+        tokens, pattern, quant = case["ranks"][min(rank, len(case["ranks"]) - 1)]
+        comm = arfuse.FusedAllReduce(max_token_num=64, hidden_dim=hidden, dtype=torch.float32,
+                                     backend="shm", strict=True, timeout_s=5,
+                                     quant=case.get("spec_quant"))
+        if mode is not None and comm.workspace.path == "c++":  # type: ignore[attr-defined]
+            comm.workspace.set_mode(mode)  # type: ignore[attr-defined]
+        x = torch.full((tokens, hidden), float(rank + 1))
+        if case.get("in_slot"):
+            slot = comm.input_buffer(tokens)
+            slot.copy_(x)
+            x = slot
+        kwargs: dict[str, Any] = {}
+        if pattern != "plain":
+            kwargs["weight"] = torch.ones(hidden)
+        if pattern == "residual":
+            kwargs["residual"] = torch.ones(tokens, hidden)
+        if quant is not None:
+            kwargs.update(quant=quant, scale=0.5)
+        entry: dict[str, Any] = {"path": comm.workspace.path}  # type: ignore[attr-defined]
+        started = time.monotonic()
+        try:
+            comm(x, **kwargs)
+            entry["error"] = ""
+        except Exception as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        entry["seconds"] = time.monotonic() - started
+        try:
+            after = comm(torch.ones(2, hidden)).out
+            entry["after"] = "ok" if bool(torch.all(after == world)) else f"wrong: {after}"
+        except Exception as exc:
+            entry["after"] = f"{type(exc).__name__}: {exc}"
+        comm.close()
+        report.append(entry)
+    return report
+
+
+def offset_views(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """Inputs that lie in the shared segment but not exactly at input_buffer(): an offset view
+    of it as x, residual or weight inside it. Each must raise (ValueError, before any
+    collective step) instead of corrupting rows; the op works on afterwards."""
+    import arfuse
+
+    hidden = 64
+    comm = arfuse.FusedAllReduce(max_token_num=140, hidden_dim=hidden, dtype=torch.float32,
+                                 backend="shm", strict=True, timeout_s=10)
+    comm.workspace.set_mode(mode)  # type: ignore[attr-defined]
+    errors: dict[str, str] = {}
+    weight = torch.ones(hidden)
+    for tokens in (65, 130):
+        attempts = {
+            "x offset": lambda t=tokens: comm(_filled(comm.input_buffer(t + 1)[1:], rank)),
+            "residual in slot": lambda t=tokens: comm(
+                torch.ones(t, hidden), residual=_filled(comm.input_buffer(t), 1),
+                weight=weight),
+            "weight in slot": lambda t=tokens: comm(
+                torch.ones(t, hidden), weight=_filled(comm.input_buffer(t), 1)[0]),
+        }
+        for name, attempt in attempts.items():
+            try:
+                attempt()
+                errors[f"{name} {tokens}"] = "no error"
+            except Exception as exc:
+                errors[f"{name} {tokens}"] = f"{type(exc).__name__}: {exc}"
+        x = torch.full((tokens, hidden), float(rank + 1))
+        got = comm(x).out
+        errors[f"after {tokens}"] = str(bool(torch.all(got == world * (world + 1) / 2)))
+    comm.close()
+    return errors
+
+
+def _filled(tensor: torch.Tensor, value: float) -> torch.Tensor:
+    tensor.fill_(float(value) + 1.0)
+    return tensor
+
+
+def announce_across_capacity(rank: int, world: int) -> dict[str, Any]:
+    """A call over capacity runs unfused; ``ShmWorkspace.announce`` makes it meet the shm group
+    first. Every rank announcing the same call goes on; rank 0 calling within capacity while
+    the others announce a call over it raises MismatchedCall everywhere (R11)."""
+    import arfuse
+    from arfuse.call_checks import CallArgs
+
+    hidden = 64
+    comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=hidden, dtype=torch.float32,
+                                 backend="shm", strict=True, timeout_s=5)
+    workspace: Any = comm.workspace
+    report: dict[str, Any] = {"path": workspace.path}
+    workspace.announce(CallArgs(torch.ones(20, hidden)))  # the same on every rank
+    report["after_same"] = bool(torch.all(comm(torch.ones(3, hidden)).out == world))
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            comm(torch.ones(4, hidden))
+        else:
+            workspace.announce(CallArgs(torch.ones(20, hidden)))
+        report["error"] = ""
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    report["seconds"] = time.monotonic() - started
+    comm.close()
+    return report

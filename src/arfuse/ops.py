@@ -9,6 +9,7 @@ counted in ``stats()``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -46,13 +47,13 @@ class FusedAllReduce:
         self._plan = outcome.plan
         self._attempts = outcome.attempts
         self._shape = OpShape(spec.hidden, TORCH_DTYPES[spec.dtype], spec.dtype, lease.ctx.device)
-        self._fuses_quant = ws.fuses_quant and ws.descriptor.fuses_quant(outcome.topology, spec)
+        self._topology = outcome.topology
+        self._fuses: dict[tuple[str, str], bool] = {}  # (backend, quantisation) -> fused
         self._unfused: Workspace | None = None
         self._calls = self._fused_calls = self._over_capacity = self._fast_calls = 0
-        # the kernel's own checked entry, unless faults must fire on calls or quantisation
-        # must run as a separate step
-        self._fast = ws.fast_call if not ws.call_fault and (
-            self._fuses_quant or spec.quant is None) else None
+        # the kernel's own checked entry (it declines what it does not fuse), unless faults
+        # must fire on calls
+        self._fast = ws.fast_call if not ws.call_fault else None
 
     # --- what was decided --------------------------------------------------------------------
 
@@ -144,14 +145,25 @@ class FusedAllReduce:
         self._calls += 1
         if call.tokens > ws.capacity:
             self._over_capacity += 1
+            ws.announce(call)  # peers under capacity must learn that this call runs elsewhere
             ws = self._unfused_workspace()
         elif ws.descriptor.fused:
             self._fused_calls += 1
-        if call.quant is not None and not (self._fuses_quant and ws.fuses_quant):
+        if call.quant is not None and not self._fused_quant(ws, call.quant):
             result = ws.run(call.without_quant())
             q_out, s_out = quantize(result.out, call.quant, call.scale, call.layout)
             return FusedOutput(result.out, result.residual_out, q_out, s_out)
         return ws.run(call)
+
+    def _fused_quant(self, ws: Workspace, quant: str) -> bool:
+        """Whether ``ws`` fuses ``quant`` on this group: decided per quantisation asked for in
+        a call (not per spec), so ranks that reach the kernel by different paths agree."""
+        key = (ws.backend, quant)
+        fused = self._fuses.get(key)
+        if fused is None:
+            fused = self._fuses[key] = ws.fuses_quant and ws.descriptor.fuses_quant(
+                self._topology, replace(self.spec, quant=quant))
+        return fused
 
     def _unfused_workspace(self) -> Workspace:
         """The unfused backend's workspace on the same group, for calls over capacity."""

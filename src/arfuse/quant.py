@@ -42,6 +42,24 @@ def fp8_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     return to_e4m3(x.float() * inv.to(x.device))
 
 
+FP8_DYNAMIC_MIN_SCALE = torch.tensor(1.0 / (512.0 * 448.0), dtype=torch.float32).item()
+
+
+def fp8_dynamic_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8: ``scale = max(amax / 448, 1 / (512 * 448))`` per row in fp32 (a NaN does
+    not count towards the amax, as ``fmaxf`` drops it), ``q = e4m3(x / scale)`` (a division,
+    nearest-even, saturating). Returns codes ``[T, H]`` and the dequantisation scales
+    ``[T, 1]`` float32 (FlashInfer's patterns 10/11; its fast-math division may differ by an
+    ulp in rare ties)."""
+    values = x.float()
+    magnitude = values.abs()
+    amax = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude),
+                       magnitude).amax(dim=-1, keepdim=True)
+    scale = torch.clamp_min(amax / torch.tensor(FP8_MAX, dtype=torch.float32),
+                            FP8_DYNAMIC_MIN_SCALE)
+    return to_e4m3(values / scale), scale
+
+
 def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
     """fp32 -> 4-bit e2m1 codes (uint8 0..15), nearest-even, saturating to +-6."""
     mag = values.abs()
@@ -55,18 +73,29 @@ def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_quantize(x: torch.Tensor, global_scale: float,
                    layout: str = "swizzled_128x4") -> tuple[torch.Tensor, torch.Tensor]:
-    """``[T, H]`` -> (packed codes ``[T, H/2]`` uint8, block scales uint8 in ``layout``)."""
+    """``[T, H]`` -> (packed codes ``[T, H/2]`` uint8, block scales uint8 in ``layout``).
+
+    NaN and infinities follow FlashInfer (``cvt_warp_fp16_to_fp4`` in
+    ``trtllm_allreduce_fusion.cuh``): the block amax ignores NaN, as ``__hmax2``/``__hmax`` do
+    (it is NaN only when all 16 values are, and the block scale is then the e4m3 NaN 0x7f);
+    an infinity saturates the block scale to 448; the e2m1 conversion
+    (``cvt.rn.satfinite.e2m1x2.f32``) saturates +-inf to +-6 and turns NaN into +6 (code 7,
+    sign dropped), since e2m1 has no NaN."""
     check_layout(layout)
     tokens, hidden = x.shape
     if hidden % NVFP4_BLOCK:
         raise ValueError(f"nvfp4 needs hidden a multiple of {NVFP4_BLOCK}, got {hidden}")
     gs = torch.tensor(global_scale, dtype=torch.float32, device=x.device)
     blocks = x.float().reshape(tokens, hidden // NVFP4_BLOCK, NVFP4_BLOCK)
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    magnitude = blocks.abs()
+    nan = magnitude.isnan()
+    amax = magnitude.masked_fill(nan, 0.0).amax(dim=-1, keepdim=True)
+    amax = amax.masked_fill(nan.all(dim=-1, keepdim=True), float("nan"))
     sf = to_e4m3(gs * (amax * _SIXTH))
     sf_f = sf.float()
     elem_scale = torch.where(sf_f != 0, gs / sf_f, torch.zeros_like(sf_f))
-    codes = e2m1_codes(blocks * elem_scale).reshape(tokens, hidden)
+    scaled = blocks * elem_scale
+    codes = e2m1_codes(scaled).masked_fill(scaled.isnan(), 7).reshape(tokens, hidden)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     scales = sf.reshape(tokens, hidden // NVFP4_BLOCK).view(torch.uint8)
     return packed, (swizzle_128x4(scales) if layout == "swizzled_128x4" else scales)

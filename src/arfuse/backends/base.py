@@ -63,6 +63,13 @@ class Workspace(ABC):
         the one place inside ``shared_span()`` where ``x`` may lie."""
         return None
 
+    def announce(self, call: CallArgs) -> None:
+        """Tell the group that this rank runs ``call`` on the unfused path (over capacity), so
+        peers whose call is not over it fail alike instead of waiting (R11). A backend whose
+        calls cannot tell (FlashInfer, like NCCL) does nothing; the torch path exchanges its
+        own descriptor."""
+        return None
+
     @abstractmethod
     def validate(self) -> None:
         """Functional check after creation (R2); raises ``CreationFailed`` if broken.

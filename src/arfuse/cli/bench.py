@@ -82,6 +82,8 @@ def _measure(rows: dict[str, tuple[Any, Any]], opts: BenchOptions,
             if reset:
                 reset()
             fn()
+        if reset:
+            reset()
         start = time.perf_counter()
         fn()
         probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64)

@@ -1,10 +1,13 @@
 """Byte layout of the shm segment, as the kernel sees it (``csrc/layout.h`` holds the same
-numbers; a test checks that the two agree).
+numbers; tests/test_shm_kernel_contract.py checks that the two agree).
 
 Header page: line 0 unused, then per rank one line each of process identity, arrival flag and
-done flag, then the copy-mode votes. Then, per rank and per buffer (double-buffered, so no
-trailing barrier), an input slot of ``max_tokens`` rows and a result slot for the sums of the
-rows that rank owns in two-shot mode (``ceil(max_tokens / world)`` rows).
+done flag, then the copy-mode votes. A rank's arrival line holds its flag (int64 at byte 0) and,
+beside it, the descriptor of its current call, one per call parity (R11: every rank compares
+every descriptor before it waits for any block). Then, per rank and per buffer
+(double-buffered, so no trailing barrier), an input slot of ``max_tokens`` rows and a result
+slot for the sums of the rows that rank owns in two-shot mode (``ceil(max_tokens / world)``
+rows).
 """
 
 from __future__ import annotations
@@ -25,6 +28,65 @@ VOTE_OFFSET = CACHE_LINE * (1 + 3 * MAX_WORLD)        # MAX_WORLD x VOTE_BUCKETS
 VOTE_BUCKETS = 40
 PROGRESS_UNITS = 1 << 20                              # arrival flag units per call
 MAX_TOKENS = PROGRESS_UNITS - MAX_WORLD               # a call has fewer blocks than that
+
+# The call descriptor: two int64 words per call parity, after the flag in the arrival line.
+# Word 0 packs the call's shape, word 1 is the hidden size.
+DESC_OFFSET = 8                                       # bytes into the arrival line
+DESC_BYTES = 16                                       # per parity
+DESC_TOKENS_SHIFT = 0                                 # 32 bits
+DESC_PATTERN_SHIFT = 32                               # 2 bits: PATTERN_*
+DESC_QUANT_SHIFT = 34                                 # 2 bits: 0 none, 1 fp8, 2 nvfp4, 3 other
+DESC_LAYOUT_SHIFT = 36                                # 1 bit: NVFP4 scales swizzled
+DESC_DTYPE_SHIFT = 40                                 # 2 bits: the dtype's kernel code
+PATTERN_PLAIN = 0                                     # all-reduce only
+PATTERN_NORM = 1                                      # + RMSNorm
+PATTERN_NORM_RESIDUAL = 2                             # + residual + RMSNorm
+
+_DTYPE_NAMES = ("bf16", "fp16", "fp32")
+_PATTERN_NAMES = ("plain", "norm", "norm+residual")
+_QUANT_NAMES = ("none", "fp8", "nvfp4", "other")
+_FIELDS = ("tokens", "dtype", "hidden", "pattern", "quant", "layout")
+
+
+def descriptor(tokens: int, dtype_code: int, hidden: int, pattern: int, quant_code: int,
+               swizzled: bool) -> tuple[int, int]:
+    """The two words a rank publishes for a call (the kernel's ``descriptor_word``)."""
+    layout_bit = 1 if quant_code == 2 and swizzled else 0
+    word0 = (min(tokens, 0xFFFFFFFF) << DESC_TOKENS_SHIFT | pattern << DESC_PATTERN_SHIFT
+             | quant_code << DESC_QUANT_SHIFT | layout_bit << DESC_LAYOUT_SHIFT
+             | dtype_code << DESC_DTYPE_SHIFT)
+    return word0, hidden
+
+
+def _fields(word0: int, word1: int) -> tuple[int, ...]:
+    return ((word0 >> DESC_TOKENS_SHIFT) & 0xFFFFFFFF, (word0 >> DESC_DTYPE_SHIFT) & 3, word1,
+            (word0 >> DESC_PATTERN_SHIFT) & 3, (word0 >> DESC_QUANT_SHIFT) & 3,
+            (word0 >> DESC_LAYOUT_SHIFT) & 1)
+
+
+def _name(names: tuple[str, ...], value: int) -> str:
+    return names[value] if 0 <= value < len(names) else "?"
+
+
+def describe_descriptor(word0: int, word1: int) -> str:
+    """``tokens=1 dtype=fp32 hidden=64 pattern=plain quant=none`` (as the kernel writes it)."""
+    tokens, dtype, hidden, pattern, quant, swizzled = _fields(word0, word1)
+    text = (f"tokens={tokens} dtype={_name(_DTYPE_NAMES, dtype)} hidden={hidden} "
+            f"pattern={_name(_PATTERN_NAMES, pattern)} quant={_name(_QUANT_NAMES, quant)}")
+    if quant == 2:
+        text += " layout=" + ("swizzled_128x4" if swizzled else "linear")
+    return text
+
+
+def mismatch_message(call: int, descriptors: list[tuple[int, int]]) -> str:
+    """The ``MismatchedCall`` text for one descriptor per rank (the kernel's, word for word)."""
+    fields = [_fields(*words) for words in descriptors]
+    differ = [name for i, name in enumerate(_FIELDS) if len({f[i] for f in fields}) > 1]
+    ranks = "".join(f"; rank {r}: {describe_descriptor(*words)}"
+                    for r, words in enumerate(descriptors))
+    return (f"arfuse shm: the ranks of the group called with different arguments (call {call}; "
+            "every rank raises this, and the workspace is unusable now: create a new "
+            f"FusedAllReduce): they differ in {', '.join(differ)}{ranks}")
 
 
 @dataclass(frozen=True)

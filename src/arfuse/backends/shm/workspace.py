@@ -5,6 +5,9 @@ Lifecycle of the segment: group rank 0 creates ``/dev/shm/arfuse-<pid>-<start>-<
 as soon as every rank answered. From then on the segment has no name: the kernel frees it when
 the last mapping goes, even if the job is killed. Segments left by a creator that died between
 create and unlink are removed by the next creation on the machine.
+
+The kernel is also a torch operator, ``torch.ops.arfuse.shm_fused_allreduce``, which names a
+rank's kernel by an integer handle (``ShmWorkspace.handle`` says how to call it).
 """
 
 from __future__ import annotations
@@ -22,14 +25,34 @@ import torch
 from ...call_checks import CallArgs
 from ...dtypes import DTYPES
 from ...epilogue import FusedOutput, apply, rank_order_sum
-from ...errors import CallTimeout, CreationFailed, NegotiationTimeout
+from ...errors import (
+    CallTimeout,
+    CreationFailed,
+    MismatchedCall,
+    NegotiationTimeout,
+    WorkspaceBroken,
+)
 from ...sizing import ceil_div
 from ...spec import Spec
 from ...torch_types import TORCH_DTYPES
 from ..base import Backend, Workspace
 from . import build as shm_build
 from . import layout_of
-from .layout import ARRIVE_OFFSET, HEADER_BYTES, IDENTITY_OFFSET, MAX_WORLD, ShmLayout
+from .layout import (
+    ARRIVE_OFFSET,
+    CACHE_LINE,
+    DESC_BYTES,
+    DESC_OFFSET,
+    HEADER_BYTES,
+    IDENTITY_OFFSET,
+    MAX_WORLD,
+    PATTERN_NORM,
+    PATTERN_NORM_RESIDUAL,
+    PATTERN_PLAIN,
+    ShmLayout,
+    descriptor,
+    mismatch_message,
+)
 
 SHM_DIR = Path(os.environ.get("ARFUSE_SHM_DIR", "/dev/shm"))
 PREFIX = "arfuse-"
@@ -107,12 +130,12 @@ class ShmWorkspace(Workspace):
         self.kernel = shm_build.load()
         self._comm: Any = None
         self._seq = 0
+        self._broken = ""  # the pure-torch path's failure, once it had one
         if self.kernel is not None:
             self._comm = self.kernel.ShmComm(
                 self._base, ctx.world_size, ctx.rank, spec.max_tokens, spec.hidden,
                 DTYPES[spec.dtype].code, HEADER_BYTES, layout.slot_bytes,
-                layout.input_bytes, layout.chunk_rows, ctx.timeout_s,
-                ONESHOT_MAX_BYTES)
+                layout.input_bytes, ctx.timeout_s, ONESHOT_MAX_BYTES)
             self._comm.set_result_type(FusedOutput)
         if self._comm is None:
             self.use_pure_path()
@@ -220,6 +243,29 @@ class ShmWorkspace(Workspace):
         for anything unusual, and ``FusedAllReduce`` then takes its Python path."""
         return None if self._comm is None else self._comm.call
 
+    @property
+    def handle(self) -> int | None:
+        """The integer that names this rank's kernel to the torch operator (``None`` on the
+        pure-torch path). Every rank of the group calls, alike (it is collective)::
+
+            outs = torch.ops.arfuse.shm_fused_allreduce(
+                handle, x, residual, weight, eps, weight_bias, quant, scale, swizzled,
+                out, residual_out)
+
+        ``residual``, ``weight``, ``out``, ``residual_out``: tensors or ``None``, with the
+        rules of ``FusedAllReduce.__call__``; ``quant``: 0 none, 1 fp8, 2 nvfp4 (``scale`` as
+        there, any number without quant); ``swizzled``: NVFP4 scales in the
+        ``swizzled_128x4`` layout, else ``linear``. Returns ``[out]``, then ``residual_out``
+        when ``weight`` is given, ``quant_out`` with quant, ``scale_out`` with nvfp4. Bad
+        arguments raise ``ValueError``; a failed call ``CallTimeout``, ``MismatchedCall`` or
+        ``WorkspaceBroken``, as the op does. The operator has a fake (meta) implementation,
+        so ``torch.compile`` traces it (backend ``eager``); backends that functionalize
+        (``aot_eager``, ``inductor``) refuse operators that write their arguments, so use
+        ``torch.ops.arfuse.shm_fused_allreduce_functional`` there: the same without ``out``
+        and ``residual_out``. After the workspace is destroyed its handle raises
+        ``WorkspaceBroken``, and ``ValueError`` once the kernel object is gone."""
+        return None if self._comm is None else int(self._comm.handle)
+
     def input_buffer(self, tokens: int) -> torch.Tensor:
         """This rank's input slot of the next call, as a ``[tokens, hidden]`` tensor: a layer
         that writes its output here saves the copy into shared memory. Valid for the next
@@ -271,11 +317,14 @@ class ShmWorkspace(Workspace):
         return view.data_ptr(), view.data_ptr() + view.numel()
 
     def _run_pure(self, call: CallArgs) -> FusedOutput:
-        """One-shot in torch: same protocol and flags as the kernel, the reference epilogue."""
+        """One-shot in torch: the kernel's protocol (the call descriptor beside the arrival
+        flag, compared by every rank before it reads a peer's rows; R11), the reference
+        epilogue. Calls of zero tokens meet the others too."""
+        if self._broken:
+            raise WorkspaceBroken("arfuse shm: this workspace is unusable after an earlier "
+                                  f"failure ({self._broken}); create a new FusedAllReduce")
         x = call.x
-        tokens, world = x.shape[0], self.ctx.world_size
-        if tokens == 0:
-            return apply(x.float(), call)
+        tokens, world, rank = x.shape[0], self.ctx.world_size, self.ctx.rank
         self._seq += 1
         seq, buf = self._seq, self._seq & 1
         view = self._view_or_private()
@@ -283,14 +332,58 @@ class ShmWorkspace(Workspace):
         slots = [view[self.layout.slot_offset(r, buf):
                       self.layout.slot_offset(r, buf) + tokens * row_bytes]
                  .view(self._dtype).view(tokens, self.spec.hidden) for r in range(world)]
-        if slots[self.ctx.rank].data_ptr() != x.data_ptr():
-            slots[self.ctx.rank].copy_(x)
-        flags = view[ARRIVE_OFFSET:ARRIVE_OFFSET + MAX_WORLD * 64].view(torch.int64)
-        flags = flags.view(MAX_WORLD, -1)[:, 0]
-        flags[self.ctx.rank] = seq  # x86-64 stores are ordered: the copy lands first
-        self._wait(flags, seq)
+        if tokens and slots[rank].data_ptr() != x.data_ptr():
+            slots[rank].copy_(x)
+        self._meet(self._descriptor(call), seq)  # the copy lands first: x86-64 stores are ordered
+        if tokens == 0:
+            return apply(x.float(), call)
         acc = rank_order_sum(torch.stack(slots))
         return apply(acc, call)
+
+    def announce(self, call: CallArgs) -> None:
+        """Meet the group with this call's descriptor without running it here: for a call over
+        capacity, which runs on the unfused backend. Ranks whose calls differ (one over the
+        capacity, one under it, say) then raise ``MismatchedCall`` on every rank, here and in
+        the shm call of the others, instead of waiting in two different backends until a
+        timeout (R11). Every rank announces the same calls (it is collective)."""
+        pattern, quant, swizzled = self._shape_codes(call)
+        if self._comm is not None:
+            self._comm.announce(call.tokens, pattern, quant, swizzled)
+            return
+        if self._broken:
+            raise WorkspaceBroken("arfuse shm: this workspace is unusable after an earlier "
+                                  f"failure ({self._broken}); create a new FusedAllReduce")
+        self._seq += 1
+        self._meet(self._descriptor(call), self._seq)
+
+    def _meet(self, mine: tuple[int, int], seq: int) -> None:
+        """Publish this rank's descriptor of call ``seq`` beside its arrival flag, wait until
+        every rank arrived, and compare every descriptor (the kernel's protocol)."""
+        lines = self._view_or_private()[ARRIVE_OFFSET:ARRIVE_OFFSET + MAX_WORLD * CACHE_LINE]
+        lines = lines.view(torch.int64).view(MAX_WORLD, -1)
+        column = (DESC_OFFSET + (seq & 1) * DESC_BYTES) // 8
+        rank = self.ctx.rank
+        lines[rank, column], lines[rank, column + 1] = mine
+        lines[rank, 0] = seq  # after the descriptor: x86-64 stores are ordered
+        self._wait(lines[:, 0], seq)
+        found = [(int(lines[r, column]), int(lines[r, column + 1]))
+                 for r in range(self.ctx.world_size)]
+        if any(words != mine for words in found):
+            # every rank stops here, at the same call, before reading data: still in step
+            raise MismatchedCall(mismatch_message(seq, found))
+
+    @staticmethod
+    def _shape_codes(call: CallArgs) -> tuple[int, int, bool]:
+        """(pattern, quant code, swizzled) of a call, as its descriptor states them."""
+        pattern = (PATTERN_PLAIN if call.weight is None else PATTERN_NORM
+                   if call.residual is None else PATTERN_NORM_RESIDUAL)
+        # 3: a quantisation the kernel does not run (announce of an unfused call)
+        return pattern, _QUANT_CODE.get(call.quant, 3), call.layout == "swizzled_128x4"
+
+    def _descriptor(self, call: CallArgs) -> tuple[int, int]:
+        pattern, quant, swizzled = self._shape_codes(call)
+        return descriptor(call.tokens, DTYPES[self.spec.dtype].code, self.spec.hidden, pattern,
+                          quant, swizzled)
 
     def _wait(self, flags: torch.Tensor, seq: int) -> None:
         deadline = time.monotonic() + self.ctx.timeout_s
@@ -303,7 +396,9 @@ class ShmWorkspace(Workspace):
             if spins > 100:
                 time.sleep(0)
             if spins % 256 == 0 and time.monotonic() > deadline:
-                raise CallTimeout("call", self.backend, silent, self.ctx.timeout_s)
+                error = CallTimeout("call", self.backend, silent, self.ctx.timeout_s)
+                self._broken = str(error)
+                raise error
 
     def _free(self) -> None:
         if self._comm is not None:  # a FusedAllReduce may still hold its entry point
@@ -335,8 +430,8 @@ class ShmBackend(Backend):
         stat = os.statvfs(SHM_DIR)
         free = stat.f_bavail * stat.f_frsize
         if free < need:
-            return (f"{SHM_DIR} has {free / 2**20:.0f} MiB free, the segment needs "
-                    f"{need / 2**20:.0f} MiB (docker: --shm-size)")
+            return (f"{SHM_DIR} has {free / 1024:.0f} KiB free, the segment needs "
+                    f"{need / 1024:.0f} KiB (docker: --shm-size)")
         shm_build.load()  # build (or fail to build) before any timed step
         return ""
 

@@ -1,0 +1,271 @@
+// The Python module (pybind11) and the torch operator torch.ops.arfuse.shm_fused_allreduce.
+//
+// Errors: the kernel throws ShmError; here it becomes arfuse.errors.CallTimeout (timeout, dead
+// peer), MismatchedCall or WorkspaceBroken, the classes build.py hands over once through
+// set_error_types (RuntimeError before that).
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "comm.h"
+
+namespace arfuse {
+namespace {
+
+PyObject* g_error_types[3] = {nullptr, nullptr, nullptr};  // by ShmError::Kind; never freed
+
+void set_error_types(py::object timeout, py::object mismatch, py::object broken) {
+  PyObject* given[3] = {timeout.ptr(), mismatch.ptr(), broken.ptr()};
+  for (int i = 0; i < 3; ++i) {
+    TORCH_CHECK(PyType_Check(given[i]) && PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(
+                                              given[i]), reinterpret_cast<PyTypeObject*>(
+                                              PyExc_Exception)),
+                "arfuse shm: error types must be exception classes");
+    Py_INCREF(given[i]);
+    Py_XDECREF(g_error_types[i]);
+    g_error_types[i] = given[i];
+  }
+}
+
+// Sets the Python error for e (the GIL held). CallTimeout takes its ready-made text as
+// message= and the silent ranks; the others take the text.
+void set_python_error(const ShmError& e) {
+  PyObject* type = g_error_types[e.kind];
+  if (type == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return;
+  }
+  try {
+    py::object cls = py::reinterpret_borrow<py::object>(type);
+    py::object error;
+    if (e.kind == ShmError::kTimeout) {
+      py::list silent;
+      for (int r : e.silent) silent.append(r);
+      error = cls(py::arg("phase") = "call", py::arg("backend") = "shm",
+                  py::arg("silent") = silent, py::arg("timeout_s") = e.timeout_s,
+                  py::arg("message") = e.what());
+    } else {
+      error = cls(e.what());
+    }
+    PyErr_SetObject(type, error.ptr());
+  } catch (py::error_already_set& failed) {  // the class refused its arguments: say so
+    failed.restore();
+  }
+}
+
+// For the torch operator: torch releases the GIL around operators, and maps only its own C++
+// errors to Python classes, so the Python error is made here and travels as
+// py::error_already_set, which torch's and pybind11's handlers restore as is.
+[[noreturn]] void raise_python(const ShmError& e) {
+  if (!Py_IsInitialized()) throw std::runtime_error(e.what());
+  py::gil_scoped_acquire gil;
+  set_python_error(e);
+  throw py::error_already_set();
+}
+
+Tensors tensors_of(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                   const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& out,
+                   const std::optional<at::Tensor>& residual_out) {
+  Tensors t;
+  t.x = &x;
+  t.residual = residual ? &*residual : nullptr;
+  t.weight = weight ? &*weight : nullptr;
+  t.out = out ? &*out : nullptr;
+  t.residual_out = residual_out ? &*residual_out : nullptr;
+  return t;
+}
+
+Numbers numbers_of(double eps, double weight_bias, int64_t quant, double scale, bool swizzled) {
+  Numbers n;
+  n.eps = eps;
+  n.weight_bias = weight_bias;
+  n.quant = int(quant);
+  n.scale = scale;
+  n.swizzled = swizzled;
+  if (quant < kNone || quant > kNVFP4) n.quant = -1;  // run() refuses it
+  return n;
+}
+
+// torch.ops.arfuse.shm_fused_allreduce: [out] (+ [residual_out] with weight) (+ [quant_out]
+// with quant) (+ [scale_out] with nvfp4); see ShmWorkspace.handle in workspace.py.
+std::vector<at::Tensor> op_fused_allreduce(
+    int64_t handle, const at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const std::optional<at::Tensor>& weight, double eps, double weight_bias, int64_t quant,
+    double scale, bool swizzled, const std::optional<at::Tensor>& out,
+    const std::optional<at::Tensor>& residual_out) {
+  const std::shared_ptr<ShmComm> comm = ShmComm::find(handle);
+  TORCH_CHECK_VALUE(comm != nullptr, "arfuse shm: no live workspace has handle ", handle);
+  const Tensors t = tensors_of(x, residual, weight, out, residual_out);
+  const Numbers n = numbers_of(eps, weight_bias, quant, scale, swizzled);
+  std::array<at::Tensor, 4> r;
+  try {
+    r = comm->run(t, n, Py_IsInitialized() && PyGILState_Check());
+  } catch (const ShmError& e) {
+    raise_python(e);
+  }
+  std::vector<at::Tensor> list{r[0]};
+  if (weight) list.push_back(r[1]);
+  if (quant != kNone) list.push_back(r[2]);
+  if (quant == kNVFP4) list.push_back(r[3]);
+  return list;
+}
+
+std::vector<at::Tensor> op_fused_allreduce_functional(
+    int64_t handle, const at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const std::optional<at::Tensor>& weight, double eps, double weight_bias, int64_t quant,
+    double scale, bool swizzled) {
+  return op_fused_allreduce(handle, x, residual, weight, eps, weight_bias, quant, scale,
+                            swizzled, std::nullopt, std::nullopt);
+}
+
+// Registered when the module loads rather than by a static TORCH_LIBRARY block: loading a
+// second build of this kernel in the same process (another cache entry) would then abort in
+// a static initializer; here the first build keeps the operator and the second skips it.
+void register_torch_ops() {
+  static bool done = false;
+  if (done) return;
+  done = true;
+  if (c10::Dispatcher::singleton().findSchema({"arfuse::shm_fused_allreduce", ""})) return;
+  auto* def = new torch::Library(torch::Library::FRAGMENT, "arfuse", std::nullopt, __FILE__,
+                                 __LINE__);  // never freed: the operator lives with the process
+  def->def("shm_fused_allreduce(int handle, Tensor x, Tensor? residual, Tensor? weight, "
+           "float eps, float weight_bias, int quant, float scale, bool swizzled, "
+           "Tensor(a!)? out, Tensor(b!)? residual_out) -> Tensor[]");
+  def->def("shm_fused_allreduce_functional(int handle, Tensor x, Tensor? residual, "
+           "Tensor? weight, float eps, float weight_bias, int quant, float scale, "
+           "bool swizzled) -> Tensor[]");
+  auto* impl = new torch::Library(torch::Library::IMPL, "arfuse", c10::DispatchKey::CPU,
+                                  __FILE__, __LINE__);
+  impl->impl("shm_fused_allreduce", TORCH_FN(op_fused_allreduce));
+  impl->impl("shm_fused_allreduce_functional", TORCH_FN(op_fused_allreduce_functional));
+}
+
+py::dict layout_constants() {
+  py::dict d;
+  d["CACHE_LINE"] = layout::kCacheLine;
+  d["PAGE"] = layout::kPage;
+  d["HEADER_BYTES"] = layout::kHeaderBytes;
+  d["BUFFERS"] = layout::kBuffers;
+  d["MAX_WORLD"] = layout::kMaxWorld;
+  d["IDENTITY_OFFSET"] = layout::kIdentityOffset;
+  d["ARRIVE_OFFSET"] = layout::kArriveOffset;
+  d["DONE_OFFSET"] = layout::kDoneOffset;
+  d["VOTE_OFFSET"] = layout::kVoteOffset;
+  d["VOTE_BUCKETS"] = layout::kVoteBuckets;
+  d["PROGRESS_UNITS"] = layout::kProgressUnits;
+  d["MAX_TOKENS"] = layout::kMaxTokens;
+  d["DESC_OFFSET"] = layout::kDescOffset;
+  d["DESC_BYTES"] = layout::kDescBytes;
+  d["DESC_TOKENS_SHIFT"] = layout::kDescTokensShift;
+  d["DESC_PATTERN_SHIFT"] = layout::kDescPatternShift;
+  d["DESC_QUANT_SHIFT"] = layout::kDescQuantShift;
+  d["DESC_LAYOUT_SHIFT"] = layout::kDescLayoutShift;
+  d["DESC_DTYPE_SHIFT"] = layout::kDescDtypeShift;
+  d["PATTERN_PLAIN"] = layout::kPatternPlain;
+  d["PATTERN_NORM"] = layout::kPatternNorm;
+  d["PATTERN_NORM_RESIDUAL"] = layout::kPatternNormResidual;
+  return d;
+}
+
+py::dict slot_geometry(int64_t world, int64_t max_tokens, int64_t hidden, int64_t elem) {
+  const layout::SlotGeometry g = layout::slot_geometry(world, max_tokens, hidden, elem);
+  py::dict d;
+  d["chunk_rows"] = g.chunk_rows;
+  d["input_bytes"] = g.input_bytes;
+  d["result_bytes"] = g.result_bytes;
+  d["slot_bytes"] = g.slot_bytes;
+  d["total_bytes"] = g.total_bytes;
+  return d;
+}
+
+// Test hook: NVFP4 of a [T, H] bf16/fp16 tensor by the vector or the scalar block code, linear
+// scales. Returns (codes [T, H/2], scales [T, H/16]).
+template <int D>
+void nvfp4_rows(const at::Tensor& x, double gs, bool vector, at::Tensor& q, at::Tensor& s) {
+  using T = typename Elem<D>::T;
+  const int64_t rows = x.size(0), cols = x.size(1) / 16;
+  const T* v = static_cast<const T*>(x.data_ptr());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t k = 0; k < cols; ++k) {
+      const T* block = v + (r * cols + k) * 16;
+      uint8_t* codes = q.data_ptr<uint8_t>() + (r * cols + k) * 8;
+      uint8_t* sf = s.data_ptr<uint8_t>() + r * cols + k;
+      if (vector) {
+        TORCH_CHECK(isa::nvfp4_block<D>(block, float(gs), codes, sf),
+                    "arfuse shm: no vector form of NVFP4 for this dtype in this build");
+      } else {
+        nvfp4_block_scalar<D>(block, float(gs), codes, sf);
+      }
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> nvfp4_quantize(const at::Tensor& x, double gs, bool vector) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) % 16 == 0 && x.is_cpu() && x.is_contiguous() &&
+                        (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
+                    "nvfp4_quantize: x must be a contiguous CPU [T, 16k] bf16/fp16 tensor");
+  at::Tensor q = at::empty({x.size(0), x.size(1) / 2}, x.options().dtype(at::kByte));
+  at::Tensor s = at::empty({x.size(0), x.size(1) / 16}, x.options().dtype(at::kByte));
+  if (x.scalar_type() == at::kBFloat16) nvfp4_rows<kBF16>(x, gs, vector, q, s);
+  else nvfp4_rows<kFP16>(x, gs, vector, q, s);
+  return {q, s};
+}
+
+void bind_comm(py::module_& m) {
+  py::class_<ShmComm, std::shared_ptr<ShmComm>>(m, "ShmComm")
+      .def(py::init(&ShmComm::create))
+      .def_property_readonly("handle", &ShmComm::handle)
+      .def("set_peers", &ShmComm::set_peers)
+      .def("set_base", &ShmComm::set_base)
+      .def("set_oneshot_max_bytes", &ShmComm::set_oneshot_max_bytes)
+      .def("oneshot", &ShmComm::oneshot)
+      .def("next_input_offset", &ShmComm::next_input_offset)
+      .def("call", &ShmComm::call)
+      .def("run", [](ShmComm& comm, const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                     const std::optional<at::Tensor>& weight, double eps, double weight_bias,
+                     int64_t quant, double scale, bool swizzled,
+                     const std::optional<at::Tensor>& out,
+                     const std::optional<at::Tensor>& residual_out) {
+        std::array<at::Tensor, 4> r =
+            comm.run(tensors_of(x, residual, weight, out, residual_out),
+                     numbers_of(eps, weight_bias, quant, scale, swizzled), true);
+        return std::vector<at::Tensor>(r.begin(), r.end());
+      })
+      .def("announce", &ShmComm::announce)
+      .def("set_result_type", &ShmComm::set_result_type)
+      .def("invalidate", &ShmComm::invalidate)
+      .def("set_timing", &ShmComm::set_timing)
+      .def("last_call_seconds", &ShmComm::last_call_seconds)
+      .def("set_copy_mode", &ShmComm::set_copy_mode)
+      .def("copy_modes", &ShmComm::copy_modes);
+}
+
+}  // namespace
+}  // namespace arfuse
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace arfuse;
+  init_tables();
+  register_torch_ops();
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const ShmError& e) {
+      set_python_error(e);
+    } catch (const c10::ValueError& e) {  // run()'s refusals, as call_checks raises them
+      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    }
+  });
+  m.doc() = "arfuse shared-memory fused all-reduce kernel";
+  // calls of one size until auto mode has decided its copy mode (warm-up, trial, deciding call)
+  m.attr("copy_trial_calls") = py::int_(kTuneWarm + 2 * kTunePairs + 1);
+  m.attr("isa") = py::str(isa::kIsa);
+  m.def("set_error_types", &set_error_types);
+  m.def("layout_constants", &layout_constants);
+  m.def("slot_geometry", &slot_geometry);
+  m.def("describe_descriptor", &describe_descriptor);
+  m.def("mismatch_message", &mismatch_message);
+  m.def("nvfp4_quantize", &nvfp4_quantize);
+  bind_comm(m);
+}

@@ -1,0 +1,506 @@
+// ShmComm (comm.h): argument checks, outputs, and one call's exchange.
+#include "comm.h"
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cmath>
+#include <new>
+#include <optional>
+#include <unordered_map>
+
+namespace arfuse {
+
+// ---- the handle table ------------------------------------------------------------------------
+
+namespace {
+
+std::mutex g_comms_mutex;
+std::unordered_map<int64_t, std::weak_ptr<ShmComm>> g_comms;
+int64_t g_next_handle = 1;
+
+struct Span {
+  const char* begin;
+  const char* end;
+  bool operator==(const Span& o) const { return begin == o.begin && end == o.end; }
+};
+Span span(const at::Tensor& t) {
+  const char* p = static_cast<const char*>(t.data_ptr());
+  return {p, p + t.numel() * int64_t(t.element_size())};
+}
+bool overlap(Span a, Span b) { return a.begin < b.end && b.begin < a.end; }
+
+// A float or int, not a bool (call_checks.real_number takes more; those go to Python).
+bool plain_number(py::handle obj, double* out) {
+  PyObject* p = obj.ptr();
+  if (PyFloat_Check(p)) {
+    *out = PyFloat_AS_DOUBLE(p);
+    return true;
+  }
+  if (PyLong_Check(p) && !PyBool_Check(p)) {
+    *out = PyLong_AsDouble(p);
+    if (*out == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    return true;
+  }
+  return false;
+}
+
+// None -> nullptr (true); a tensor -> its address (true); anything else: false.
+bool take_tensor(py::handle obj, const at::Tensor** out) {
+  if (obj.is_none()) {
+    *out = nullptr;
+    return true;
+  }
+  if (!THPVariable_Check(obj.ptr())) return false;
+  *out = &THPVariable_Unpack(obj.ptr());
+  return true;
+}
+
+bool is_ascii(py::handle obj, const char* text) {
+  return PyUnicode_CompareWithASCIIString(obj.ptr(), text) == 0;
+}
+
+}  // namespace
+
+std::shared_ptr<ShmComm> ShmComm::find(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_comms_mutex);
+  auto it = g_comms.find(handle);
+  return it == g_comms.end() ? nullptr : it->second.lock();
+}
+
+std::shared_ptr<ShmComm> ShmComm::create(int64_t base, int64_t world, int64_t rank,
+                                         int64_t max_tokens, int64_t hidden, int64_t dtype,
+                                         int64_t header_bytes, int64_t slot_bytes,
+                                         int64_t input_bytes, double timeout_s,
+                                         int64_t oneshot_max_bytes) {
+  auto comm = std::make_shared<ShmComm>(base, world, rank, max_tokens, hidden, dtype,
+                                        header_bytes, slot_bytes, input_bytes, timeout_s,
+                                        oneshot_max_bytes);
+  std::lock_guard<std::mutex> lock(g_comms_mutex);
+  comm->handle_ = g_next_handle++;
+  g_comms[comm->handle_] = comm;
+  return comm;
+}
+
+// ---- life ------------------------------------------------------------------------------------
+
+ShmComm::ShmComm(int64_t base, int64_t world, int64_t rank, int64_t max_tokens, int64_t hidden,
+                 int64_t dtype, int64_t header_bytes, int64_t slot_bytes, int64_t input_bytes,
+                 double timeout_s, int64_t oneshot_max_bytes)
+    : max_tokens_(max_tokens), hidden_(hidden), dtype_(int(dtype)),
+      oneshot_max_bytes_(oneshot_max_bytes) {
+  TORCH_CHECK(world >= 1 && world <= layout::kMaxWorld, "arfuse shm: world size must be 1..",
+              layout::kMaxWorld);
+  TORCH_CHECK(rank >= 0 && rank < world, "arfuse shm: bad rank");
+  TORCH_CHECK(max_tokens_ >= 1 && max_tokens_ <= layout::kMaxTokens,
+              "arfuse shm: max_tokens must be 1..", layout::kMaxTokens);
+  TORCH_CHECK(dtype_ >= kBF16 && dtype_ <= kFP32, "arfuse shm: bad dtype code");
+  TORCH_CHECK(header_bytes >= layout::kVoteOffset + layout::kMaxWorld * layout::kVoteBuckets,
+              "arfuse shm: the header is too small for the copy-mode votes");
+  elem_ = dtype_ == kFP32 ? 4 : 2;
+  const layout::SlotGeometry g = layout::slot_geometry(world, max_tokens, hidden, elem_);
+  TORCH_CHECK(input_bytes >= g.input_bytes && slot_bytes >= input_bytes + g.result_bytes,
+              "arfuse shm: the slots are too small for max_tokens rows");
+  seg_.base = reinterpret_cast<char*>(base);
+  seg_.world = int(world);
+  seg_.rank = int(rank);
+  seg_.header_bytes = header_bytes;
+  seg_.slot_bytes = slot_bytes;
+  seg_.input_bytes = input_bytes;
+  seg_.total_bytes =
+      layout::round_up(header_bytes + world * layout::kBuffers * slot_bytes, layout::kPage);
+  waiter_.seg = &seg_;
+  waiter_.timeout_s = timeout_s;
+  waiter_.pids.assign(size_t(world), 0);
+  waiter_.starts.assign(size_t(world), 0);
+  scratch_.resize(size_t(hidden_));
+}
+
+ShmComm::~ShmComm() {
+  std::lock_guard<std::mutex> lock(g_comms_mutex);
+  g_comms.erase(handle_);
+}
+
+void ShmComm::set_peers(std::vector<int64_t> pids, std::vector<int64_t> starts, bool check) {
+  TORCH_CHECK(int(pids.size()) == seg_.world && int(starts.size()) == seg_.world,
+              "bad peer list");
+  waiter_.pids = std::move(pids);
+  waiter_.starts = std::move(starts);
+  waiter_.check_pids = check;
+}
+
+void ShmComm::set_result_type(py::object cls) {
+  TORCH_CHECK(PyType_Check(cls.ptr()) &&
+                  PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(cls.ptr()), &PyTuple_Type),
+              "arfuse shm: the result type must be a tuple subclass");
+  result_type_ = std::move(cls);
+}
+
+void ShmComm::invalidate(const std::string& why) {
+  broken_ = why;
+  seg_.base = nullptr;
+}
+
+void ShmComm::set_copy_mode(int64_t mode) {
+  TORCH_CHECK(mode >= kCopyAuto && mode <= kCopyStreaming,
+              "arfuse shm: copy mode must be 0 (auto), 1 (cached) or 2 (streaming)");
+  copy_mode_ = int(mode);
+}
+
+// ---- checks (call_checks.check_call, rule for rule) --------------------------------------------
+
+const char* ShmComm::x_problem(const at::Tensor& x, bool fast) const {
+  if (x.dim() != 2) return "x must be 2-D [tokens, hidden]";
+  if (x.scalar_type() != scalar_type()) return "x has another dtype than this workspace";
+  if (x.size(1) != hidden_) return "x has another hidden size than this workspace";
+  if (!x.is_cpu()) return "x must be a CPU tensor";
+  if (!x.is_contiguous()) return "x must be contiguous";
+  if (x.size(0) > max_tokens_) return "x has more tokens than the workspace holds";
+  if (fast && x.size(0) < 1) return "no tokens";  // the Python path handles those
+  return nullptr;
+}
+
+bool ShmComm::like_x(const at::Tensor& t, const at::Tensor& x) const {
+  return t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() && t.is_cpu() &&
+         t.is_contiguous();
+}
+
+const char* ShmComm::tensors_problem(const Tensors& t) const {
+  if (t.residual) {
+    if (!t.weight) return "residual needs weight (the residual pattern includes RMSNorm)";
+    if (!like_x(*t.residual, *t.x)) return "residual must be shaped, typed and laid out as x";
+  }
+  if (t.weight) {
+    const at::Tensor& w = *t.weight;
+    if (w.dim() != 1 || w.size(0) != hidden_ || w.scalar_type() != t.x->scalar_type() ||
+        !w.is_cpu() || !w.is_contiguous()) {
+      return "weight must be a contiguous CPU tensor of shape (hidden,) typed as x";
+    }
+  }
+  return nullptr;
+}
+
+const char* ShmComm::numbers_problem(bool norm, const Numbers& n) const {
+  if (norm && !(n.eps >= kFp32Tiny && n.eps <= kFp32Max)) {
+    return "eps must be in [1.4e-45, 3.4e38] (> 0 and finite in float32)";
+  }
+  if (norm && !(std::fabs(n.weight_bias) <= kFp32Max)) {
+    return "weight_bias must be finite in float32 (|weight_bias| <= 3.4e38)";
+  }
+  if (n.quant < kNone || n.quant > kNVFP4) return "quant must be 0 (none), 1 (fp8) or 2 (nvfp4)";
+  if (n.quant == kFP8 && !(n.scale >= kFp8ScaleMin && n.scale <= kFp32Max)) {
+    return "an fp8 scale must be in [2.9e-39, 3.4e38] (its float32 reciprocal finite)";
+  }
+  if (n.quant == kNVFP4) {
+    if (!(n.scale >= kFp32Tiny && n.scale <= kFp32Max)) {
+      return "an nvfp4 scale must be in [1.4e-45, 3.4e38] (> 0 and finite in float32)";
+    }
+    if (dtype_ == kFP32 || hidden_ % 16 != 0) {
+      return "nvfp4 needs dtype bf16 or fp16 and hidden a multiple of 16";
+    }
+  }
+  return nullptr;
+}
+
+// Inputs may not lie in the shared segment (a peer's copy or ours would overwrite them),
+// except x written exactly at input_buffer(); outputs as destination_problem says.
+const char* ShmComm::memory_problem(const Tensors& t) const {
+  const Span segment{seg_.base, seg_.end()};
+  const Span x = span(*t.x);
+  if (overlap(x, segment) && x.begin != next_slot()) {
+    return "x lies in the shared segment but does not start where input_buffer() does";
+  }
+  if (t.residual && overlap(span(*t.residual), segment)) {
+    return "residual lies in the shared segment (input_buffer())";
+  }
+  if (t.weight && overlap(span(*t.weight), segment)) {
+    return "weight lies in the shared segment (input_buffer())";
+  }
+  if (!t.out && !t.residual_out) return nullptr;
+  if (t.residual_out && !t.weight) return "residual_out needs weight";
+  if (t.out) {
+    if (const char* why = destination_problem(t, *t.out, true)) return why;
+  }
+  if (t.residual_out) {
+    if (const char* why = destination_problem(t, *t.residual_out, false)) return why;
+  }
+  if (t.out && t.residual_out && overlap(span(*t.out), span(*t.residual_out))) {
+    return "out and residual_out overlap; they must be different memory";
+  }
+  return nullptr;
+}
+
+// out is x or memory of its own; residual_out is residual (x without one) or memory of its
+// own; neither lies in the shared segment nor requires grad.
+const char* ShmComm::destination_problem(const Tensors& t, const at::Tensor& dest,
+                                         bool is_out) const {
+  if (!like_x(dest, *t.x)) {
+    return is_out ? "out must be a contiguous CPU tensor shaped and typed like x"
+                  : "residual_out must be a contiguous CPU tensor shaped and typed like x";
+  }
+  if (dest.requires_grad()) {
+    return is_out ? "out requires grad" : "residual_out requires grad";
+  }
+  const Span d = span(dest);
+  if (overlap(d, Span{seg_.base, seg_.end()})) {
+    return is_out ? "out is in the shared segment (input_buffer())"
+                  : "residual_out is in the shared segment (input_buffer())";
+  }
+  const int own_index = is_out || !t.residual ? 0 : 1;
+  const at::Tensor* args[3] = {t.x, t.residual, t.weight};
+  const Span own = span(*args[own_index]);
+  if (overlap(d, own) && !(d == own)) {
+    return is_out ? "out overlaps x only partly" : "residual_out overlaps its input only partly";
+  }
+  for (int i = 0; i < 3; ++i) {
+    if (args[i] == nullptr || i == own_index || span(*args[i]) == own) continue;
+    if (overlap(d, span(*args[i]))) {
+      return is_out ? "out overlaps another argument"
+                    : "residual_out overlaps another argument";
+    }
+  }
+  return nullptr;
+}
+
+bool ShmComm::take_numbers(bool norm, py::handle eps, py::handle weight_bias, py::handle quant,
+                           py::handle scale, py::handle layout, Numbers* n) {
+  if (norm && (!plain_number(eps, &n->eps) || !plain_number(weight_bias, &n->weight_bias))) {
+    return false;
+  }
+  if (!quant.is_none()) {
+    if (!PyUnicode_Check(quant.ptr())) return false;
+    if (is_ascii(quant, "fp8")) n->quant = kFP8;
+    else if (is_ascii(quant, "nvfp4")) n->quant = kNVFP4;
+    else if (!is_ascii(quant, "none")) return false;
+  }
+  if (n->quant == kNone) return true;
+  if (!plain_number(scale, &n->scale)) return false;
+  if (n->quant == kNVFP4) {
+    if (!PyUnicode_Check(layout.ptr())) return false;
+    if (is_ascii(layout, "linear")) n->swizzled = false;
+    else if (!is_ascii(layout, "swizzled_128x4")) return false;
+  }
+  return true;
+}
+
+// ---- the fast path -------------------------------------------------------------------------
+
+py::object ShmComm::call(py::handle x_obj, py::handle residual_obj, py::handle weight_obj,
+                         py::handle eps_obj, py::handle bias_obj, py::handle quant_obj,
+                         py::handle scale_obj, py::handle layout_obj, py::handle out_obj,
+                         py::handle residual_out_obj) {
+  Tensors t;
+  Numbers n;
+  if (!broken_.empty() || !THPVariable_Check(x_obj.ptr())) return py::none();
+  t.x = &THPVariable_Unpack(x_obj.ptr());
+  if (x_problem(*t.x, true) || !take_tensor(weight_obj, &t.weight) ||
+      !take_tensor(residual_obj, &t.residual) || tensors_problem(t)) {
+    return py::none();
+  }
+  if (!take_numbers(t.weight != nullptr, eps_obj, bias_obj, quant_obj, scale_obj, layout_obj,
+                    &n) ||
+      numbers_problem(t.weight != nullptr, n)) {
+    return py::none();
+  }
+  if (!take_tensor(out_obj, &t.out) || !take_tensor(residual_out_obj, &t.residual_out) ||
+      memory_problem(t)) {
+    return py::none();
+  }
+  std::array<at::Tensor, 4> r = execute(t, n, true);
+  return make_result(r);
+}
+
+// The FusedOutput named tuple, made the way tuple.__new__ makes a subclass instance (tp_alloc,
+// then the items), which skips the named tuple's Python-level __new__ (about 0.6 us per call).
+py::object ShmComm::make_result(std::array<at::Tensor, 4>& r) const {
+  PyTypeObject* type = result_type_ ? reinterpret_cast<PyTypeObject*>(result_type_.ptr())
+                                    : &PyTuple_Type;
+  PyObject* result = type->tp_alloc(type, 4);
+  if (result == nullptr) throw py::error_already_set();
+  for (int i = 0; i < 4; ++i) {
+    py::object item = r[size_t(i)].defined() ? py::cast(std::move(r[size_t(i)])) : py::none();
+    PyTuple_SET_ITEM(result, i, item.release().ptr());
+  }
+  return py::reinterpret_steal<py::object>(result);
+}
+
+// ---- the checked entry -----------------------------------------------------------------------
+
+std::array<at::Tensor, 4> ShmComm::run(const Tensors& t, const Numbers& n, bool release_gil) {
+  const char* why = x_problem(*t.x, false);
+  if (!why) why = tensors_problem(t);
+  if (!why) why = numbers_problem(t.weight != nullptr, n);
+  if (!why && broken_.empty()) why = memory_problem(t);
+  TORCH_CHECK_VALUE(why == nullptr, "arfuse shm: ", why);
+  return execute(t, n, release_gil);
+}
+
+// ---- one call --------------------------------------------------------------------------------
+
+void ShmComm::throw_broken() const {
+  throw ShmError(ShmError::kBroken, "arfuse shm: this workspace is unusable after an earlier "
+                 "failure (" + broken_ + "); create a new FusedAllReduce");
+}
+
+// A timeout or a dead peer leaves the group out of step: no later call may touch it. A mismatch
+// is found by every rank at the same point of the same call, before any rank reads a peer's
+// data, so the group stays in step and the next call may go ahead.
+void ShmComm::remember_failure(const ShmError& e) {
+  if (e.kind != ShmError::kMismatch) broken_ = e.what();
+}
+
+void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t quant, bool swizzled) {
+  if (!broken_.empty()) throw_broken();
+  TORCH_CHECK_VALUE(tokens >= 0 && pattern >= layout::kPatternPlain &&
+                        pattern <= layout::kPatternNormResidual && quant >= kNone && quant <= 3,
+                    "arfuse shm: announce needs tokens >= 0, pattern 0..2 and quant 0..3");
+  const int64_t word0 = descriptor_word(tokens, pattern, quant, swizzled, dtype_);
+  py::gil_scoped_release no_gil;
+  try {
+    const int64_t seq = ++seq_;
+    publish_descriptor(seg_, seq, word0, hidden_);
+    meet_without_data(seg_, waiter_, seq, word0, hidden_);
+  } catch (const ShmError& e) {
+    remember_failure(e);
+    throw;
+  }
+}
+
+std::array<at::Tensor, 4> ShmComm::execute(const Tensors& t, const Numbers& n,
+                                           bool release_gil) {
+  if (!broken_.empty()) throw_broken();
+  const double started = timing_ ? mono_now() : 0.0;
+  std::array<at::Tensor, 4> r;
+  Call c = make_call(t, n, &r);
+  {
+    std::optional<py::gil_scoped_release> no_gil;  // other Python threads run while we wait
+    if (release_gil) no_gil.emplace();
+    try {
+      switch (dtype_) {
+        case kBF16: exchange<kBF16>(t.x->data_ptr(), c); break;
+        case kFP16: exchange<kFP16>(t.x->data_ptr(), c); break;
+        default: exchange<kFP32>(t.x->data_ptr(), c); break;
+      }
+    } catch (const ShmError& e) {
+      remember_failure(e);
+      throw;
+    }
+  }
+  if (timing_) last_call_s_ = mono_now() - started;
+  return r;
+}
+
+// The call's raw pointers, and its outputs: the caller's, or new ones from the pool.
+Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tensor, 4>* r) {
+  const at::Tensor& x = *t.x;
+  const int64_t tokens = x.size(0);
+  Call c;
+  c.tokens = tokens;
+  c.hidden = hidden_;
+  c.residual = t.residual ? t.residual->data_ptr() : nullptr;
+  c.weight = t.weight ? t.weight->data_ptr() : nullptr;
+  c.eps = float(n.eps);
+  c.weight_bias = float(n.weight_bias);
+  c.quant = n.quant;
+  c.scale = float(n.scale);
+  c.swizzled = n.swizzled;
+  c.gain = scratch_.data();
+  auto& [out, residual_out, quant_out, scale_out] = *r;
+  out = t.out ? *t.out : output({tokens, hidden_}, x.options());
+  c.out = out.data_ptr();
+  if (t.weight) {
+    residual_out = t.residual_out ? *t.residual_out : output({tokens, hidden_}, x.options());
+    c.residual_out = residual_out.data_ptr();
+  }
+  if (n.quant == kFP8) {
+    quant_out = output({tokens, hidden_}, x.options().dtype(at::kFloat8_e4m3fn));
+    c.quant_out = reinterpret_cast<uint8_t*>(quant_out.data_ptr());
+  } else if (n.quant == kNVFP4) {
+    const int64_t cols = hidden_ / 16;
+    quant_out = output({tokens, hidden_ / 2}, x.options().dtype(at::kByte));
+    if (n.swizzled) {
+      scale_out = output({(tokens + 127) / 128 * 128, (cols + 3) / 4 * 4},
+                         x.options().dtype(at::kByte));
+      scale_out.zero_();  // padding must read as zero
+    } else {
+      scale_out = output({tokens, cols}, x.options().dtype(at::kByte));
+    }
+    c.quant_out = quant_out.data_ptr<uint8_t>();
+    c.scale_out = scale_out.data_ptr<uint8_t>();
+  }
+  return c;
+}
+
+// Picks the copy mode of this call (CopyTuner) and runs it, timing it during a trial.
+template <int D>
+void ShmComm::exchange(const void* x, Call& c) {
+  const bool copy = x != next_slot();  // the caller may have written its input there already
+  CopyTuner::Plan plan;
+  if (copy && c.tokens > 0) plan = tuner_.plan(c.tokens * hidden_ * elem_, copy_mode_);
+  const double start = plan.bucket >= 0 ? mono_now() : 0.0;
+  exchange_once<D>(x, c, copy, plan);
+  if (plan.bucket >= 0) tuner_.record(plan, mono_now() - start, seg_);
+}
+
+template <int D>
+void ShmComm::exchange_once(const void* x, Call& c, bool copy, const CopyTuner::Plan& plan) {
+  if (c.weight) {
+    compute_gain<D>(static_cast<const typename Elem<D>::T*>(c.weight), c.weight_bias, hidden_,
+                    scratch_.data());
+  }
+  const int64_t seq = ++seq_;
+  const Exchange e{seg_, waiter_, tuner_, c, x, seq, hidden_ * elem_, copy, plan.streaming,
+                   plan.decide, descriptor_word(c, dtype_), hidden_};
+  publish_descriptor(seg_, seq, e.word0, e.word1);  // before any progress is announced
+  if (c.tokens == 0) run_empty(e);
+  else if (oneshot(c.tokens)) run_oneshot<D>(e);
+  else run_twoshot<D>(e);
+}
+
+// ---- outputs ---------------------------------------------------------------------------------
+
+OutputPool::~OutputPool() {
+  for (auto& entry : free_) std::free(entry.second);
+}
+
+void* OutputPool::take(size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = free_.size(); i-- > 0;) {  // the most recently freed: still in cache
+      if (free_[i].first == bytes) {
+        void* p = free_[i].second;
+        free_.erase(free_.begin() + long(i));
+        return p;
+      }
+    }
+  }
+  void* p = nullptr;
+  if (posix_memalign(&p, 64, bytes) != 0 || p == nullptr) throw std::bad_alloc();
+  return p;
+}
+
+void OutputPool::give(void* p, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (free_.size() >= kKeep) {
+    std::free(free_.front().second);
+    free_.erase(free_.begin());
+  }
+  free_.emplace_back(bytes, p);
+}
+
+// Output tensors come from a small pool of buffers that go back to the pool (not to the OS)
+// when the last tensor or view using them dies. A fresh multi-MiB buffer per call would cost
+// a page fault per 4 KiB on every call; reuse is safe because a buffer only returns to the
+// pool once nothing refers to it.
+at::Tensor ShmComm::output(at::IntArrayRef shape, const at::TensorOptions& options) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  const size_t bytes = size_t(std::max<int64_t>(numel, 1)) * options.dtype().itemsize();
+  void* data = pool_->take(bytes);
+  std::shared_ptr<OutputPool> pool = pool_;
+  return at::from_blob(data, shape, [pool, bytes](void* p) { pool->give(p, bytes); }, options);
+}
+
+}  // namespace arfuse

@@ -1,0 +1,155 @@
+// ShmComm: one rank's handle on the group's segment, with the op's two entries:
+//   call  the fast path from Python: checks every argument cheaply (mirroring
+//         arfuse.call_checks; it returns None wherever those would raise, or for anything
+//         unusual) and runs;
+//   run   the checked entry for arguments already checked in Python, and for
+//         torch.ops.arfuse.shm_fused_allreduce (bindings.cpp): it raises ValueError for what
+//         call would decline.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <array>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "protocol.h"
+
+namespace arfuse {
+
+// Free buffers by size; bounded, thread-safe (tensors may die on any thread).
+class OutputPool {
+ public:
+  static constexpr size_t kKeep = 16;
+  ~OutputPool();
+  void* take(size_t bytes);
+  void give(void* p, size_t bytes);
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::pair<size_t, void*>> free_;
+};
+
+struct Tensors {  // the tensors of one call (nullptr: not given)
+  const at::Tensor* x = nullptr;
+  const at::Tensor* residual = nullptr;
+  const at::Tensor* weight = nullptr;
+  const at::Tensor* out = nullptr;
+  const at::Tensor* residual_out = nullptr;
+};
+
+struct Numbers {  // the scalars of one call
+  double eps = 1e-6, weight_bias = 0.0, scale = 0.0;
+  int quant = kNone;
+  bool swizzled = true;
+};
+
+// The fp32 limits of call_checks.fp32_number: eps and an NVFP4 scale >= the smallest positive
+// fp32, an FP8 scale >= 1 / FLT_MAX (its reciprocal finite), all <= FLT_MAX; |weight_bias| <=
+// FLT_MAX. The same doubles as in Python, so the two refuse exactly the same values.
+constexpr double kFp32Max = 3.4028234663852886e38;
+constexpr double kFp32Tiny = 1.401298464324817e-45;
+constexpr double kFp8ScaleMin = 1.0 / kFp32Max;
+
+class ShmComm {
+ public:
+  ShmComm(int64_t base, int64_t world, int64_t rank, int64_t max_tokens, int64_t hidden,
+          int64_t dtype, int64_t header_bytes, int64_t slot_bytes, int64_t input_bytes,
+          double timeout_s, int64_t oneshot_max_bytes);
+  ~ShmComm();
+  ShmComm(const ShmComm&) = delete;
+  ShmComm& operator=(const ShmComm&) = delete;
+
+  // A new ShmComm, entered in the handle table (what Python's ShmComm(...) calls).
+  static std::shared_ptr<ShmComm> create(int64_t base, int64_t world, int64_t rank,
+                                         int64_t max_tokens, int64_t hidden, int64_t dtype,
+                                         int64_t header_bytes, int64_t slot_bytes,
+                                         int64_t input_bytes, double timeout_s,
+                                         int64_t oneshot_max_bytes);
+  // The live ShmComm with this handle (null when none): torch.ops entries name it so. The
+  // pointer keeps it alive while a call uses it.
+  static std::shared_ptr<ShmComm> find(int64_t handle);
+  int64_t handle() const { return handle_; }
+
+  void set_peers(std::vector<int64_t> pids, std::vector<int64_t> starts, bool check);
+  void set_base(int64_t base) { seg_.base = reinterpret_cast<char*>(base); }
+  void set_oneshot_max_bytes(int64_t value) { oneshot_max_bytes_ = value; }
+  // Byte offset (from the segment base) of this rank's input slot for the next call.
+  int64_t next_input_offset() const { return int64_t(next_slot() - seg_.base); }
+  bool oneshot(int64_t tokens) const {
+    return tokens < seg_.world || tokens * hidden_ * elem_ <= oneshot_max_bytes_;
+  }
+
+  py::object call(py::handle x, py::handle residual, py::handle weight, py::handle eps,
+                  py::handle weight_bias, py::handle quant, py::handle scale,
+                  py::handle layout, py::handle out, py::handle residual_out);
+  // (out, residual_out, quant_out, scale_out), the absent ones undefined (None in Python).
+  std::array<at::Tensor, 4> run(const Tensors& t, const Numbers& n, bool release_gil);
+  // Meet the group with the descriptor of a call this rank runs elsewhere (over capacity, on
+  // the unfused backend): a group whose calls differ raises MismatchedCall here, on every
+  // rank, instead of waiting in two backends. pattern: layout::kPattern*; quant: 0 none,
+  // 1 fp8, 2 nvfp4, 3 a quantisation the kernel does not run.
+  void announce(int64_t tokens, int64_t pattern, int64_t quant, bool swizzled);
+
+  // Seconds the last call spent in the kernel proper (outputs, exchange, epilogue), once
+  // timing is on: what the op costs on top of it is its interface overhead (arfuse bench
+  // measures it). Off by default: two clock reads per call are not free.
+  void set_timing(bool on) { timing_ = on; }
+  double last_call_seconds() const { return last_call_s_; }
+  void set_result_type(py::object cls);
+  // After destroy: the mapping is gone; every later call must refuse, not touch it.
+  void invalidate(const std::string& why);
+  // 0 auto (measured per size, see CopyTuner), 1 cached, 2 streaming.
+  void set_copy_mode(int64_t mode);
+  std::vector<std::tuple<int64_t, bool, bool, int64_t, int64_t>> copy_modes() const {
+    return tuner_.modes();
+  }
+
+ private:
+  const char* x_problem(const at::Tensor& x, bool fast) const;
+  const char* tensors_problem(const Tensors& t) const;
+  const char* numbers_problem(bool norm, const Numbers& n) const;
+  const char* memory_problem(const Tensors& t) const;
+  const char* destination_problem(const Tensors& t, const at::Tensor& dest, bool is_out) const;
+  bool like_x(const at::Tensor& t, const at::Tensor& x) const;
+  static bool take_numbers(bool norm, py::handle eps, py::handle weight_bias, py::handle quant,
+                           py::handle scale, py::handle layout, Numbers* n);
+  py::object make_result(std::array<at::Tensor, 4>& r) const;
+  std::array<at::Tensor, 4> execute(const Tensors& t, const Numbers& n, bool release_gil);
+  [[noreturn]] void throw_broken() const;
+  void remember_failure(const ShmError& e);
+  Call make_call(const Tensors& t, const Numbers& n, std::array<at::Tensor, 4>* r);
+  template <int D> void exchange(const void* x, Call& c);
+  template <int D> void exchange_once(const void* x, Call& c, bool copy,
+                                      const CopyTuner::Plan& plan);
+  at::Tensor output(at::IntArrayRef shape, const at::TensorOptions& options);
+  char* next_slot() const { return seg_.input_slot(seg_.rank, (seq_ + 1) & 1); }
+  at::ScalarType scalar_type() const {
+    return dtype_ == kBF16 ? at::kBFloat16 : dtype_ == kFP16 ? at::kHalf : at::kFloat;
+  }
+
+  Segment seg_;
+  Waiter waiter_;
+  CopyTuner tuner_;
+  int64_t max_tokens_, hidden_;
+  int dtype_, elem_ = 2;
+  int64_t oneshot_max_bytes_;
+  int64_t seq_ = 0;
+  int copy_mode_ = kCopyAuto;
+  double last_call_s_ = 0.0;
+  bool timing_ = false;
+  std::vector<float> scratch_;  // the gain of the current call
+  std::shared_ptr<OutputPool> pool_ = std::make_shared<OutputPool>();
+  py::object result_type_;
+  std::string broken_;
+  int64_t handle_ = 0;
+};
+
+}  // namespace arfuse

@@ -1,0 +1,120 @@
+// Scalar element conversions, each rounding to nearest even as torch does: bf16, fp16 and fp32
+// activations, e4m3 (FP8) and e2m1 (NVFP4 element) codes. The vector headers (vec_*.h) compute
+// exactly these values, lane by lane.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace arfuse {
+
+enum DType { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
+enum Quant { kNone = 0, kFP8 = 1, kNVFP4 = 2 };
+constexpr int kLanes = 8;  // the sum of squares is added up in 8 lanes, lane = h % 8
+
+inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+inline float bf16_to_f32(uint16_t v) { return float_of(uint32_t(v) << 16); }
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u = bits_of(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+inline float fp16_to_f32(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  if (exp == 0) {
+    if (mant == 0) return float_of(sign);
+    float v = std::ldexp(float(mant), -24);  // subnormal: exact in fp32
+    return sign ? -v : v;
+  }
+  if (exp == 31) return float_of(sign | 0x7f800000u | (mant << 13));
+  return float_of(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+inline uint16_t f32_to_fp16(float f) {
+  uint32_t u = bits_of(f);
+  uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);           // NaN
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);          // rounds to inf
+  if (a < 0x38800000u) {                                          // fp16 subnormal or zero
+    float v = float_of(a) * 16777216.0f;                          // * 2^24, exact
+    return uint16_t(sign | uint16_t(std::nearbyint(v)));          // RNE in default mode
+  }
+  uint32_t mant_round = a + 0xfffu + ((a >> 13) & 1u);
+  return uint16_t(sign | uint16_t((mant_round - 0x38000000u) >> 13));
+}
+
+template <int D> struct Elem;
+template <> struct Elem<kBF16> {
+  using T = uint16_t;
+  static float load(T v) { return bf16_to_f32(v); }
+  static T store(float f) { return f32_to_bf16(f); }
+};
+template <> struct Elem<kFP16> {
+  using T = uint16_t;
+  static float load(T v) { return fp16_to_f32(v); }
+  static T store(float f) { return f32_to_fp16(f); }
+};
+template <> struct Elem<kFP32> {
+  using T = float;
+  static float load(T v) { return v; }
+  static T store(float f) { return f; }
+};
+
+// e4m3 code -> value (NaN for 0x7f/0xff); filled once by init_tables().
+inline float g_e4m3_decode[256];
+
+inline void init_tables() {
+  for (int c = 0; c < 256; ++c) {
+    int sign = c & 0x80, exp = (c >> 3) & 0xf, mant = c & 7;
+    float v;
+    if (exp == 0xf && mant == 7) v = NAN;
+    else if (exp == 0) v = std::ldexp(float(mant), -9);
+    else v = std::ldexp(1.0f + float(mant) / 8.0f, exp - 7);
+    g_e4m3_decode[c] = sign ? -v : v;
+  }
+}
+
+// Round to nearest even, saturate to +-448 (infinities included); NaN -> 0x7f with its sign.
+inline uint8_t f32_to_e4m3(float f) {
+  uint32_t u = bits_of(f);
+  uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint8_t(sign | 0x7f);
+  float af = float_of(a);
+  if (af >= 448.0f) return uint8_t(sign | 0x7e);
+  if (af < 0.015625f) {  // below the smallest normal 2^-6: steps of 2^-9
+    return uint8_t(sign | uint8_t(std::nearbyint(af * 512.0f)));
+  }
+  uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
+  uint32_t code = (((r >> 23) - 120u) << 3) | ((r >> 20) & 7u);
+  if (code > 0x7e) code = 0x7e;
+  return uint8_t(sign | code);
+}
+
+// Nearest even on {0,.5,1,1.5,2,3,4,6}, saturating (infinities to +-6). NaN -> 0x7 (+6): what
+// cvt.rn.satfinite.e2m1x2.f32 gives (e2m1 has no NaN), as in FlashInfer's NVFP4 quantisation.
+inline uint8_t f32_to_e2m1(float v) {
+  if (std::isnan(v)) return 0x7;
+  float m = std::fabs(v);
+  uint8_t code = uint8_t((m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) +
+                         (m >= 3.5f) + (m > 5.0f));
+  return uint8_t(code | (std::signbit(v) ? 8 : 0));
+}
+
+// Offset of block scale (m, k) in the swizzled_128x4 layout of a [*, cols] scale matrix.
+inline int64_t swizzled_offset(int64_t m, int64_t k, int64_t cols) {
+  int64_t k_tiles = (cols + 3) / 4;
+  return (m / 128) * k_tiles * 512 + (k / 4) * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 +
+         (k % 4);
+}
+
+}  // namespace arfuse

@@ -1,0 +1,147 @@
+// The epilogue of one row: reduce the ranks' rows (rank order), then the residual add, RMSNorm
+// and quantisation. Identical on every rank and in one-shot and two-shot mode:
+//
+//   acc = sum_r f32(x_r) in rank order; sum = T(acc); residual_out = T(f32(sum) + f32(res));
+//   r = f32(residual_out); ss = sum of r*r in 8 interleaved lanes combined in a fixed order;
+//   inv = 1 / sqrt(ss / H + eps); out = T((r * inv) * (weight_bias + f32(w)));
+//   fp8:   q = e4m3_satfinite_rne(f32(out) * (1 / scale))
+//   nvfp4: per 16: amax = max |v| ignoring NaN (NaN when all 16 are NaN);
+//          sf = e4m3(gs * (amax * f32(1/6))); es = sf != 0 ? gs / sf : 0;
+//          q = e2m1_rne_satfinite(f32(out) * es), a NaN giving 0x7 (+6)
+// The NVFP4 NaN rule is FlashInfer's (trtllm_allreduce_fusion.cuh, cvt_warp_fp16_to_fp4): the
+// block amax is taken with __hmax2/__hmax, which return the other operand for a NaN, and the
+// codes with cvt.rn.satfinite.e2m1x2.f32, which turns a NaN into +MAX_NORM (cuda_fp4.hpp).
+// The vector forms (vec.h) and the scalar loops here compute the same values in the same
+// order (lane = h % 8).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "conversions.h"
+#include "layout.h"
+#include "vec.h"
+
+namespace arfuse {
+
+struct Call {  // one call's arguments, resolved to raw pointers
+  int64_t tokens = 0;
+  int64_t hidden = 0;
+  const void* residual = nullptr;
+  const void* weight = nullptr;
+  float eps = 0.0f, weight_bias = 0.0f;
+  int quant = kNone;
+  float scale = 0.0f;
+  bool swizzled = false;
+  void* out = nullptr;
+  void* residual_out = nullptr;
+  uint8_t* quant_out = nullptr;
+  uint8_t* scale_out = nullptr;
+  const float* gain = nullptr;  // weight_bias + f32(w), see compute_gain
+};
+
+// gain = weight_bias + f32(w), once per call instead of once per row.
+template <int D>
+void compute_gain(const typename Elem<D>::T* w, float weight_bias, int64_t hidden, float* gain) {
+  int64_t k = isa::gain_row<D>(w, weight_bias, hidden, gain);
+  for (; k < hidden; ++k) gain[k] = weight_bias + Elem<D>::load(w[k]);
+}
+
+// One NVFP4 block of 16 in scalar code: the same values as isa::nvfp4_block. Always compiled,
+// so that a test can compare it with the vector form on a machine that has one.
+template <int D>
+void nvfp4_block_scalar(const typename Elem<D>::T* v16, float gs, uint8_t* codes8,
+                        uint8_t* sf) {
+  float vals[16];
+  float amax = NAN;  // fmax(NaN, a) = a: NaN only when all 16 are NaN
+  for (int i = 0; i < 16; ++i) {
+    vals[i] = Elem<D>::load(v16[i]);
+    amax = std::fmax(amax, std::fabs(vals[i]));
+  }
+  const uint8_t scale = f32_to_e4m3(gs * (amax * (1.0f / 6.0f)));
+  const float sfq = g_e4m3_decode[scale];
+  const float es = sfq != 0.0f ? gs / sfq : 0.0f;
+  for (int i = 0; i < 16; i += 2) {
+    const uint8_t lo = f32_to_e2m1(vals[i] * es);
+    const uint8_t hi = f32_to_e2m1(vals[i + 1] * es);
+    codes8[i / 2] = uint8_t(lo | (hi << 4));
+  }
+  *sf = scale;
+}
+
+// Quantise row `row` of out (already rounded to T) into c.quant_out / c.scale_out.
+template <int D>
+void quantize_row(const typename Elem<D>::T* out, const Call& c, int64_t row) {
+  const int64_t H = c.hidden;
+  if (c.quant == kFP8) {
+    const float inv_scale = 1.0f / c.scale;
+    uint8_t* dst = c.quant_out + row * H;
+    int64_t h = isa::fp8_row<D>(out, inv_scale, H, dst);
+    for (; h < H; ++h) dst[h] = f32_to_e4m3(Elem<D>::load(out[h]) * inv_scale);
+  } else if (c.quant == kNVFP4) {
+    const int64_t cols = H / 16;
+    uint8_t* dst = c.quant_out + row * (H / 2);
+    for (int64_t k = 0; k < cols; ++k) {
+      uint8_t* sf = c.scale_out + (c.swizzled ? swizzled_offset(row, k, cols) : row * cols + k);
+      if (!isa::nvfp4_block<D>(out + k * 16, c.scale, dst + k * 8, sf)) {
+        nvfp4_block_scalar<D>(out + k * 16, c.scale, dst + k * 8, sf);
+      }
+    }
+  }
+}
+
+// The norm tail of a row: the lanes combined in the documented order, then out from
+// residual_out (exact: it holds r in T) and the gain.
+template <int D>
+void norm_row(const Call& c, float* lanes, typename Elem<D>::T* out,
+              const typename Elem<D>::T* residual_out) {
+  const int64_t H = c.hidden;
+  const float ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                   ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  const float inv = 1.0f / std::sqrt(ss / float(H) + c.eps);
+  int64_t k = isa::row_scale<D>(residual_out, c.gain, H, inv, out);
+  for (; k < H; ++k) {
+    float scaled = Elem<D>::load(residual_out[k]) * inv;
+    out[k] = Elem<D>::store(scaled * c.gain[k]);
+  }
+}
+
+// Reduce row `in_row` of `ranks` inputs (rank order) and run the whole epilogue on it, with
+// row `row` of the residual and of the quantised outputs.
+template <int D>
+void finish_row(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_row,
+                int64_t row, const Call& c, typename Elem<D>::T* out,
+                typename Elem<D>::T* residual_out) {
+  using E = Elem<D>;
+  using T = typename E::T;
+  const int64_t H = c.hidden;
+  const int64_t off = in_row * H;
+  const T* res = c.residual ? static_cast<const T*>(c.residual) + row * H : nullptr;
+  const bool norm = c.weight != nullptr;
+  float lanes[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const T* rows[layout::kMaxWorld];
+  for (int j = 0; j < ranks; ++j) rows[j] = inputs[j] + off;
+  int64_t h;
+  if (!norm) h = isa::row_sum<D, false, false>(rows, ranks, H, nullptr, out, lanes);
+  else if (res) h = isa::row_sum<D, true, true>(rows, ranks, H, res, residual_out, lanes);
+  else h = isa::row_sum<D, true, false>(rows, ranks, H, nullptr, residual_out, lanes);
+  for (; h < H; ++h) {
+    float a = E::load(rows[0][h]);
+    for (int j = 1; j < ranks; ++j) a += E::load(rows[j][h]);
+    if (!norm) {
+      out[h] = E::store(a);
+      continue;
+    }
+    float pre = E::load(E::store(a));
+    if (res) pre += E::load(res[h]);
+    T rounded = E::store(pre);
+    residual_out[h] = rounded;
+    float r = E::load(rounded);
+    float sq = r * r;
+    lanes[h % kLanes] += sq;
+  }
+  if (norm) norm_row<D>(c, lanes, out, residual_out);
+  quantize_row<D>(out, c, row);
+}
+
+}  // namespace arfuse

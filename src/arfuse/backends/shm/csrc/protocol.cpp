@@ -1,0 +1,189 @@
+// The parts of protocol.h that are not on the per-block path: error messages, peer liveness,
+// descriptor texts and the copy-mode tuner's bookkeeping.
+#include "protocol.h"
+
+namespace arfuse {
+
+namespace {
+
+const char* name_of(int64_t value, const char* const* names, int count) {
+  return value >= 0 && value < count ? names[value] : "?";
+}
+
+struct Fields {  // a descriptor, decoded
+  int64_t tokens, pattern, quant, layout, dtype, hidden;
+};
+
+Fields decode(int64_t word0, int64_t word1) {
+  return {(word0 >> layout::kDescTokensShift) & 0xffffffffLL,
+          (word0 >> layout::kDescPatternShift) & 3, (word0 >> layout::kDescQuantShift) & 3,
+          (word0 >> layout::kDescLayoutShift) & 1, (word0 >> layout::kDescDtypeShift) & 3,
+          word1};
+}
+
+}  // namespace
+
+std::string describe_descriptor(int64_t word0, int64_t word1) {
+  static const char* const dtypes[] = {"bf16", "fp16", "fp32"};
+  static const char* const patterns[] = {"plain", "norm", "norm+residual"};
+  static const char* const quants[] = {"none", "fp8", "nvfp4", "other"};  // see announce
+  const Fields f = decode(word0, word1);
+  std::ostringstream ss;
+  ss << "tokens=" << f.tokens << " dtype=" << name_of(f.dtype, dtypes, 3)
+     << " hidden=" << f.hidden << " pattern=" << name_of(f.pattern, patterns, 3)
+     << " quant=" << name_of(f.quant, quants, 4);
+  if (f.quant == kNVFP4) ss << " layout=" << (f.layout ? "swizzled_128x4" : "linear");
+  return ss.str();
+}
+
+std::string mismatch_message(int64_t call, const std::vector<std::pair<int64_t, int64_t>>& d) {
+  static const char* const field_names[] = {"tokens", "dtype", "hidden", "pattern", "quant",
+                                            "layout"};
+  std::vector<Fields> fields;
+  for (const auto& words : d) fields.push_back(decode(words.first, words.second));
+  auto value = [](const Fields& f, int i) {
+    const int64_t all[] = {f.tokens, f.dtype, f.hidden, f.pattern, f.quant, f.layout};
+    return all[i];
+  };
+  std::ostringstream ss;
+  ss << "arfuse shm: the ranks of the group called with different arguments (call " << call
+     << "; every rank raises this, and the workspace is unusable now: create a new "
+        "FusedAllReduce): they differ in ";
+  bool first = true;
+  for (int i = 0; i < 6; ++i) {
+    bool differs = false;
+    for (const Fields& f : fields) differs |= value(f, i) != value(fields[0], i);
+    if (!differs) continue;
+    ss << (first ? "" : ", ") << field_names[i];
+    first = false;
+  }
+  for (size_t r = 0; r < d.size(); ++r) {
+    ss << "; rank " << r << ": " << describe_descriptor(d[r].first, d[r].second);
+  }
+  return ss.str();
+}
+
+long long proc_start_time(long long pid, char* state) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return -1;
+  char buf[1024];
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  char* p = std::strrchr(buf, ')');
+  if (!p) return -1;
+  p += 2;
+  *state = *p;
+  long long value = -1;
+  for (int field = 3; field <= 22 && p; ++field) {
+    if (field == 22) { value = std::atoll(p); break; }
+    p = std::strchr(p, ' ');
+    if (p) ++p;
+  }
+  return value;
+}
+
+// ---- Waiter ----------------------------------------------------------------------------------
+
+std::vector<int> Waiter::silent_ranks(int which, int64_t target, int only) const {
+  std::vector<int> silent;
+  for (int j = 0; j < seg->world; ++j) {
+    if (j == seg->rank || (only >= 0 && j != only) ||
+        seg->flag(which, j)->load(std::memory_order_acquire) >= target) {
+      continue;
+    }
+    silent.push_back(j);
+  }
+  return silent;
+}
+
+std::string Waiter::silent_list(const std::vector<int>& silent) const {
+  std::ostringstream ss;
+  for (size_t i = 0; i < silent.size(); ++i) ss << (i ? ", " : "") << silent[i];
+  return ss.str();
+}
+
+void Waiter::timed_out(int which, int64_t target, int only) const {
+  const std::vector<int> silent = silent_ranks(which, target, only);
+  std::ostringstream ss;
+  ss << "arfuse shm: timed out after " << std::to_string(timeout_s) << "s in phase 'call' ("
+     << (which == 0 ? "arrive" : "gather") << ", backend shm, call "
+     << target / layout::kProgressUnits << "): rank(s) " << silent_list(silent)
+     << " of the group did not answer (dead, hung, or calling with other arguments)";
+  throw ShmError(ShmError::kTimeout, ss.str(), silent, timeout_s);
+}
+
+void Waiter::check_alive(int which, int64_t target, int only) const {
+  for (int j : silent_ranks(which, target, only)) {
+    char state = '?';
+    long long start = proc_start_time(pids[size_t(j)], &state);
+    if (start >= 0 && start == starts[size_t(j)] && state != 'Z' && state != 'X') continue;
+    const std::vector<int> silent = silent_ranks(which, target, only);
+    std::ostringstream ss;
+    ss << "arfuse shm: rank " << j << " (pid " << pids[size_t(j)]
+       << ") died during a call (phase 'call', backend shm, call "
+       << target / layout::kProgressUnits << "); silent rank(s): " << silent_list(silent);
+    throw ShmError(ShmError::kTimeout, ss.str(), silent, timeout_s);
+  }
+}
+
+// ---- CopyTuner -------------------------------------------------------------------------------
+
+CopyTuner::Plan CopyTuner::plan(int64_t bytes, int mode) {
+  Plan p;
+  if (mode != kCopyAuto) {
+    p.streaming = mode == kCopyStreaming;
+    return p;
+  }
+  const int bucket = bucket_of(bytes);
+  Tuning& t = tuning_[bucket];
+  const int64_t trial = t.calls++ % kTuneEpoch - kTuneWarm;
+  const bool in_trial = trial >= 0 && trial < 2 * kTunePairs;
+  p.streaming = in_trial ? (trial & 1) == 1 : t.streaming;
+  p.decide = trial == 2 * kTunePairs ? bucket : -1;
+  if (in_trial) {
+    p.bucket = bucket;
+    p.trial = trial;
+  }
+  return p;
+}
+
+void CopyTuner::record(const Plan& p, double took, const Segment& s) {
+  Tuning& t = tuning_[p.bucket];
+  if ((p.trial & 1) == 0) {
+    if (p.trial == 0) t.wins = 0;
+    t.cached_s = took;
+  } else {
+    t.wins += took < t.cached_s ? 1 : -1;
+  }
+  if (p.trial == 2 * kTunePairs - 1) {
+    s.vote(s.rank, p.bucket)->store(int8_t(t.wins), std::memory_order_relaxed);
+  }
+}
+
+// After the arrival wait of the call that follows a trial: every rank's vote is posted.
+void CopyTuner::decide(int bucket, const Segment& s) {
+  int sum = 0;
+  for (int j = 0; j < s.world; ++j) sum += s.vote(j, bucket)->load(std::memory_order_relaxed);
+  Tuning& t = tuning_[bucket];
+  t.streaming = sum > 0;
+  t.decided = true;
+  t.vote_sum = sum;
+}
+
+// Per size class seen in auto mode: (smallest size in bytes, streaming?, decided?, summed vote
+// of the last trial, calls).
+std::vector<std::tuple<int64_t, bool, bool, int64_t, int64_t>> CopyTuner::modes() const {
+  std::vector<std::tuple<int64_t, bool, bool, int64_t, int64_t>> seen;
+  for (int b = 0; b < layout::kVoteBuckets; ++b) {
+    const Tuning& t = tuning_[b];
+    if (t.calls > 0) {
+      seen.emplace_back(int64_t(1) << b, t.streaming, t.decided, t.vote_sum, t.calls);
+    }
+  }
+  return seen;
+}
+
+}  // namespace arfuse

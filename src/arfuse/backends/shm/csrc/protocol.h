@@ -1,0 +1,443 @@
+// How the ranks of a group meet in the segment during one call (sequence number s, buffer
+// b = s & 1):
+//
+//   every call: a rank writes its call descriptor beside its arrival flag, then announces
+//             progress; after the first arrival wait every rank compares every descriptor
+//             and, if any differs, every rank raises (R11) before it waits for any block.
+//   one-shot: copy x into my input slot[b]; arrive[me] = s; wait arrive[*] >= s; every rank
+//             reduces every row (fp32, rank order) and runs the epilogue locally.
+//   two-shot: as above (a rank copies all rows but its own block), but each rank reduces only
+//             its own block of rows and writes those sums into its result slot[b]; every rank
+//             runs the epilogue on every row from the sums. Both steps go block by block, with
+//             progress counted in the flags (arrive: blocks copied; done: blocks summed).
+// Double-buffered slots (and descriptors) make a trailing barrier unnecessary: a rank can only
+// reuse buffer b at call s + 2 after every rank arrived at s + 1, i.e. after every rank
+// finished call s. The copy into the slot uses cached or streaming stores, chosen per size by
+// a trial that every rank runs at the same calls and decides from the same votes (CopyTuner).
+#pragma once
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#include <sched.h>
+#include <time.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "conversions.h"
+#include "epilogue.h"
+#include "layout.h"
+#include "vec.h"
+
+namespace arfuse {
+
+constexpr int64_t kBlockBytes = 64 * 1024;  // rows per step, in bytes
+// One-shot copies this many blocks ahead of the block it finishes, so that a peer a little
+// behind does not stall this rank at every block (measured: at 64 tokens of 4096 fp32 on 2
+// ranks, ~10% faster than copying and finishing in lockstep; 1, 2 and 4 did about the same).
+constexpr int64_t kLeadBlocks = 2;
+// The copy into the shared slot uses ordinary (cached) or streaming stores, whichever the group
+// measured faster for that size (see CopyTuner): a peer reads the copy either from this core's
+// cache or from memory, and which is faster depends on where the cores sit (measured on a 2-core
+// VM, 1-64 tokens of 4096 fp32: streaming 0.73-0.79x the time of cached stores when the vCPUs
+// were far apart, up to 1.44x when they shared a cache).
+constexpr int64_t kTuneWarm = 8;       // calls of a size before its first trial
+constexpr int64_t kTunePairs = 16;     // trial: this many (cached, streaming) call pairs
+constexpr int64_t kTuneEpoch = 2048;   // calls of a size between trials (the machine drifts)
+enum CopyMode { kCopyAuto = 0, kCopyCached = 1, kCopyStreaming = 2 };
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+inline double mono_now() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+// A failure of the group during a call; bindings.cpp raises it as arfuse.errors.CallTimeout,
+// MismatchedCall or WorkspaceBroken.
+class ShmError : public std::runtime_error {
+ public:
+  enum Kind { kTimeout, kMismatch, kBroken };
+  ShmError(Kind what_kind, const std::string& what, std::vector<int> silent_ranks = {},
+           double timeout = 0.0)
+      : std::runtime_error(what), kind(what_kind), silent(std::move(silent_ranks)),
+        timeout_s(timeout) {}
+  Kind kind;
+  std::vector<int> silent;  // the ranks that did not answer (kTimeout)
+  double timeout_s;
+};
+
+// Addresses in the segment (see layout.h).
+struct Segment {
+  char* base = nullptr;
+  int world = 1, rank = 0;
+  int64_t header_bytes = 0, slot_bytes = 0, input_bytes = 0;
+  int64_t total_bytes = 0;  // the mapping, padding included (ShmLayout.total_bytes)
+
+  std::atomic<int64_t>* flag(int which, int r) const {  // which: 0 arrive, 1 done
+    const int64_t at = (which == 0 ? layout::kArriveOffset : layout::kDoneOffset) +
+                       layout::kCacheLine * r;
+    return reinterpret_cast<std::atomic<int64_t>*>(base + at);
+  }
+  std::atomic<int64_t>* descriptor(int r, int64_t seq) const {  // two words
+    const int64_t at = layout::kArriveOffset + layout::kCacheLine * r + layout::kDescOffset +
+                       (seq & 1) * layout::kDescBytes;
+    return reinterpret_cast<std::atomic<int64_t>*>(base + at);
+  }
+  char* input_slot(int r, int64_t buf) const {
+    return base + header_bytes + (int64_t(r) * layout::kBuffers + buf) * slot_bytes;
+  }
+  char* result_slot(int r, int64_t buf) const { return input_slot(r, buf) + input_bytes; }
+  std::atomic<int8_t>* vote(int r, int bucket) const {
+    return reinterpret_cast<std::atomic<int8_t>*>(base + layout::kVoteOffset +
+                                                  r * layout::kVoteBuckets + bucket);
+  }
+  const char* end() const { return base + total_bytes; }
+};
+
+// ---- call descriptors (R11) ------------------------------------------------------------------
+
+inline int64_t descriptor_word(int64_t tokens, int64_t pattern, int64_t quant, bool swizzled,
+                               int dtype) {
+  const int64_t layout_bit = quant == kNVFP4 && swizzled ? 1 : 0;
+  return (std::min<int64_t>(tokens, 0xffffffffLL) << layout::kDescTokensShift) |
+         (pattern << layout::kDescPatternShift) | (quant << layout::kDescQuantShift) |
+         (layout_bit << layout::kDescLayoutShift) | (int64_t(dtype) << layout::kDescDtypeShift);
+}
+
+inline int64_t descriptor_word(const Call& c, int dtype) {
+  const int64_t pattern = c.weight == nullptr ? layout::kPatternPlain
+                          : c.residual != nullptr ? layout::kPatternNormResidual
+                                                  : layout::kPatternNorm;
+  return descriptor_word(c.tokens, pattern, c.quant, c.swizzled, dtype);
+}
+
+// "tokens=1 dtype=fp32 hidden=64 pattern=plain quant=none" (layout.py: describe_descriptor).
+std::string describe_descriptor(int64_t word0, int64_t word1);
+// The MismatchedCall text for these descriptors, one per rank (layout.py: mismatch_message).
+std::string mismatch_message(int64_t call, const std::vector<std::pair<int64_t, int64_t>>& d);
+
+inline void publish_descriptor(const Segment& s, int64_t seq, int64_t word0, int64_t word1) {
+  std::atomic<int64_t>* d = s.descriptor(s.rank, seq);
+  d[0].store(word0, std::memory_order_relaxed);  // the flag's release store publishes them
+  d[1].store(word1, std::memory_order_relaxed);
+}
+
+// After the first arrival wait of call seq: every descriptor of this call is visible. Throws
+// ShmError(kMismatch) on every rank alike when any differs.
+inline void check_descriptors(const Segment& s, int64_t seq, int64_t word0, int64_t word1) {
+  bool same = true;
+  for (int j = 0; j < s.world; ++j) {
+    const std::atomic<int64_t>* d = s.descriptor(j, seq);
+    same &= d[0].load(std::memory_order_relaxed) == word0;
+    same &= d[1].load(std::memory_order_relaxed) == word1;
+  }
+  if (same) return;
+  std::vector<std::pair<int64_t, int64_t>> all;
+  for (int j = 0; j < s.world; ++j) {
+    const std::atomic<int64_t>* d = s.descriptor(j, seq);
+    all.emplace_back(d[0].load(std::memory_order_relaxed), d[1].load(std::memory_order_relaxed));
+  }
+  throw ShmError(ShmError::kMismatch, mismatch_message(seq, all));
+}
+
+// ---- waiting for peers -------------------------------------------------------------------------
+
+// /proc/<pid>/stat: state (field 3) and start time (field 22). -1 when the process is gone.
+long long proc_start_time(long long pid, char* state);
+
+class Waiter {
+ public:
+  Segment* seg = nullptr;
+  double timeout_s = 0.0;
+  bool check_pids = false;
+  std::vector<int64_t> pids, starts;
+
+  void wait_all(int which, int64_t target) const {
+    for (int j = 0; j < seg->world; ++j) {
+      if (j != seg->rank) wait_rank(which, j, target, -1);
+    }
+  }
+
+  // Wait until rank j's flag reaches target. only: -1 when every other rank waits for the same
+  // target (an error names all that have not reached it), else j (it names j alone).
+  void wait_rank(int which, int j, int64_t target, int only) const {
+    uint64_t spins = 0;
+    double deadline = 0.0;
+    std::atomic<int64_t>* f = seg->flag(which, j);
+    while (f->load(std::memory_order_acquire) < target) {
+      if (++spins < 2048) { cpu_relax(); continue; }
+      sched_yield();
+      if ((spins & 31) != 0) continue;
+      double now = mono_now();
+      if (deadline == 0.0) deadline = now + timeout_s;
+      if (now > deadline) timed_out(which, target, only);
+      if (check_pids && (spins & 1023) == 0) check_alive(which, target, only);
+    }
+  }
+
+ private:
+  std::vector<int> silent_ranks(int which, int64_t target, int only) const;
+  std::string silent_list(const std::vector<int>& silent) const;
+  [[noreturn]] void timed_out(int which, int64_t target, int only) const;
+  void check_alive(int which, int64_t target, int only) const;
+};
+
+// ---- the copy-mode tuner ---------------------------------------------------------------------
+
+// Picks the copy mode of each call. In auto mode each size class runs a trial every
+// kTuneEpoch calls: kTunePairs pairs of calls, cached then streaming, each rank counting which
+// of the pair was faster; each rank posts its count as a vote in the header, and at the next
+// call of that size (after the arrival wait, when every vote is final) every rank adds the same
+// votes and makes the same choice. Results do not depend on the mode.
+class CopyTuner {
+ public:
+  struct Plan {
+    bool streaming = false;
+    int decide = -1;       // the size class whose votes to count after the arrival wait
+    int bucket = -1;       // the size class on trial (-1: none)
+    int64_t trial = -1;
+  };
+  Plan plan(int64_t bytes, int mode);
+  void record(const Plan& plan, double took, const Segment& s);
+  void decide(int bucket, const Segment& s);
+  std::vector<std::tuple<int64_t, bool, bool, int64_t, int64_t>> modes() const;
+
+ private:
+  struct Tuning {  // one size class
+    int64_t calls = 0;
+    bool streaming = false;
+    bool decided = false;
+    int vote_sum = 0;
+    int wins = 0;         // this trial: pairs streaming won minus pairs cached won
+    double cached_s = 0;  // the current pair's cached call
+  };
+  static int bucket_of(int64_t bytes) {  // floor(log2(bytes)), bytes >= 1
+    return std::min(layout::kVoteBuckets - 1, 63 - __builtin_clzll(uint64_t(bytes)));
+  }
+  Tuning tuning_[layout::kVoteBuckets];
+};
+
+// ---- one call ----------------------------------------------------------------------------------
+
+struct Exchange {  // what one call's exchange needs
+  const Segment& seg;
+  const Waiter& waiter;
+  CopyTuner& tuner;
+  const Call& c;
+  const void* x;
+  int64_t seq;
+  int64_t row_bytes;
+  bool copy;       // x is not in my slot yet
+  bool streaming;  // copy with streaming stores
+  int decide;      // CopyTuner::Plan::decide
+  int64_t word0, word1;  // this rank's descriptor
+  int64_t call_base() const { return seq * layout::kProgressUnits; }
+};
+
+inline void copy_in(char* dst, const char* src, size_t n, bool streaming) {
+  if (streaming) isa::stream_copy(dst, src, n);
+  else std::memcpy(dst, src, n);
+}
+
+// Call seq without data: announce it whole, wait until every rank has entered it, compare the
+// descriptors. For a call of zero tokens, and for a call this rank runs elsewhere (over
+// capacity): a rank whose call differs from the others' must not leave them waiting.
+inline void meet_without_data(const Segment& s, const Waiter& waiter, int64_t seq,
+                              int64_t word0, int64_t word1) {
+  const int64_t call_base = seq * layout::kProgressUnits;
+  s.flag(0, s.rank)->store(call_base + layout::kProgressUnits - 1, std::memory_order_release);
+  waiter.wait_all(0, call_base + 1);
+  check_descriptors(s, seq, word0, word1);
+}
+
+inline void run_empty(const Exchange& e) {
+  meet_without_data(e.seg, e.waiter, e.seq, e.word0, e.word1);
+}
+
+// One-shot, block by block: copy a block in, say so, finish it as soon as every rank has, while
+// it is still in cache (the whole call would not fit in cache at once). Copying runs
+// kLeadBlocks ahead; an input already in the slot (input_buffer) is announced whole at once,
+// so ranks do not meet at every block.
+template <int D>
+void run_oneshot(const Exchange& e) {
+  using T = typename Elem<D>::T;
+  const Segment& s = e.seg;
+  const Call& c = e.c;
+  const int64_t buf = e.seq & 1, H = c.hidden;
+  const int64_t block_rows = std::max<int64_t>(1, kBlockBytes / e.row_bytes);
+  const int64_t blocks = (c.tokens + block_rows - 1) / block_rows;
+  char* slot = s.input_slot(s.rank, buf);
+  const T* inputs[layout::kMaxWorld];
+  for (int j = 0; j < s.world; ++j) inputs[j] = reinterpret_cast<const T*>(s.input_slot(j, buf));
+  int64_t published = 0;  // blocks of my input in my slot, announced
+  auto publish_until = [&](int64_t n) {
+    n = std::min(n, blocks);
+    if (n <= published) return;
+    if (e.copy) {
+      const int64_t begin = published * block_rows;
+      const int64_t end = std::min<int64_t>(c.tokens, n * block_rows);
+      copy_in(slot + begin * e.row_bytes, static_cast<const char*>(e.x) + begin * e.row_bytes,
+              size_t((end - begin) * e.row_bytes), e.streaming);
+    }
+    published = n;
+    s.flag(0, s.rank)->store(e.call_base() + n, std::memory_order_release);
+  };
+  const int64_t lead = e.copy ? kLeadBlocks : blocks;
+  T* out = static_cast<T*>(c.out);
+  T* residual_out = static_cast<T*>(c.residual_out);
+  for (int64_t b = 0; b < blocks; ++b) {
+    publish_until(b + 1 + lead);
+    e.waiter.wait_all(0, e.call_base() + b + 1);
+    if (b == 0) {
+      check_descriptors(s, e.seq, e.word0, e.word1);
+      if (e.decide >= 0) e.tuner.decide(e.decide, s);
+    }
+    const int64_t end = std::min<int64_t>(c.tokens, (b + 1) * block_rows);
+    for (int64_t row = b * block_rows; row < end; ++row) {
+      finish_row<D>(inputs, s.world, row, row, c, out + row * H,
+                    residual_out ? residual_out + row * H : nullptr);
+    }
+  }
+}
+
+// Two-shot: each rank sums its block of rows (rank order, rounded to T: exactly the one-shot
+// sum) into its result slot and finishes those rows at once; each then finishes the other
+// blocks from their owners' sums. Only inputs and sums cross between ranks, and every rank
+// runs the same epilogue on the same sums (bit-identical ranks). Pipelined in blocks of rows:
+// a rank copies the others' blocks in turn (rank + 1 first), announcing each step, so an
+// owner starts summing as soon as its first rows are in; owners announce their sums block by
+// block too.
+struct TwoShotGeometry {
+  int64_t tokens, chunk, block_rows, steps;
+  int world;
+  int64_t begin(int j) const { return std::min<int64_t>(tokens, chunk * j); }
+  int64_t end(int j) const { return std::min<int64_t>(tokens, chunk * (j + 1)); }
+  // Arrival progress: chunk at position p of a copier's order (copier + 1 + p), block k copied:
+  // p * steps + k + 1 (a chunk with fewer blocks jumps to (p + 1) * steps when done).
+  int position(int owner, int copier) const { return (owner - copier - 1 + world) % world; }
+};
+
+inline void twoshot_copy(const Exchange& e, const TwoShotGeometry& g) {
+  const Segment& s = e.seg;
+  std::atomic<int64_t>* mine = s.flag(0, s.rank);
+  if (!e.copy) {
+    mine->store(e.call_base() + layout::kProgressUnits - 1, std::memory_order_release);
+    return;
+  }
+  char* slot = s.input_slot(s.rank, e.seq & 1);
+  const char* x = static_cast<const char*>(e.x);
+  for (int p = 0; p + 1 < s.world; ++p) {
+    const int j = (s.rank + 1 + p) % s.world;
+    const int64_t b = g.begin(j), end = g.end(j);
+    for (int64_t k = 0; b + k * g.block_rows < end; ++k) {
+      const int64_t r0 = b + k * g.block_rows, r1 = std::min(end, r0 + g.block_rows);
+      copy_in(slot + r0 * e.row_bytes, x + r0 * e.row_bytes, size_t((r1 - r0) * e.row_bytes),
+              e.streaming);
+      mine->store(e.call_base() + p * g.steps + k + 1, std::memory_order_release);
+    }
+    mine->store(e.call_base() + (p + 1) * g.steps, std::memory_order_release);
+  }
+}
+
+// Sum my block of rows into my result slot (block by block, as the copiers announce them) and
+// finish those rows from the sums at once.
+template <int D>
+void twoshot_own(const Exchange& e, const TwoShotGeometry& g,
+                 const typename Elem<D>::T* const* inputs) {
+  using T = typename Elem<D>::T;
+  const Segment& s = e.seg;
+  const Call& c = e.c;
+  const int64_t H = c.hidden, begin = g.begin(s.rank), end = g.end(s.rank);
+  T* mine = reinterpret_cast<T*>(s.result_slot(s.rank, e.seq & 1));
+  Call sum_only{};  // no weight, no quant: out = T(sum)
+  sum_only.hidden = H;
+  const T* sums[1] = {mine};
+  T* out = static_cast<T*>(c.out);
+  T* residual_out = static_cast<T*>(c.residual_out);
+  for (int64_t k = 0; begin + k * g.block_rows < end; ++k) {
+    for (int j = 0; j < s.world; ++j) {
+      if (j != s.rank) {
+        e.waiter.wait_rank(0, j, e.call_base() + g.position(s.rank, j) * g.steps + k + 1, j);
+      }
+    }
+    const int64_t r1 = std::min(end, begin + (k + 1) * g.block_rows);
+    for (int64_t row = begin + k * g.block_rows; row < r1; ++row) {
+      finish_row<D>(inputs, s.world, row, row, sum_only, mine + (row - begin) * H, nullptr);
+      finish_row<D>(sums, 1, row - begin, row, c, out + row * H,
+                    residual_out ? residual_out + row * H : nullptr);
+    }
+    s.flag(1, s.rank)->store(e.call_base() + k + 1, std::memory_order_release);
+  }
+}
+
+// Finish every other owner's rows from its sums, block by block as it announces them.
+template <int D>
+void twoshot_others(const Exchange& e, const TwoShotGeometry& g) {
+  using T = typename Elem<D>::T;
+  const Segment& s = e.seg;
+  const Call& c = e.c;
+  const int64_t H = c.hidden;
+  T* out = static_cast<T*>(c.out);
+  T* residual_out = static_cast<T*>(c.residual_out);
+  for (int p = 0; p + 1 < s.world; ++p) {
+    const int j = (s.rank + 1 + p) % s.world;
+    const int64_t b = g.begin(j), end = g.end(j);
+    const T* theirs[1] = {reinterpret_cast<const T*>(s.result_slot(j, e.seq & 1))};
+    for (int64_t k = 0; b + k * g.block_rows < end; ++k) {
+      e.waiter.wait_rank(1, j, e.call_base() + k + 1, j);
+      const int64_t r1 = std::min(end, b + (k + 1) * g.block_rows);
+      for (int64_t row = b + k * g.block_rows; row < r1; ++row) {
+        finish_row<D>(theirs, 1, row - b, row, c, out + row * H,
+                      residual_out ? residual_out + row * H : nullptr);
+      }
+    }
+  }
+}
+
+template <int D>
+void run_twoshot(const Exchange& e) {
+  using T = typename Elem<D>::T;
+  const Segment& s = e.seg;
+  TwoShotGeometry g{};
+  g.tokens = e.c.tokens;
+  g.world = s.world;
+  g.chunk = (g.tokens + s.world - 1) / s.world;
+  g.block_rows = std::max<int64_t>(1, kBlockBytes / e.row_bytes);
+  g.steps = (g.chunk + g.block_rows - 1) / g.block_rows;  // blocks per chunk, at most
+  twoshot_copy(e, g);
+  // Every rank has announced progress of this call by now or soon: its descriptor is visible.
+  // Compare before waiting for any block (a rank with other tokens counts other blocks).
+  e.waiter.wait_all(0, e.call_base() + 1);
+  check_descriptors(s, e.seq, e.word0, e.word1);
+  const T* inputs[layout::kMaxWorld];
+  for (int j = 0; j < s.world; ++j) {
+    inputs[j] = reinterpret_cast<const T*>(s.input_slot(j, e.seq & 1));
+  }
+  if (e.copy) inputs[s.rank] = static_cast<const T*>(e.x);  // my own block: read from x
+  twoshot_own<D>(e, g, inputs);
+  twoshot_others<D>(e, g);
+  // Every other rank's flags of this call have been seen by now (a rank with an empty
+  // block waits on every owner; the others wait on every copier), so every vote is final.
+  if (e.decide >= 0) e.tuner.decide(e.decide, s);
+}
+
+}  // namespace arfuse

@@ -1,0 +1,394 @@
+// AVX2 (+ F16C for fp16) forms of the row kernels: 8 fp32 lanes, lane = h % 8, the same
+// rounding as the scalar forms in conversions.h. See vec.h for the interface.
+//
+// (Streaming stores for the outputs were measured: slower or faster depending on where the
+// hypervisor placed the two cores; cached stores it is. The copy into the slot chooses per
+// size, see CopyTuner in protocol.h.)
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "conversions.h"
+
+namespace arfuse {
+namespace isa {
+
+#if defined(__F16C__)
+constexpr const char* kIsa = "avx2+f16c";
+#else
+constexpr const char* kIsa = "avx2";
+#endif
+
+inline __m256 bf16x8_load(const uint16_t* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+// Round to the nearest bf16 (ties to even; NaN stays a quiet NaN), kept as fp32 whose low 16
+// bits are zero: rounding and widening back cost nothing more.
+inline __m256 bf16x8_round32(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+  __m256i picked = _mm256_blendv_epi8(rounded, quiet, nan);
+  return _mm256_castsi256_ps(_mm256_and_si256(picked, _mm256_set1_epi32(int(0xffff0000u))));
+}
+inline __m128i bf16x8_narrow(__m256 rounded) {  // the bf16 bits of already rounded values
+  __m256i t = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+inline __m128i bf16x8_round(__m256 v) { return bf16x8_narrow(bf16x8_round32(v)); }
+
+// pack: round 8 floats to the dtype (its bits); unpack: back to floats; put: store the bits.
+template <int D> struct Vec;
+template <> struct Vec<kBF16> {
+  static constexpr bool ok = true;
+  using B = __m128i;
+  static __m256 round(__m256 v) { return bf16x8_round32(v); }
+  static B narrow(__m256 rounded) { return bf16x8_narrow(rounded); }
+  static B pack(__m256 v) { return bf16x8_round(v); }
+  static __m256 unpack(B b) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+  }
+  static __m256 load(const uint16_t* p) { return bf16x8_load(p); }
+  static void put(uint16_t* p, B b) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b); }
+};
+template <> struct Vec<kFP32> {
+  static constexpr bool ok = true;
+  using B = __m256;
+  static __m256 round(__m256 v) { return v; }
+  static B narrow(__m256 rounded) { return rounded; }
+  static B pack(__m256 v) { return v; }
+  static __m256 unpack(B b) { return b; }
+  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static void put(float* p, B b) { _mm256_storeu_ps(p, b); }
+};
+#if defined(__F16C__)
+template <> struct Vec<kFP16> {
+  static constexpr bool ok = true;
+  using B = __m128i;
+  static B pack(__m256 v) {
+    return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static __m256 round(__m256 v) { return _mm256_cvtph_ps(pack(v)); }
+  static B narrow(__m256 rounded) { return pack(rounded); }
+  static __m256 unpack(B b) { return _mm256_cvtph_ps(b); }
+  static __m256 load(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void put(uint16_t* p, B b) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b); }
+};
+#else
+template <> struct Vec<kFP16> { static constexpr bool ok = false; };
+#endif
+
+template <int D> struct Has { static constexpr bool value = Vec<D>::ok; };
+
+// bf16, 16 at a time: widening by interleaving with zeros gives elements [0-3, 8-11] ("lo")
+// and [4-7, 12-15] ("hi") in one instruction each, and packing lo, hi back restores the
+// order, so no shuffles on the way in or out (the 8-wide form needs two per load).
+struct BF16x16 {
+  __m256 lo, hi;
+  static BF16x16 load(const uint16_t* p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i z = _mm256_setzero_si256();
+    return {_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v)),
+            _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v))};
+  }
+  // the bf16 bits of already rounded lo, hi
+  static void put(uint16_t* p, __m256 lo, __m256 hi) {
+    const __m256i a = _mm256_srli_epi32(_mm256_castps_si256(lo), 16);
+    const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(hi), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_packus_epi32(a, b));
+  }
+  // sum of squares in the canonical order (lane = h % 8): elements 0-7, then 8-15
+  static __m256 add_squares(__m256 acc, __m256 lo, __m256 hi) {
+    const __m256 first = _mm256_permute2f128_ps(lo, hi, 0x20);
+    const __m256 second = _mm256_permute2f128_ps(lo, hi, 0x31);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(first, first));
+    return _mm256_add_ps(acc, _mm256_mul_ps(second, second));
+  }
+};
+
+// The first pass over [0, n16) of a bf16 row (n16 a multiple of 16); see pass1.
+template <int W, bool NORM, bool RES>
+__m256 bf16_pass1(const uint16_t* const* rows, int world, int64_t n16, const uint16_t* res,
+                  uint16_t* dst) {
+  __m256 vl = _mm256_setzero_ps();
+  for (int64_t h = 0; h < n16; h += 16) {
+    BF16x16 a = BF16x16::load(rows[0] + h);
+    const int ranks = W > 0 ? W : world;
+    for (int j = 1; j < ranks; ++j) {
+      const BF16x16 b = BF16x16::load(rows[j] + h);
+      a.lo = _mm256_add_ps(a.lo, b.lo);
+      a.hi = _mm256_add_ps(a.hi, b.hi);
+    }
+    // one input (W == 1) holds bf16 values already: rounding them again changes nothing that
+    // the rounding after the residual add below would not (it also quiets a signaling NaN)
+    __m256 lo = a.lo, hi = a.hi;
+    if constexpr (!(W == 1 && NORM)) {
+      lo = bf16x8_round32(a.lo);
+      hi = bf16x8_round32(a.hi);
+    }
+    if constexpr (NORM) {
+      if constexpr (RES) {
+        const BF16x16 b = BF16x16::load(res + h);
+        lo = bf16x8_round32(_mm256_add_ps(lo, b.lo));
+        hi = bf16x8_round32(_mm256_add_ps(hi, b.hi));
+      }
+      vl = BF16x16::add_squares(vl, lo, hi);
+    }
+    BF16x16::put(dst + h, lo, hi);
+  }
+  return vl;
+}
+
+// First pass over a row, 8 lanes at a time: sum the ranks (rank order); plain: store the
+// rounded sum; norm: round, add the residual, round, store residual_out and return the
+// per-lane sums of r*r. W is the world size when known at compile time (0: not).
+template <int D, int W, bool NORM, bool RES>
+__m256 pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
+             const typename Elem<D>::T* res, typename Elem<D>::T* dst) {
+  // res and dst may be the same row (residual updated in place): each lane reads res[h]
+  // before it writes dst[h], and no other lane's store touches res.
+  using V = Vec<D>;
+  using T = typename Elem<D>::T;
+  const T* __restrict r0 = rows[0];
+  const T* __restrict r1 = W >= 2 ? rows[1] : nullptr;
+  const T* __restrict r2 = W >= 4 ? rows[2] : nullptr;
+  const T* __restrict r3 = W >= 4 ? rows[3] : nullptr;
+  __m256 vl = _mm256_setzero_ps();
+  int64_t h = 0;
+  if constexpr (D == kBF16) {
+    h = n / 16 * 16;
+    vl = bf16_pass1<W, NORM, RES>(rows, world, h, res, dst);
+  }
+  for (; h + kLanes <= n; h += kLanes) {
+    __m256 a;
+    if constexpr (W == 1) {
+      a = V::load(r0 + h);
+    } else if constexpr (W == 2) {
+      a = _mm256_add_ps(V::load(r0 + h), V::load(r1 + h));
+    } else if constexpr (W == 4) {
+      a = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(V::load(r0 + h), V::load(r1 + h)),
+                                      V::load(r2 + h)), V::load(r3 + h));
+    } else {
+      a = V::load(r0 + h);
+      for (int j = 1; j < world; ++j) a = _mm256_add_ps(a, V::load(rows[j] + h));
+    }
+    if constexpr (!NORM) {
+      V::put(dst + h, V::pack(a));
+    } else {
+      __m256 pre = W == 1 ? a : V::round(a);  // one input: values of T already (see above)
+      if constexpr (RES) pre = _mm256_add_ps(pre, V::load(res + h));
+      __m256 r = V::round(pre);
+      V::put(dst + h, V::narrow(r));
+      vl = _mm256_add_ps(vl, _mm256_mul_ps(r, r));
+    }
+  }
+  return vl;
+}
+
+template <int D, bool NORM, bool RES>
+int64_t row_sum(const typename Elem<D>::T* const* rows, int ranks, int64_t n,
+                const typename Elem<D>::T* res, typename Elem<D>::T* dst, float* lanes) {
+  if constexpr (!Vec<D>::ok) {
+    return 0;
+  } else {
+    __m256 vl;
+    if (ranks == 1) vl = pass1<D, 1, NORM, RES>(rows, ranks, n, res, dst);
+    else if (ranks == 2) vl = pass1<D, 2, NORM, RES>(rows, ranks, n, res, dst);
+    else if (ranks == 4) vl = pass1<D, 4, NORM, RES>(rows, ranks, n, res, dst);
+    else vl = pass1<D, 0, NORM, RES>(rows, ranks, n, res, dst);
+    _mm256_storeu_ps(lanes, vl);
+    return n / kLanes * kLanes;
+  }
+}
+
+// Second pass: out = T((r * inv) * gain), r read back from residual_out (exact: it holds r
+// in T), gain as gain_row laid it out.
+template <int D>
+int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, int64_t n,
+                  float inv, typename Elem<D>::T* out) {
+  if constexpr (!Vec<D>::ok) {
+    return 0;
+  } else {
+    using V = Vec<D>;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    int64_t k = 0;
+    if constexpr (D == kBF16) {  // gain holds [0, n / 16 * 16) in BF16x16 order
+      for (; k + 16 <= n; k += 16) {
+        const BF16x16 v = BF16x16::load(r + k);
+        const __m256 lo = _mm256_mul_ps(_mm256_mul_ps(v.lo, vinv), _mm256_loadu_ps(gain + k));
+        const __m256 hi =
+            _mm256_mul_ps(_mm256_mul_ps(v.hi, vinv), _mm256_loadu_ps(gain + k + 8));
+        BF16x16::put(out + k, bf16x8_round32(lo), bf16x8_round32(hi));
+      }
+    }
+    for (; k + kLanes <= n; k += kLanes) {
+      __m256 scaled = _mm256_mul_ps(V::load(r + k), vinv);
+      V::put(out + k, V::pack(_mm256_mul_ps(scaled, _mm256_loadu_ps(gain + k))));
+    }
+    return k;
+  }
+}
+
+// gain = weight_bias + f32(w), in the order row_scale reads it (BF16x16 order for bf16).
+template <int D>
+int64_t gain_row(const typename Elem<D>::T* w, float weight_bias, int64_t n, float* gain) {
+  if constexpr (!Vec<D>::ok) {
+    return 0;
+  } else {
+    const __m256 vb = _mm256_set1_ps(weight_bias);
+    int64_t k = 0;
+    if constexpr (D == kBF16) {
+      for (; k + 16 <= n; k += 16) {
+        const BF16x16 v = BF16x16::load(w + k);
+        _mm256_storeu_ps(gain + k, _mm256_add_ps(vb, v.lo));
+        _mm256_storeu_ps(gain + k + 8, _mm256_add_ps(vb, v.hi));
+      }
+    }
+    for (; k + kLanes <= n; k += kLanes) {
+      _mm256_storeu_ps(gain + k, _mm256_add_ps(vb, Vec<D>::load(w + k)));
+    }
+    return k;
+  }
+}
+
+// 8 floats -> 8 e4m3 codes in the low 8 bytes; the same rounding as f32_to_e4m3.
+inline __m128i e4m3x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
+  const __m256 a = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  const __m256i au = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(au, 20), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(au, _mm256_add_epi32(_mm256_set1_epi32(0x7ffff), lsb));
+  const __m256i normal = _mm256_or_si256(
+      _mm256_slli_epi32(_mm256_sub_epi32(_mm256_srli_epi32(r, 23), _mm256_set1_epi32(120)), 3),
+      _mm256_and_si256(_mm256_srli_epi32(r, 20), _mm256_set1_epi32(7)));
+  // below 2^-6: steps of 2^-9, a * 512 rounded to an integer, nearest even (2^23 trick)
+  const __m256 t = _mm256_add_ps(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)),
+                                 _mm256_set1_ps(8388608.0f));
+  const __m256i small = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(0x4b000000));
+  const __m256 is_small = _mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ);
+  __m256i code = _mm256_blendv_epi8(normal, small, _mm256_castps_si256(is_small));
+  code = _mm256_min_epi32(code, _mm256_set1_epi32(0x7e));  // saturate at 448
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), _mm256_castps_si256(nan));
+  code = _mm256_or_si256(code, sign);
+  const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(code),
+                                       _mm256_extracti128_si256(code, 1));
+  return _mm_packus_epi16(w16, w16);
+}
+
+template <int D>
+int64_t fp8_row(const typename Elem<D>::T* out, float inv_scale, int64_t n, uint8_t* dst) {
+  if constexpr (!Vec<D>::ok) {
+    return 0;
+  } else {
+    const __m256 vs = _mm256_set1_ps(inv_scale);
+    int64_t h = 0;
+    for (; h + kLanes <= n; h += kLanes) {
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + h),
+                       e4m3x8(_mm256_mul_ps(Vec<D>::load(out + h), vs)));
+    }
+    return h;
+  }
+}
+
+// 8 floats -> 8 e2m1 codes (int32 lanes); the same thresholds as f32_to_e2m1. The unordered
+// "not <=" / "not <" comparisons are "greater" / "greater or equal" for numbers and true for a
+// NaN, which so passes every threshold: code 7 (+6, its sign bit dropped), as f32_to_e2m1.
+inline __m256i e2m1x8(__m256 v) {
+  const __m256 m = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  __m256i code = _mm256_setzero_si256();
+  auto count = [&](float threshold, bool strict) {
+    __m256 hit = strict ? _mm256_cmp_ps(m, _mm256_set1_ps(threshold), _CMP_NLE_UQ)
+                        : _mm256_cmp_ps(m, _mm256_set1_ps(threshold), _CMP_NLT_UQ);
+    code = _mm256_sub_epi32(code, _mm256_castps_si256(hit));  // a hit is -1
+  };
+  count(0.25f, true);
+  count(0.75f, false);
+  count(1.25f, true);
+  count(1.75f, false);
+  count(2.5f, true);
+  count(3.5f, false);
+  count(5.0f, true);
+  const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
+  const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(_mm256_castps_si256(v), 31), 3);
+  return _mm256_or_si256(code, _mm256_and_si256(sign, ordered));
+}
+
+// 16 e2m1 codes (two vectors, element order) -> 8 bytes, the even element in the low nibble.
+inline __m128i pack_e2m1x16(__m256i c0, __m256i c1) {
+  __m256i w16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(c0, c1), 0xd8);
+  __m128i bytes = _mm_packus_epi16(_mm256_castsi256_si128(w16),
+                                   _mm256_extracti128_si256(w16, 1));
+  __m128i pairs = _mm_maddubs_epi16(bytes, _mm_set1_epi16(0x1001));  // lo + 16 * hi
+  return _mm_packus_epi16(pairs, pairs);
+}
+
+// One NVFP4 block of 16 (see quantize in epilogue.h for the rule): the 8 code bytes, and the
+// e4m3 block scale in *sf. The amax ignores NaN (a NaN lane counts as 0; every |v| >= 0) unless
+// all 16 are NaN, as __hmax2 / fmaxf do in FlashInfer.
+template <int D>
+bool nvfp4_block(const typename Elem<D>::T* v16, float gs, uint8_t* codes8, uint8_t* sf) {
+  if constexpr (!Vec<D>::ok) {
+    return false;
+  } else {
+    const __m256 v0 = Vec<D>::load(v16);
+    const __m256 v1 = Vec<D>::load(v16 + 8);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 ord0 = _mm256_cmp_ps(v0, v0, _CMP_ORD_Q);
+    const __m256 ord1 = _mm256_cmp_ps(v1, v1, _CMP_ORD_Q);
+    __m256 mx = _mm256_max_ps(_mm256_and_ps(_mm256_and_ps(v0, abs_mask), ord0),
+                              _mm256_and_ps(_mm256_and_ps(v1, abs_mask), ord1));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    float amax = _mm_cvtss_f32(m4);
+    if (_mm256_movemask_ps(_mm256_or_ps(ord0, ord1)) == 0) amax = NAN;  // all 16 NaN
+    const uint8_t scale = f32_to_e4m3(gs * (amax * (1.0f / 6.0f)));
+    const float sfq = g_e4m3_decode[scale];
+    const __m256 es = _mm256_set1_ps(sfq != 0.0f ? gs / sfq : 0.0f);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes8),
+                     pack_e2m1x16(e2m1x8(_mm256_mul_ps(v0, es)),
+                                  e2m1x8(_mm256_mul_ps(v1, es))));
+    *sf = scale;
+    return true;
+  }
+}
+
+// memcpy with streaming (non-temporal) stores for the aligned body; ends with a store fence,
+// so a later release store of the arrival flag orders after the data.
+inline void stream_copy(char* dst, const char* src, size_t n) {
+  size_t head = (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31;
+  head = std::min(head, n);
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  const size_t body = n & ~size_t(127);
+  for (size_t i = 0; i < body; i += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
+  }
+  std::memcpy(dst + body, src + body, n - body);
+  _mm_sfence();
+}
+
+}  // namespace isa
+}  // namespace arfuse
