@@ -116,3 +116,27 @@ def create_then_report(rank: int, world: int) -> dict[str, Any]:
 
     return _error(lambda: arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64,
                                                 dtype=torch.float32))
+
+
+def fp8_dynamic_call(rank: int, world: int, backend: str) -> dict[str, Any]:
+    import hashlib
+
+    import arfuse
+    from arfuse import quant as q
+
+    comm = arfuse.FusedAllReduce(max_token_num=70, hidden_dim=64, dtype=torch.bfloat16,
+                                 backend=backend, quant="fp8_dynamic")
+    gen = torch.Generator().manual_seed(11 + rank)
+    x = torch.randn(67, 64, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(67, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    res = comm(x, residual=residual, weight=torch.ones(64, dtype=torch.bfloat16),
+               quant="fp8_dynamic")
+    codes, scales = q.fp8_dynamic_quantize(res.out)
+    assert res.quant_out is not None and res.scale_out is not None
+    digest = hashlib.sha256(res.quant_out.view(torch.uint8).numpy().tobytes()
+                            + res.scale_out.numpy().tobytes()).hexdigest()
+    comm.close()
+    return {"digest": digest, "backend": backend,
+            "matches_reference": bool(torch.equal(res.quant_out.view(torch.uint8),
+                                                  codes.view(torch.uint8))
+                                      and torch.equal(res.scale_out, scales))}

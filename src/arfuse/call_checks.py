@@ -135,7 +135,10 @@ def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, wei
     quant_name = parse_quant(quant)
     scale_f: float | None = None
     layout_name = "swizzled_128x4"
-    if quant_name is not None:
+    if quant_name == "fp8_dynamic":
+        if scale is not None:
+            raise ValueError("quant='fp8_dynamic' computes a scale per token; pass scale=None")
+    elif quant_name is not None:
         if scale is None:
             raise ValueError(f"quant={quant_name!r} needs scale (fp8: the dequantisation scale; "
                              "nvfp4: the global encode scale)")

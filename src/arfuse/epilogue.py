@@ -80,6 +80,8 @@ def quantize(out: torch.Tensor, quant: str | None, scale: float | None,
     """The quantisation step alone, for backends that do not fuse it."""
     if quant is None:
         return None, None
+    if quant == "fp8_dynamic":
+        return q.fp8_dynamic_quantize(out)
     assert scale is not None
     if quant == "fp8":
         return q.fp8_quantize(out, scale), None

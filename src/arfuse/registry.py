@@ -31,7 +31,7 @@ from .spec import Spec
 class Entry:
     """One live workspace, the decision that made it, and the number of ops using it."""
 
-    key: tuple[str, str, str, bool]
+    key: tuple[str, str, str, bool, str | None]
     outcome: Outcome
     users: int = 0
     superseded: bool = False
@@ -54,14 +54,16 @@ class Lease:
 class Registry:
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._entries: dict[tuple[str, str, str, bool], list[Entry]] = {}
+        self._entries: dict[tuple[str, str, str, bool, str | None], list[Entry]] = {}
 
     def acquire(self, group: Any, spec: Spec, settings: Settings,
                 device: str | None = None) -> Lease:
         """Collective: a covering workspace of the group, or a newly negotiated one."""
         with self._lock:
             ctx = negotiate.make_context(group, device, settings)
-            key = (ctx.key, ctx.device, settings.backend, settings.strict)
+            # a workspace serves only requests negotiated under the same settings and topology file
+            key = (ctx.key, ctx.device, settings.backend, settings.strict,
+                   settings.topology_path)
             live = self._entries.setdefault(key, [])
             for entry in live:
                 if not entry.superseded and entry.workspace.spec.covers(spec):

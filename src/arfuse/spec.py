@@ -11,24 +11,24 @@ from dataclasses import dataclass
 
 from .dtypes import DTYPES, parse_dtype
 
-QUANTS: tuple[str, ...] = ("fp8", "nvfp4")
+QUANTS: tuple[str, ...] = ("fp8", "nvfp4", "fp8_dynamic")
+SCALED_QUANTS = ("fp8", "nvfp4")  # the caller gives the scale; fp8_dynamic computes its own
 NVFP4_BLOCK = 16
 LAYOUTS: tuple[str, ...] = ("swizzled_128x4", "linear")
 
 
 def parse_quant(value: object, name: str = "quant") -> str | None:
-    """``None``/``"none"`` -> ``None``; ``"fp8"``/``"nvfp4"`` as is; anything else is an error."""
+    """``None``/``"none"`` -> ``None``; a name of ``QUANTS`` as is; anything else is an error."""
+    allowed = ", ".join(("none", *QUANTS))
     if value is None:
         return None
     if not isinstance(value, str):
-        raise TypeError(
-            f"{name} must be None, 'none', 'fp8' or 'nvfp4', got {type(value).__name__}"
-        )
+        raise TypeError(f"{name} must be None or one of {allowed}, got {type(value).__name__}")
     text = value.strip().lower()
     if text in ("", "none"):
         return None
     if text not in QUANTS:
-        raise ValueError(f"{name}={value!r} is not valid; use none, fp8 or nvfp4")
+        raise ValueError(f"{name}={value!r} is not valid; use one of {allowed}")
     return text
 
 

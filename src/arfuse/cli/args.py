@@ -60,7 +60,8 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
                    help="backend to ask for (default: ARFUSE_BACKEND or auto)")
     p.add_argument("--hidden", type=positive_int, default=4096, help="hidden size (4096)")
     p.add_argument("--dtype", type=dtype, default="bf16", help="bf16, fp16 or fp32 (bf16)")
-    p.add_argument("--quant", type=quant, default=None, help="none, fp8 or nvfp4 (none)")
+    p.add_argument("--quant", type=quant, default=None,
+                   help="none, fp8, nvfp4 or fp8_dynamic (none)")
 
 
 def default_world_size(device: str) -> int:

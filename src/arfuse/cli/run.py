@@ -91,7 +91,7 @@ def run_body(rank: int, world: int, opts: RunOptions) -> int:
         partial = a_shard @ w_shard.t()
         first = comm(partial, residual=residual, weight=gamma, eps=EPS)
         scale = None
-        if opts.quant:
+        if opts.quant in ("fp8", "nvfp4"):
             amax = first.out.abs().max().float().item()
             scale = amax / 448.0 if opts.quant == "fp8" else 448.0 * 6.0 / amax
         result = comm(partial, residual=residual, weight=gamma, eps=EPS, quant=opts.quant,
@@ -113,6 +113,10 @@ def run_body(rank: int, world: int, opts: RunOptions) -> int:
             assert scale is not None
             expected = q.fp8_quantize(result.out.cpu(), scale)
             quant_ok = _mostly_equal(result.quant_out, expected)
+        elif opts.quant == "fp8_dynamic":
+            codes, scales = q.fp8_dynamic_quantize(result.out.cpu())
+            quant_ok = _mostly_equal(result.quant_out, codes) and result.scale_out is not None \
+                and torch.equal(result.scale_out.cpu(), scales)
         elif opts.quant == "nvfp4":
             assert scale is not None
             packed, scales = q.nvfp4_quantize(result.out.cpu(), scale)

@@ -31,7 +31,7 @@ from ...errors import (
     NegotiationTimeout,
     WorkspaceBroken,
 )
-from ...spec import LAYOUTS, QUANTS, Spec
+from ...spec import LAYOUTS, Spec
 from ...torch_types import device_of
 from ..base import Backend, Workspace
 
@@ -42,18 +42,24 @@ _DESCRIPTOR_FIELDS = ("tokens", "hidden", "dtype", "pattern")
 _SILENT_GRACE_S = 0.5
 
 
+_NORMS = ("plain all-reduce", "+ RMSNorm", "+ residual + RMSNorm")
+# (quant, nvfp4 layout) -> code; one entry per distinct output format
+_QUANT_FORMATS: tuple[tuple[str | None, str | None], ...] = (
+    (None, None), ("fp8", None), ("fp8_dynamic", None),
+    *(("nvfp4", layout) for layout in LAYOUTS))
+
+
 def pattern_code(call: CallArgs) -> int:
-    """Plain, norm, norm + residual, times quantisation (none, fp8, nvfp4 per layout)."""
+    """Plain, norm, norm + residual, times the quantised output format."""
     norm = 0 if call.weight is None else (2 if call.residual is not None else 1)
-    quant = 0 if call.quant is None else 1 + QUANTS.index(call.quant) + (
-        LAYOUTS.index(call.layout) if call.quant == "nvfp4" else 0)
+    quant = _QUANT_FORMATS.index((call.quant, call.layout if call.quant == "nvfp4" else None))
     return norm * 8 + quant
 
 
 def describe_pattern(code: int) -> str:
-    norm = ("plain all-reduce", "+ RMSNorm", "+ residual + RMSNorm")[code // 8]
-    quant = ("", " + fp8", " + nvfp4 (swizzled)", " + nvfp4 (linear)")[code % 8]
-    return norm + quant
+    quant, layout = _QUANT_FORMATS[code % 8]
+    return _NORMS[code // 8] + ("" if quant is None else f" + {quant}") + (
+        f" ({layout})" if layout else "")
 
 
 class TorchWorkspace(Workspace):
