@@ -11,9 +11,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 from . import args as cli_args
-from . import bench, doctor, explain, run
+from . import bench, doctor, explain, run, scenario
 
-VERBS = (explain, run, bench, doctor)
+VERBS = (explain, run, bench, doctor, scenario)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,263 @@
+"""Soak: many calls of the fused op on two real ranks, checked, with memory and descriptors
+watched (DESIGN 5: "a 100,000-call soak with no mismatch and flat memory").
+
+Why: a bug in slot double-buffering, sequence flags, copy-mode trials or the unfused path for
+over-capacity calls shows only after many calls of varied sizes; a leak only as growth.
+Both ranks draw the same random sequence (token counts on both sides of the capacity and of the
+one-/two-shot threshold, patterns plain / norm / norm+residual / fp8 / nvfp4 / in place / from
+the shared slot), every K-th call is checked against the float64 reference, and resident
+memory (/proc/self/statm), open descriptors (/proc/self/fd) and threads are sampled. After the
+last call: destroy_all, then nothing of arfuse may be left (segments, descriptors, threads,
+children).
+
+    python benchmarks/soak.py [--calls 100000] [--check-every 50] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HIDDEN = 128                      # bf16: 256 bytes a row
+CAPACITY = 256                    # tokens the workspace holds
+ONESHOT_TOKENS = 32 * 1024 // (HIDDEN * 2)   # 128: shm's one-/two-shot switch per rank
+OVER = 320                        # the largest call, over capacity (runs unfused)
+EDGES = (1, 2, ONESHOT_TOKENS - 1, ONESHOT_TOKENS, ONESHOT_TOKENS + 1, CAPACITY - 1, CAPACITY,
+         CAPACITY + 1)
+PATTERNS = ("plain", "norm", "norm_residual", "fp8", "nvfp4", "in_place", "slot")
+POOL = 512                        # rows of random input per rank; calls take windows of it
+RSS_BOUND_MIB = 16.0              # allowed growth of resident memory after warm-up
+WARM_FRACTION = 0.1               # samples before this fraction of the calls are warm-up
+
+
+def draw(rng: random.Random) -> tuple[int, str, int]:
+    """(tokens, pattern, offset) of one call: the same on every rank (same seed)."""
+    roll = rng.random()
+    if roll < 0.10:
+        tokens = rng.choice(EDGES)
+    elif roll < 0.50:
+        tokens = rng.randint(1, ONESHOT_TOKENS)
+    elif roll < 0.92:
+        tokens = rng.randint(ONESHOT_TOKENS + 1, CAPACITY)
+    else:
+        tokens = rng.randint(CAPACITY + 1, OVER)
+    return tokens, rng.choice(PATTERNS), rng.randint(0, POOL - OVER)
+
+
+def sample() -> dict[str, float]:
+    page = os.sysconf("SC_PAGE_SIZE")
+    resident = int(Path("/proc/self/statm").read_text().split()[1]) * page
+    return {"rss_mib": resident / 2**20, "fds": len(os.listdir("/proc/self/fd")),
+            "threads": len(os.listdir("/proc/self/task"))}
+
+
+def rank_body(rank: int, world: int, port: int, opts: dict[str, Any], results: Any) -> None:
+    """One rank: the soak loop, then the leak check; reports one dict on ``results``."""
+    import torch
+    import torch.distributed as dist
+
+    import arfuse
+    from arfuse.cli.scenario import LeakBaseline, check_result, run_pattern
+
+    torch.set_num_threads(1)
+    report: dict[str, Any] = {"rank": rank, "errors": []}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        dist.barrier()
+        baseline = LeakBaseline()
+        gens = [torch.Generator().manual_seed(7000 + r) for r in range(world)]
+        xs = [(torch.randn(POOL, HIDDEN, generator=g) * (0.5 + 0.25 * r)).to(torch.bfloat16)
+              for r, g in enumerate(gens)]
+        gen = torch.Generator().manual_seed(99)
+        residual_pool = torch.randn(POOL, HIDDEN, generator=gen).to(torch.bfloat16)
+        weight = (torch.rand(HIDDEN, generator=gen) + 0.5).to(torch.bfloat16)
+        comm = arfuse.FusedAllReduce(max_token_num=CAPACITY, hidden_dim=HIDDEN,
+                                     dtype=torch.bfloat16, timeout_s=30)
+        report.update(backend=comm.backend, path=getattr(comm.workspace, "path", ""))
+        rng = random.Random(opts["seed"])
+        calls, every, every_sample = opts["calls"], opts["check_every"], opts["sample_every"]
+        samples = [dict(sample(), call=0)]
+        checks = mismatches = 0
+        worst = 0.0
+        modes: dict[str, int] = {}
+        ws = comm.workspace
+        started = time.perf_counter()
+        for i in range(1, calls + 1):
+            tokens, pattern, offset = draw(rng)
+            x = xs[rank][offset:offset + tokens]
+            residual = residual_pool[offset:offset + tokens]
+            if tokens > CAPACITY:
+                kind = "unfused"
+            else:
+                mode = getattr(ws, "mode", None)
+                kind = mode(tokens) if mode is not None else "fused"
+            modes[kind] = modes.get(kind, 0) + 1
+            result = run_pattern(comm, pattern, x, residual, weight)
+            if i % every == 0:
+                checks += 1
+                ratio = check_result(pattern, "bf16", [t[offset:offset + tokens] for t in xs],
+                                     residual, weight, result)
+                worst = max(worst, ratio)
+                if ratio > 1.0:
+                    mismatches += 1
+                    report["errors"].append(f"call {i}: {tokens} tokens {pattern}: "
+                                            f"{ratio:.3g} x the tolerance")
+            if i % every_sample == 0 or i == calls:
+                samples.append(dict(sample(), call=i))
+        seconds = time.perf_counter() - started
+        stats = comm.stats()
+        comm.close()
+        del comm, ws, result
+        arfuse.destroy_all()
+        report.update(calls=calls, seconds=seconds, rate=calls / seconds, checks=checks,
+                      mismatches=mismatches, worst_ratio=worst, stats=stats, modes=modes,
+                      samples=samples, leaks=baseline.leaks())
+    except Exception as exc:
+        report["errors"].append(f"{type(exc).__name__}: {exc}")
+    results.put(report)
+    results.close()
+    results.join_thread()  # the report is in the pipe before the process ends
+    os._exit(0)  # no process-group teardown that could wait on a peer that failed
+
+
+def run_soak(calls: int = 100_000, check_every: int = 50, sample_every: int = 1000,
+             seed: int = 20261201, limit_s: float = 1800.0) -> dict[str, Any]:
+    """Two ranks; returns the figures, with ``ok`` and ``problems`` (what failed, if any)."""
+    import socket
+
+    import torch  # noqa: F401  (loaded once, shared by the forked ranks)
+
+    from arfuse.backends.shm import build as shm_build
+    from arfuse.cli.scenario import child_pids
+
+    if os.environ.get("ARFUSE_SHM_PURE_TORCH") != "1":
+        shm_build.load()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    opts = {"calls": calls, "check_every": check_every, "sample_every": sample_every,
+            "seed": seed}
+    procs = [ctx.Process(target=rank_body, args=(r, 2, port, opts, results)) for r in range(2)]
+    started = time.monotonic()
+    for p in procs:
+        p.start()
+    pids = [p.pid for p in procs]
+    reports: dict[int, dict[str, Any]] = {}
+    problems: list[str] = []
+    while len(reports) < 2 and time.monotonic() - started < limit_s:
+        with contextlib.suppress(Exception):
+            report = results.get(timeout=0.5)
+            reports[report["rank"]] = report
+        if len(reports) < 2 and not any(p.is_alive() for p in procs) and results.empty():
+            break
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            problems.append(f"rank pid {p.pid} did not finish within {limit_s:g} s (killed)")
+            os.kill(p.pid or 0, signal.SIGKILL)
+            p.join(5)
+    wall = time.monotonic() - started
+    if len(reports) < 2:
+        problems.append(f"only ranks {sorted(reports)} reported")
+    left = [n for n in os.listdir("/dev/shm")
+            if any(n.startswith(f"arfuse-{pid}-") for pid in pids)]
+    children = [c for c in child_pids() if c in pids]
+    for rank, report in sorted(reports.items()):
+        problems += [f"rank {rank}: {e}" for e in report["errors"][:5]]
+        problems += [f"rank {rank} leaks: {leak}" for leak in report.get("leaks", [])]
+        samples = report.get("samples", [])
+        warm = [s for s in samples if s["call"] >= WARM_FRACTION * calls] or samples[-1:]
+        if warm:
+            growth = samples[-1]["rss_mib"] - warm[0]["rss_mib"]
+            report["rss_growth_after_warmup_mib"] = growth
+            if growth > RSS_BOUND_MIB:
+                problems.append(f"rank {rank}: resident memory grew {growth:.1f} MiB after "
+                                f"warm-up (bound {RSS_BOUND_MIB} MiB)")
+            if samples[-1]["fds"] != samples[0]["fds"]:
+                problems.append(f"rank {rank}: descriptors {samples[0]['fds']} -> "
+                                f"{samples[-1]['fds']}")
+            if samples[-1]["threads"] != warm[0]["threads"]:
+                problems.append(f"rank {rank}: threads {warm[0]['threads']} -> "
+                                f"{samples[-1]['threads']}")
+    if left:
+        problems.append(f"segments left in /dev/shm: {left}")
+    if children:
+        problems.append(f"rank processes still alive: {children}")
+    digest = {}
+    for rank, report in sorted(reports.items()):
+        samples = report.get("samples", [])
+        digest[str(rank)] = {
+            "backend": report.get("backend"), "path": report.get("path"),
+            "calls": report.get("calls"), "seconds": report.get("seconds"),
+            "calls_per_s": report.get("rate"), "checks": report.get("checks"),
+            "mismatches": report.get("mismatches"), "worst_ratio": report.get("worst_ratio"),
+            "modes": report.get("modes"), "stats": report.get("stats"),
+            "rss_mib_start": samples[0]["rss_mib"] if samples else None,
+            "rss_mib_end": samples[-1]["rss_mib"] if samples else None,
+            "rss_mib_max": max(s["rss_mib"] for s in samples) if samples else None,
+            "rss_growth_after_warmup_mib": report.get("rss_growth_after_warmup_mib"),
+            "fds_start": samples[0]["fds"] if samples else None,
+            "fds_end": samples[-1]["fds"] if samples else None,
+            "threads_start": samples[0]["threads"] if samples else None,
+            "threads_end": samples[-1]["threads"] if samples else None,
+            "leaks_after_destroy_all": report.get("leaks"), "samples": samples}
+    return {"ok": not problems, "problems": problems, "calls": calls,
+            "check_every": check_every, "sample_every": sample_every, "seed": seed,
+            "hidden": HIDDEN, "dtype": "bf16", "capacity": CAPACITY,
+            "oneshot_max_tokens": ONESHOT_TOKENS, "max_tokens_drawn": OVER,
+            "rss_bound_mib": RSS_BOUND_MIB, "warm_up_calls": int(WARM_FRACTION * calls),
+            "segments_left": left, "wall_seconds": wall, "cores": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "ranks": digest}
+
+
+def summary(result: dict[str, Any]) -> str:
+    lines = [f"soak: {result['calls']} calls on 2 ranks, hidden {result['hidden']} bf16, "
+             f"capacity {result['capacity']}, one-shot up to {result['oneshot_max_tokens']} "
+             f"tokens, checked every {result['check_every']}: "
+             f"{'OK' if result['ok'] else 'FAILED'} in {result['wall_seconds']:.1f} s"]
+    for rank, r in result["ranks"].items():
+        lines.append(
+            f"  rank {rank}: {r['backend']} ({r['path']}), {r['calls_per_s'] or 0:.0f} calls/s, "
+            f"{r['checks']} checks, {r['mismatches']} mismatches (worst "
+            f"{r['worst_ratio'] or 0:.2f} x tol), modes {r['modes']}, RSS "
+            f"{r['rss_mib_start'] or 0:.1f} -> {r['rss_mib_end'] or 0:.1f} MiB (max "
+            f"{r['rss_mib_max'] or 0:.1f}; +{r['rss_growth_after_warmup_mib'] or 0:.2f} after "
+            f"warm-up), fds {r['fds_start']} -> {r['fds_end']}, threads {r['threads_start']} "
+            f"-> {r['threads_end']}, leaks after destroy_all {r['leaks_after_destroy_all']}")
+    lines += [f"  problem: {p}" for p in result["problems"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=100_000)
+    p.add_argument("--check-every", type=int, default=50)
+    p.add_argument("--sample-every", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=20261201)
+    p.add_argument("--limit-s", type=float, default=1800.0)
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = p.parse_args(argv)
+    result = run_soak(args.calls, args.check_every, args.sample_every, args.seed, args.limit_s)
+    print(summary(result))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

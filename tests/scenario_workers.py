@@ -1,0 +1,164 @@
+"""Rank bodies for test_two_hosts.py (run by torchrun as a script) and test_fuzz.py (run by the
+harness), kept apart from the tests so that they can be pickled or started by path."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arfuse.cli.scenario import LeakBaseline, check_result, make_inputs, run_pattern
+
+PATTERNS = ("plain", "norm", "norm_residual", "fp8", "in_place")
+
+
+def _calls(comm: Any, ranks: list[int], rank: int, seed: int) -> dict[str, Any]:
+    """A few calls of every pattern, each against the float64 reference of ``ranks``; then
+    the op is closed."""
+    worst, calls = 0.0, 0
+    stats: dict[str, int] = {}
+    for k, tokens in enumerate((1, 7, 64, 65)):
+        for pattern in PATTERNS:
+            xs, residual, weight = make_inputs(seed + k, tokens, 64, "fp32", ranks)
+            result = run_pattern(comm, pattern, xs[ranks.index(rank)], residual, weight)
+            worst = max(worst, check_result(pattern, "fp32", xs, residual, weight, result))
+            calls += 1
+    stats = comm.stats()
+    comm.close()  # the next case negotiates afresh (the registry would reuse this one)
+    return {"calls": calls, "max_ratio": worst, "stats": stats}
+
+
+def _describe(comm: Any) -> dict[str, Any]:
+    plan = comm.plan
+    return {"backend": comm.backend, "plan_backend": plan.backend, "node_count": plan.node_count,
+            "world_size": plan.world_size, "viable": list(plan.viable),
+            "reasons": {c.backend: c.reason for c in plan.candidates},
+            "attempts": [a.describe() for a in comm.attempts]}
+
+
+def _attempt(make: Any) -> dict[str, Any]:
+    started = time.monotonic()
+    try:
+        comm = make()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started}
+    found = _describe(comm)
+    found["seconds"] = time.monotonic() - started
+    return {**found, "comm": comm}
+
+
+def two_hosts(out_dir: str) -> None:
+    """One rank of the two-host job (under torchrun): what the group looks like, shm not
+    offered, shm forced, shm on a topology that lies, torch numerics, subgroups per host."""
+    import torch.distributed as dist
+
+    import arfuse
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    marker = Path("/dev/shm") / f"two-hosts-marker-rank{rank}"
+    marker.write_text(socket.gethostname())
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])] if world == 4 else []
+    dist.barrier()  # every connection, subgroups included, exists before the baseline
+    report: dict[str, Any] = {"rank": rank, "world": world, "hostname": socket.gethostname(),
+                              "dev_shm": sorted(os.listdir("/dev/shm"))}
+    baseline = LeakBaseline()
+    spec = {"max_token_num": 128, "hidden_dim": 64, "dtype": torch.float32}
+
+    auto = _attempt(lambda: arfuse.FusedAllReduce(**spec))
+    if "comm" in auto:
+        auto.update(_calls(auto.pop("comm"), list(range(world)), rank, 10))
+    report["auto"] = auto
+
+    forced = _attempt(lambda: arfuse.FusedAllReduce(**spec, backend="shm"))
+    if "comm" in forced:
+        forced.update(_calls(forced.pop("comm"), list(range(world)), rank, 20))
+    report["forced_shm"] = forced
+
+    if world == 2:  # a topology file claiming one host: only the shm attempt can tell
+        lie = Path(out_dir) / f"one-host-rank{rank}.json"
+        lie.write_text(json.dumps({"device": "cpu", "world_size": 2, "hosts": ["h", "h"]}))
+        os.environ["ARFUSE_TOPOLOGY"] = str(lie)
+        lying = _attempt(lambda: arfuse.FusedAllReduce(**spec, backend="shm"))
+        if "comm" in lying:
+            lying.update(_calls(lying.pop("comm"), list(range(world)), rank, 30))
+        report["forced_shm_one_host_topology"] = lying
+        del os.environ["ARFUSE_TOPOLOGY"]
+
+    if world == 4:  # node-local TP groups {0,1} on one host, {2,3} on the other (R6)
+        mine, ranks = (groups[0], [0, 1]) if rank < 2 else (groups[1], [2, 3])
+        local = _attempt(lambda: arfuse.FusedAllReduce(mine, **spec))
+        if "comm" in local:
+            local.update(_calls(local.pop("comm"), ranks, rank, 40))
+        report["node_local_group"] = local
+
+    arfuse.destroy_all()
+    report["leaks"] = baseline.leaks()
+    report["segments_left"] = [n for n in os.listdir("/dev/shm") if n.startswith("arfuse-")]
+    marker.unlink()
+    dist.barrier()
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report, default=str))
+    dist.destroy_process_group()
+
+
+# --- fuzzing on a real two-rank shm group (test_fuzz.py) ----------------------------------------
+
+
+def fuzz_shm_calls(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case on both ranks, in the same order: the outcome class and the error (ValueError /
+    TypeError must name the argument), or the worst error against the float64 reference."""
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=48, hidden_dim=32, dtype=torch.bfloat16,
+                                 timeout_s=20)
+    out = [{"backend": comm.backend}]
+    for i, case in enumerate(cases):
+        out.append(_one_call(comm, case, rank, world, 1000 + i))
+    comm.close()
+    return out
+
+
+def _one_call(comm: Any, case: dict[str, Any], rank: int, world: int,
+              seed: int) -> dict[str, Any]:
+    tokens, pattern = case["tokens"], case["pattern"]
+    xs, residual, weight = make_inputs(seed, tokens, 32, "bf16", list(range(world)))
+    x = xs[rank]
+    bad = case.get("bad")
+    kwargs: dict[str, Any] = {}
+    if bad == "eps":
+        kwargs = {"residual": residual, "weight": weight, "eps": case["value"]}
+    elif bad == "scale":
+        kwargs = {"residual": residual, "weight": weight, "quant": "fp8",
+                  "scale": case["value"]}
+    elif bad == "x_dtype":
+        x = x.float()
+    elif bad == "x_stride":
+        x = torch.cat([x, x], dim=1)[:, ::2]
+    elif bad == "weight_shape":
+        kwargs = {"weight": weight[:-1]}
+    elif bad == "out_overlap":
+        kwargs = {"residual": residual, "weight": weight, "out": residual}
+    try:
+        if bad is None:
+            result = run_pattern(comm, pattern, x, residual, weight)
+            return {"ok": True, "ratio": check_result(pattern, "bf16", xs, residual, weight,
+                                                      result)}
+        comm(x, **kwargs)
+        return {"ok": True, "ratio": 0.0}
+    except (ValueError, TypeError) as exc:
+        return {"ok": False, "type": type(exc).__name__, "error": str(exc)}
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "two_hosts":
+        two_hosts(sys.argv[2])
+    else:
+        raise SystemExit(f"unknown body {sys.argv[1]!r}")
