@@ -128,6 +128,16 @@ def test_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert report["machine"]["cores"] and report["python_overhead"]["bf16"]["calls"] > 0
     assert (out / "bench.png").stat().st_size > 1000
     assert "torch median / this median" in (out / "bench.txt").read_text()
+    # the memory floor: bytes each row must move, at the copy rate measured in the same run
+    for r in report["results"]:
+        size = r["tokens"] * 256 * 2
+        if r["backend"] == "torch":
+            assert "x_floor" not in r
+            continue
+        expected = {"shm": 5, "shm-inplace": 5, "shm-slot": 4}[r["backend"]] * size
+        assert r["moved_bytes"] == expected and r["copy_gib_s"] > 0
+        assert r["x_floor"] == pytest.approx(r["median_us"] / r["floor_us"])
+    assert "shm-inplace / floor" in (out / "bench.txt").read_text()
 
 
 def test_explain_shows_unknown_facts_of_a_topology_file(tmp_path: Path) -> None:

@@ -211,10 +211,17 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
             workspace: Any = None if comm is None else comm.workspace
             trial = 0 if workspace is None else workspace.copy_trial_calls
             rows = _measure(candidates, opts, WARMUP + trial)
+            size = tokens * opts.hidden * x.element_size()
+            bandwidth = copy_bandwidth(size)
             for backend, times in rows.items():
-                entry = {"dtype": dname, "tokens": tokens, "backend": backend,
-                         "bytes_per_rank": tokens * opts.hidden * x.element_size(),
-                         **_summary(times)}
+                summary = _summary(times)
+                entry: dict[str, Any] = {"dtype": dname, "tokens": tokens, "backend": backend,
+                                         "bytes_per_rank": size, **summary}
+                moved = moved_bytes(backend, size, world)
+                if moved:
+                    floor_us = moved / bandwidth * 1e6
+                    entry.update(moved_bytes=moved, copy_gib_s=bandwidth / 2**30,
+                                 floor_us=floor_us, x_floor=summary["median_us"] / floor_us)
                 if backend.startswith("shm"):
                     entry["mode"] = mode
                 if backend.startswith("deepspeed"):
@@ -239,6 +246,38 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
     if ds is not None and rank == 0:
         _clean_deepspeed_segments()
     return 0
+
+
+def moved_bytes(row: str, size: int, world: int) -> int:
+    """Bytes one rank must read or write for a row's work on ``size`` bytes per rank (0: no
+    floor stated). The fused op: its input into the shared slot (none when the layer wrote it
+    there: ``shm-slot``), every peer's input, the residual in, ``residual_out`` and ``out``.
+    DeepSpeed's all-reduce alone: its input into shared memory, every peer's input, the sum
+    back into the tensor."""
+    peers = (world - 1) * size
+    if row in ("shm", "shm-inplace"):
+        return size + peers + 3 * size
+    if row == "shm-slot":
+        return peers + 3 * size
+    if row == "deepspeed":
+        return size + peers + size
+    return 0
+
+
+def copy_bandwidth(size: int, repeats: int = 64) -> float:
+    """Read + write bytes per second of one core copying ``size`` bytes (the working set of a
+    row of that size), measured now, on this rank's core: the rate every floor divides by."""
+    size = max(size, 4096)
+    src = torch.ones(size, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    for _ in range(4):
+        dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        dst.copy_(src)
+        times.append(time.perf_counter_ns() - start)
+    return 2 * size / (statistics.median(times) * 1e-9)
 
 
 def _all_reduce(dist: Any, tensor: torch.Tensor) -> torch.Tensor:
@@ -369,6 +408,7 @@ def table(report: dict[str, Any]) -> str:
                 cells.append(f" {r['median_us']:>9.1f} / {r['p90_us']:>8.1f} {ratio:>6}")
             lines.append(f"{tokens:>7}" + "".join(cells))
         lines.extend(_versus_deepspeed(rows, report["options"]["tokens"]))
+        lines.extend(_versus_floor(rows, report["options"]["tokens"]))
     for dname, o in report.get("python_overhead", {}).items():
         if o:
             lines.append(f"\npython overhead ({dname}, 1 token): {o['overhead_us']:.2f} us per "
@@ -402,6 +442,24 @@ def _versus_deepspeed(rows: list[dict[str, Any]], tokens: list[int]) -> list[str
         cells = [f" {by[b] / ds[n]:>25.2f}x" if b in by and n in ds else f" {'-':>26}"
                  for b in ours]
         lines.append(f"{n:>7}" + "".join(cells))
+    return lines
+
+
+def _versus_floor(rows: list[dict[str, Any]], tokens: list[int]) -> list[str]:
+    """Each row's median as a multiple of its memory floor (bytes it must move at the copy
+    rate measured in the same run for that working set)."""
+    floored = [b for b in dict.fromkeys(r["backend"] for r in rows)
+               if any(r["backend"] == b and "x_floor" in r for r in rows)]
+    if not floored:
+        return []
+    lines = [f"{'':>7} {'copy GiB/s':>10}" + "".join(f" {b + ' / floor':>22}" for b in floored)]
+    for n in tokens:
+        by = {r["backend"]: r for r in rows if r["tokens"] == n and "x_floor" in r}
+        if not by:
+            continue
+        rate = next(iter(by.values()))["copy_gib_s"]
+        cells = [f" {by[b]['x_floor']:>21.2f}x" if b in by else f" {'-':>22}" for b in floored]
+        lines.append(f"{n:>7} {rate:>10.1f}" + "".join(cells))
     return lines
 
 
