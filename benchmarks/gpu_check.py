@@ -1,0 +1,312 @@
+"""The checks a GPU machine is lent for, in one run (``scripts/gpu_check.sh`` starts it).
+
+Every rank (``torchrun --nproc-per-node N``, or this script's own launcher):
+
+1. detection: this rank's GPU facts (multicast, NVLink peers, fabric, SM) and the group's plan;
+2. with one GPU: FlashInfer's JIT build of its all-reduce modules and the single-rank path;
+3. with two or more: every backend (auto, mnnvl, trtllm, torch) and pattern (plain, RMSNorm,
+   residual + RMSNorm, fp8, fp8_dynamic, nvfp4 where the SM has it) against a float64 reference
+   of the same inputs, and bit-identical bytes on every rank;
+4. CUDA-graph capture of the fused op (given destinations) and replay with new inputs;
+5. a latency table: the fused op against NCCL ``all_reduce`` + add + RMSNorm, medians.
+
+Results go to ``benchmarks/results/gpu-check-<gpu>-<world>.json`` and ``.txt``. ``--device cpu``
+runs the same steps on CPU ranks (gloo, shm) so the script itself can be checked anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arfuse.cli.launch import init_from_env, launch
+
+EPS = 1e-6
+PATTERNS = ("plain", "norm", "residual", "fp8", "fp8_dynamic", "nvfp4")
+TOLERANCE = {"bf16": 8 * 2.0**-8, "fp32": 1e-4}
+
+
+def _digest(*tensors: torch.Tensor | None) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        if t is not None:
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _inputs(rank: int, world: int, tokens: int, hidden: int, dtype: torch.dtype,
+            device: torch.device) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(tokens * 7919 + hidden)
+    xs = [torch.randn(tokens, hidden, generator=gen).to(dtype) for _ in range(world)]
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    return {"xs": xs, "x": xs[rank].to(device), "residual": residual.to(device),
+            "weight": weight.to(device), "residual_cpu": residual, "weight_cpu": weight}
+
+
+def _reference(data: dict[str, Any], pattern: str) -> torch.Tensor:
+    """``out`` of ``pattern`` in float64 (quantised patterns: their ``out`` before quantising)."""
+    total = sum(x.double() for x in data["xs"])
+    if pattern == "plain":
+        return total
+    pre = total if pattern == "norm" else total + data["residual_cpu"].double()
+    return pre * torch.rsqrt(pre.pow(2).mean(-1, keepdim=True) + EPS) * data["weight_cpu"].double()
+
+
+def _call(comm: Any, pattern: str, data: dict[str, Any]) -> Any:
+    kwargs: dict[str, Any] = {}
+    if pattern != "plain":
+        kwargs.update(weight=data["weight"], eps=EPS)
+    if pattern not in ("plain", "norm"):
+        kwargs["residual"] = data["residual"]
+    if pattern == "fp8":
+        kwargs.update(quant="fp8", scale=0.05)
+    elif pattern == "fp8_dynamic":
+        kwargs["quant"] = "fp8_dynamic"
+    elif pattern == "nvfp4":
+        kwargs.update(quant="nvfp4", scale=448.0 * 6.0 / 8.0)
+    return comm(data["x"], **kwargs)
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double().cpu() - want).abs().max() / max(want.abs().max().item(), 1e-30))
+
+
+def _check_backend(rank: int, world: int, backend: str, opts: argparse.Namespace,
+                   device: torch.device, sm: int) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    import arfuse
+
+    rows: list[dict[str, Any]] = []
+    dtype = torch.bfloat16
+    try:
+        comm = arfuse.FusedAllReduce(max_token_num=max(opts.tokens), hidden_dim=opts.hidden,
+                                     dtype=dtype, backend=backend, device=opts.device)
+    except Exception as exc:
+        return [{"backend": backend, "error": f"{type(exc).__name__}: {exc}"}]
+    for pattern in PATTERNS:
+        if pattern == "nvfp4" and opts.device == "cuda" and sm < 100:
+            continue
+        for tokens in opts.tokens:
+            data = _inputs(rank, world, tokens, opts.hidden, dtype, device)
+            row: dict[str, Any] = {"backend": backend, "negotiated": comm.backend,
+                                   "pattern": pattern, "tokens": tokens}
+            try:
+                res = _call(comm, pattern, data)
+                row["err"] = _error(res.out, _reference(data, pattern))
+                digests: list[Any] = [None] * world
+                dist.all_gather_object(digests, _digest(res.out, res.residual_out,
+                                                        res.quant_out, res.scale_out))
+                row["identical"] = len(set(digests)) == 1
+                row["ok"] = row["identical"] and row["err"] <= TOLERANCE["bf16"]
+            except Exception as exc:
+                row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            rows.append(row)
+    comm.close()
+    return rows
+
+
+def _graph_capture(rank: int, world: int, opts: argparse.Namespace,
+                   device: torch.device) -> list[dict[str, Any]]:
+    """Capture the fused op with given destinations, replay with new inputs, compare."""
+    import arfuse
+
+    rows = []
+    tokens = min(opts.tokens[-1], 64)
+    for backend in ("mnnvl", "trtllm"):
+        row: dict[str, Any] = {"backend": backend, "tokens": tokens}
+        try:
+            comm = arfuse.FusedAllReduce(max_token_num=tokens, hidden_dim=opts.hidden,
+                                         dtype=torch.bfloat16, backend=backend, strict=True,
+                                         device="cuda")
+        except Exception as exc:
+            rows.append({**row, "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        data = _inputs(rank, world, tokens, opts.hidden, torch.bfloat16, device)
+        x, residual = data["x"].clone(), data["residual"].clone()
+        out, residual_out = torch.empty_like(x), torch.empty_like(x)
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):  # warm-up outside the graph
+                    comm(x, residual=residual, weight=data["weight"], out=out,
+                         residual_out=residual_out)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                comm(x, residual=residual, weight=data["weight"], out=out,
+                     residual_out=residual_out)
+            x.mul_(2.0)
+            graph.replay()
+            torch.cuda.synchronize()
+            eager = comm(x, residual=residual, weight=data["weight"])
+            row["ok"] = bool(torch.equal(out, eager.out)
+                             and torch.equal(residual_out, eager.residual_out))
+        except Exception as exc:
+            row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        comm.close()
+        rows.append(row)
+    return rows
+
+
+def _latency(rank: int, world: int, opts: argparse.Namespace,
+             device: torch.device) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    import arfuse
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    comm = arfuse.FusedAllReduce(max_token_num=max(opts.tokens), hidden_dim=opts.hidden,
+                                 dtype=torch.bfloat16, device=opts.device)
+    rows = []
+    for tokens in opts.tokens:
+        data = _inputs(rank, world, tokens, opts.hidden, torch.bfloat16, device)
+        x, residual, weight = data["x"], data["residual"], data["weight"]
+
+        def fused(x: torch.Tensor = x, residual: torch.Tensor = residual,
+                  weight: torch.Tensor = weight) -> None:
+            comm(x, residual=residual, weight=weight, eps=EPS)
+
+        def unfused(x: torch.Tensor = x, residual: torch.Tensor = residual,
+                    weight: torch.Tensor = weight) -> None:
+            summed = x.clone()
+            dist.all_reduce(summed)
+            pre = (summed + residual).float()
+            (pre * torch.rsqrt(pre.pow(2).mean(-1, keepdim=True) + EPS)
+             * weight.float()).to(x.dtype)
+
+        times: dict[str, list[float]] = {"fused": [], "unfused": []}
+        for _ in range(5):
+            for name, fn in (("fused", fused), ("unfused", unfused)):
+                for _ in range(3):
+                    fn()
+                sync()
+                for _ in range(opts.steps):
+                    start = time.perf_counter_ns()
+                    fn()
+                    sync()
+                    times[name].append((time.perf_counter_ns() - start) / 1e3)
+        fused_us, unfused_us = (statistics.median(times["fused"]),
+                                statistics.median(times["unfused"]))
+        rows.append({"tokens": tokens, "backend": comm.backend, "fused_us": fused_us,
+                     "unfused_us": unfused_us, "speedup": unfused_us / fused_us})
+    comm.close()
+    return rows
+
+
+def body(rank: int, world: int, opts: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from arfuse import topology
+    from arfuse.cli.launch import pin_to_core
+
+    init_from_env(opts.device)
+    if opts.device == "cpu":
+        pin_to_core(rank, world)
+    device = (torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda"
+              else torch.device("cpu"))
+    report: dict[str, Any] = {"world": world, "device": opts.device}
+    facts = topology.local_facts(opts.device)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, {k: v for k, v in vars(facts).items() if k != "extra"})
+    report["facts"] = every
+    sm = facts.sm or 0
+    steps: list[tuple[str, Any]] = []
+    if world == 1 and opts.device == "cuda":
+        steps.append(("jit_build", lambda: _jit_build()))
+    backends = ("auto", "mnnvl", "trtllm", "torch") if opts.device == "cuda" else ("auto",
+                                                                                   "torch")
+    for backend in backends:
+        steps.append((f"backend:{backend}",
+                      lambda b=backend: _check_backend(rank, world, b, opts, device, sm)))
+    if opts.device == "cuda" and world > 1:
+        steps.append(("cuda_graph", lambda: _graph_capture(rank, world, opts, device)))
+    steps.append(("latency", lambda: _latency(rank, world, opts, device)))
+    for name, step in steps:
+        started = time.monotonic()
+        try:
+            report[name] = step()
+        except Exception:
+            report[name] = {"error": traceback.format_exc()[-1500:]}
+        if rank == 0:
+            print(f"gpu_check: {name} done in {time.monotonic() - started:.1f} s", flush=True)
+    if rank == 0:
+        _write(report, Path(opts.out), facts.gpu or opts.device)
+    dist.barrier()
+    return 0
+
+
+def _jit_build() -> dict[str, Any]:
+    """FlashInfer's all-reduce modules, compiled (or loaded) now, with their build times."""
+    import importlib
+
+    built: dict[str, Any] = {}
+    for module, getter in (("flashinfer.comm.trtllm_ar", "get_trtllm_comm_module"),
+                           ("flashinfer.comm.trtllm_mnnvl_ar", "get_trtllm_mnnvl_comm_module")):
+        started = time.monotonic()
+        try:
+            getattr(importlib.import_module(module), getter)()
+            built[module] = {"ok": True, "seconds": time.monotonic() - started}
+        except Exception as exc:
+            built[module] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    return built
+
+
+def _write(report: dict[str, Any], out: Path, gpu: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"gpu-check-{gpu.replace(' ', '_')}-{report['world']}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2, default=str))
+    lines = [f"gpu_check: {report['world']} rank(s) on {report['device']} ({gpu})"]
+    for key, value in report.items():
+        if key.startswith("backend:") and isinstance(value, list):
+            bad = [r for r in value if not r.get("ok")]
+            lines.append(f"{key}: {len(value) - len(bad)}/{len(value)} ok"
+                         + (f"; first failure: {bad[0]}" if bad else ""))
+    for row in report.get("cuda_graph", []) if isinstance(report.get("cuda_graph"), list) else []:
+        lines.append(f"cuda graph {row['backend']}: {'ok' if row.get('ok') else row}")
+    if isinstance(report.get("latency"), list):
+        lines.append(f"{'tokens':>7} {'backend':>8} {'fused us':>10} {'NCCL+norm us':>13} "
+                     f"{'speedup':>8}")
+        for r in report["latency"]:
+            lines.append(f"{r['tokens']:>7} {r['backend']:>8} {r['fused_us']:>10.1f} "
+                         f"{r['unfused_us']:>13.1f} {r['speedup']:>7.2f}x")
+    text = "\n".join(lines)
+    (out / f"{stem}.txt").write_text(text + "\n")
+    print(text, flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks when not under torchrun (default: every GPU, or 2 on CPU)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tokens", default="1,8,64,512")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", default="benchmarks/results")
+    opts = parser.parse_args()
+    opts.tokens = [int(t) for t in opts.tokens.split(",")]
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (use --device cpu to check the script itself)",
+              file=sys.stderr)
+        return 2
+    world = opts.world_size or (torch.cuda.device_count() if opts.device == "cuda" else 2)
+    return launch(body, world, opts, timeout_s=420)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
