@@ -139,8 +139,10 @@ def test_rank0_exiting_in_creation_is_named_by_the_survivor() -> None:
     results = run_ranks(dw.create_then_report, 2, env=env, timeout=60, expect=1)
     survivor = results[1].value
     assert survivor is not None, results
-    assert "phase 'shm-name'" in survivor["error"] and "backend shm" in survivor["error"]
-    assert "rank 0" in survivor["error"], survivor
+    # rank 0 may die while rank 1 still reads the facts exchange, or in the shm exchange
+    assert ("phase 'shm-name'" in survivor["error"] and "backend shm" in survivor["error"]) \
+        or "phase 'facts'" in survivor["error"], survivor
+    assert "store stopped answering" in survivor["error"] and "rank 0" in survivor["error"]
 
 
 # --- item 11: in place on a tensor that requires grad: refused everywhere ---

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ...catalog import BackendDescriptor, Footprint
 from ...sizing import ceil_div
-from ...spec import SCALED_QUANTS, Spec
+from ...spec import QUANTS, Spec
 from ...topology import Topology
 from .layout import MAX_TOKENS, MAX_WORLD, ShmLayout
 
@@ -38,5 +38,5 @@ def footprint(world_size: int, spec: Spec, topology: Topology) -> Footprint:
 DESCRIPTORS = (BackendDescriptor(
     name="shm", fused=True, devices=("cpu",), auto_rank=0,
     implementation="arfuse.backends.shm.workspace:ShmBackend",
-    blocker=blocker, fuses_quant=lambda topology, spec: spec.quant in SCALED_QUANTS,
+    blocker=blocker, fuses_quant=lambda topology, spec: spec.quant in QUANTS,
     footprint=footprint),)

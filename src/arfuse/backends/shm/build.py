@@ -2,9 +2,16 @@
 
 The kernel is ``csrc/*.cpp`` plus the headers they include (``csrc/*.h``). The build directory
 is keyed by a hash of every one of those files, the compiler flags, torch's version, Python's
-extension suffix and the CPU's instruction-set flags, so an edit, an upgrade or another machine
-never loads a stale binary. No compiler (or a failed build) is not an error: the shm backend
-then runs its pure-torch path, which ``arfuse doctor`` reports and the log says once.
+extension suffix, the CPU's instruction-set flags and the instruction set built for, so an
+edit, an upgrade or another machine never loads a stale binary. No compiler (or a failed
+build) is not an error: the shm backend then runs its pure-torch path, which ``arfuse doctor``
+reports and the log says once.
+
+Instruction sets (``csrc/vec.h`` picks the vector header from the compiler's target): the best
+this CPU has of ``avx512`` (AVX-512 F/BW/VL/DQ, with AVX512_BF16 when present), ``avx2`` (with
+F16C and FMA when present) and ``scalar`` (no vector code), or the one ``ARFUSE_SHM_ISA`` names
+(also ``avx512-nobf16``: AVX-512 without AVX512_BF16; tests build every path the machine has;
+one that it lacks is refused, not built). Every path gives the same bytes.
 
 The cache is private: its directory is created with mode 0700, and a cache directory, build
 directory or binary that another user owns, or that group or others may write, is never
@@ -46,14 +53,48 @@ def kernel_files() -> list[Path]:
     return sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
 
 
-def compile_flags() -> list[str]:
-    """-O3, no FP contraction (results must not depend on FMA), the ISA the CPU has, and
-    hidden symbols (only the module's entry point is exported, as pybind11 advises)."""
+# best first; avx512-nobf16 is avx512 without AVX512_BF16's conversion, as on CPUs that lack
+# it (Skylake-X, Ice Lake): the tests build it to check that path where the CPU has BF16
+ISAS = ("avx512", "avx512-nobf16", "avx2", "scalar")
+# what each needs of /proc/cpuinfo's flags, and what it uses where the CPU has it
+_AVX512 = ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq")
+_ISA_NEEDS = {"avx512": _AVX512, "avx512-nobf16": _AVX512, "avx2": ("avx2",), "scalar": ()}
+_ISA_OPTIONS = {"avx2": "-mavx2", "f16c": "-mf16c", "fma": "-mfma", "avx512f": "-mavx512f",
+                "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
+                "avx512dq": "-mavx512dq", "avx512_bf16": "-mavx512bf16"}
+_ISA_USES = {"avx512": (*_AVX512, "fma", "avx512_bf16"), "avx512-nobf16": (*_AVX512, "fma"),
+             "avx2": ("avx2", "f16c", "fma"), "scalar": ()}
+
+
+def host_isas() -> list[str]:
+    """The instruction sets this CPU can run the kernel in, best first."""
+    cpu = cpu_flags()
+    return [isa for isa in ISAS if all(flag in cpu for flag in _ISA_NEEDS[isa])]
+
+
+def isa_problem(isa: str) -> str:
+    """Why the kernel cannot be built for ``isa`` here ("" when it can)."""
+    if isa not in ISAS:
+        return f"ARFUSE_SHM_ISA={isa!r} is not one of {', '.join(ISAS)}"
+    missing = [flag for flag in _ISA_NEEDS[isa] if flag not in cpu_flags()]
+    if missing:
+        return f"ARFUSE_SHM_ISA={isa}: this CPU lacks {' '.join(missing)}"
+    return ""
+
+
+def target_isa() -> str:
+    """``ARFUSE_SHM_ISA`` when set, else the best instruction set this CPU has."""
+    return os.environ.get("ARFUSE_SHM_ISA", "").strip().lower() or host_isas()[0]
+
+
+def compile_flags(isa: str | None = None) -> list[str]:
+    """-O3, no FP contraction (results must not depend on FMA), the -m options of ``isa``
+    (``target_isa()`` by default) that the CPU has, and hidden symbols (only the module's entry
+    point is exported, as pybind11 advises)."""
+    isa = target_isa() if isa is None else isa
     flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-fvisibility=hidden"]
     cpu = cpu_flags()
-    for flag, option in (("avx2", "-mavx2"), ("f16c", "-mf16c"), ("fma", "-mfma")):
-        if flag in cpu:
-            flags.append(option)
+    flags.extend(_ISA_OPTIONS[flag] for flag in _ISA_USES.get(isa, ()) if flag in cpu)
     return flags
 
 
@@ -72,6 +113,7 @@ def build_key() -> str:
     for path in kernel_files():  # a header edit must rebuild as much as a source edit
         digest.update(path.name.encode() + b"\0")
         digest.update(path.read_bytes())
+    digest.update(target_isa().encode() + b"\0")
     digest.update(" ".join(compile_flags()).encode())
     digest.update(torch.__version__.encode())
     digest.update(str(sysconfig.get_config_var("EXT_SUFFIX")).encode())
@@ -131,8 +173,10 @@ def _register_fake() -> None:
         if weight is not None:
             result.append(residual_out if residual_out is not None
                           else x.new_empty((tokens, hidden)))
-        if quant == 1:
+        if quant in (1, 4):
             result.append(x.new_empty((tokens, hidden), dtype=torch.float8_e4m3fn))
+            if quant == 4:  # fp8_dynamic: a float32 scale per token
+                result.append(x.new_empty((tokens, 1), dtype=torch.float32))
         elif quant == 2:
             cols = hidden // 16
             result.append(x.new_empty((tokens, hidden // 2), dtype=torch.uint8))
@@ -222,6 +266,9 @@ def _build() -> tuple[ModuleType | None, str]:
         return None, "ARFUSE_SHM_PURE_TORCH=1"
     if compiler() is None:
         return None, "no C++ compiler found (install g++ or set CXX)"
+    problem = isa_problem(target_isa())
+    if problem:  # a binary for an instruction set the CPU lacks would die of SIGILL
+        return None, problem
     try:
         from torch.utils import cpp_extension
     except ImportError as exc:  # pragma: no cover - torch without cpp_extension

@@ -4,10 +4,11 @@ numbers; tests/test_shm_kernel_contract.py checks that the two agree).
 Header page: line 0 unused, then per rank one line each of process identity, arrival flag and
 done flag, then the copy-mode votes. A rank's arrival line holds its flag (int64 at byte 0) and,
 beside it, the descriptor of its current call, one per call parity (R11: every rank compares
-every descriptor before it waits for any block). Then, per rank and per buffer
-(double-buffered, so no trailing barrier), an input slot of ``max_tokens`` rows and a result
-slot for the sums of the rows that rank owns in two-shot mode (``ceil(max_tokens / world)``
-rows).
+every descriptor before it waits for any block), the count of ranks asleep on the flag (futex
+waits; the done line has one at the same offset) and the CPU the rank last started a call on.
+Then, per rank and per buffer (double-buffered, so no trailing barrier), an input slot of
+``max_tokens`` rows and a result slot for the sums of the rows that rank owns in two-shot mode
+(``ceil(max_tokens / world)`` rows).
 """
 
 from __future__ import annotations
@@ -35,8 +36,13 @@ DESC_OFFSET = 8                                       # bytes into the arrival l
 DESC_BYTES = 16                                       # per parity
 DESC_TOKENS_SHIFT = 0                                 # 32 bits
 DESC_PATTERN_SHIFT = 32                               # 2 bits: PATTERN_*
-DESC_QUANT_SHIFT = 34                                 # 2 bits: 0 none, 1 fp8, 2 nvfp4, 3 other
+DESC_QUANT_SHIFT = 34                                 # 2 bits: the quant code's low bits
 DESC_LAYOUT_SHIFT = 36                                # 1 bit: NVFP4 scales swizzled
+DESC_QUANT_HIGH_SHIFT = 37                            # 1 bit: the quant code's bit 2
+# quant codes: 0 none, 1 fp8, 2 nvfp4, 3 other (announce: a quant the kernel does not run),
+# 4 fp8_dynamic
+WAITERS_OFFSET = 40                                   # into a flag's line: int32, ranks asleep
+CPU_OFFSET = 44                                       # into an arrival line: int32, its CPU
 DESC_DTYPE_SHIFT = 40                                 # 2 bits: the dtype's kernel code
 PATTERN_PLAIN = 0                                     # all-reduce only
 PATTERN_NORM = 1                                      # + RMSNorm
@@ -44,7 +50,7 @@ PATTERN_NORM_RESIDUAL = 2                             # + residual + RMSNorm
 
 _DTYPE_NAMES = ("bf16", "fp16", "fp32")
 _PATTERN_NAMES = ("plain", "norm", "norm+residual")
-_QUANT_NAMES = ("none", "fp8", "nvfp4", "other")
+_QUANT_NAMES = ("none", "fp8", "nvfp4", "other", "fp8_dynamic")
 _FIELDS = ("tokens", "dtype", "hidden", "pattern", "quant", "layout")
 
 
@@ -53,14 +59,15 @@ def descriptor(tokens: int, dtype_code: int, hidden: int, pattern: int, quant_co
     """The two words a rank publishes for a call (the kernel's ``descriptor_word``)."""
     layout_bit = 1 if quant_code == 2 and swizzled else 0
     word0 = (min(tokens, 0xFFFFFFFF) << DESC_TOKENS_SHIFT | pattern << DESC_PATTERN_SHIFT
-             | quant_code << DESC_QUANT_SHIFT | layout_bit << DESC_LAYOUT_SHIFT
-             | dtype_code << DESC_DTYPE_SHIFT)
+             | (quant_code & 3) << DESC_QUANT_SHIFT | (quant_code >> 2) << DESC_QUANT_HIGH_SHIFT
+             | layout_bit << DESC_LAYOUT_SHIFT | dtype_code << DESC_DTYPE_SHIFT)
     return word0, hidden
 
 
 def _fields(word0: int, word1: int) -> tuple[int, ...]:
     return ((word0 >> DESC_TOKENS_SHIFT) & 0xFFFFFFFF, (word0 >> DESC_DTYPE_SHIFT) & 3, word1,
-            (word0 >> DESC_PATTERN_SHIFT) & 3, (word0 >> DESC_QUANT_SHIFT) & 3,
+            (word0 >> DESC_PATTERN_SHIFT) & 3,
+            ((word0 >> DESC_QUANT_SHIFT) & 3) | (((word0 >> DESC_QUANT_HIGH_SHIFT) & 1) << 2),
             (word0 >> DESC_LAYOUT_SHIFT) & 1)
 
 

@@ -57,22 +57,25 @@ from .layout import (
 SHM_DIR = Path(os.environ.get("ARFUSE_SHM_DIR", "/dev/shm"))
 PREFIX = "arfuse-"
 # One-shot (every rank reduces and finishes every row, block by block while it is in cache) up
-# to this many bytes per rank; two-shot (each rank sums a block of rows, every rank finishes
-# every row from those sums) above. Measured with benchmarks/shm_threshold.py
-# (benchmarks/results/shm_threshold-*.json) on the 2-core dev machine with two ranks: up to
-# 32 KiB the two are even (within +-10%, either way); from 64 KiB to 1 MiB two-shot takes
-# 0.73-0.98x the time in both dtypes and both vCPU placements; above, two-shot takes
-# 0.90-1.17x, either way from run to run. With more ranks, one-shot makes every rank read every
-# other rank's input (W - 1 inputs) while two-shot moves under two inputs' worth, so the
-# crossover can only move down; the two-rank value is used for them too (not measured: the dev
-# machine has two cores).
-ONESHOT_MAX_BYTES = 32 * 1024
+# to this many bytes per rank; two-shot (each rank sums a block of rows and finishes it in the
+# same pass, every rank finishes the other blocks from their owners' sums) above. One-shot makes
+# every rank read every peer's whole input across cores and run the epilogue on every row;
+# two-shot halves both (two ranks) for one more meeting. Measured (benchmarks/shm_threshold.py,
+# two ranks, hidden 4096) on the 2-core dev machine (Zen 3, AVX2) with the older two-shot, which
+# summed in a pass of its own: up to 32 KiB the two were even (within +-10%, either way), from
+# 64 KiB to 1 MiB two-shot took 0.73-0.98x the time, above 0.90-1.17x. With the fused two-shot,
+# on a 2-core Xeon (AVX-512; avx512 and avx2 builds): two-shot takes 0.45-0.91x the time of
+# one-shot from 2 tokens (16 KiB bf16, 32 KiB fp32) up, hence 8 KiB: one-shot for single rows
+# of the usual hidden sizes and for calls too small for the extra meeting to pay. With more
+# ranks the crossover can only move down; the two-rank value is used for them too.
+ONESHOT_MAX_BYTES = 8 * 1024
 
 
 COPY_MODES = ("auto", "cached", "streaming")  # the kernel's codes are the indices
 
 
-_QUANT_CODE = {None: 0, "fp8": 1, "nvfp4": 2}
+# the kernel's quant codes (3: a quantisation it does not run, in an announced call)
+_QUANT_CODE = {None: 0, "fp8": 1, "nvfp4": 2, "fp8_dynamic": 4}
 
 
 def process_identity(pid: int | None = None) -> tuple[int, int]:
@@ -253,10 +256,11 @@ class ShmWorkspace(Workspace):
                 out, residual_out)
 
         ``residual``, ``weight``, ``out``, ``residual_out``: tensors or ``None``, with the
-        rules of ``FusedAllReduce.__call__``; ``quant``: 0 none, 1 fp8, 2 nvfp4 (``scale`` as
-        there, any number without quant); ``swizzled``: NVFP4 scales in the
-        ``swizzled_128x4`` layout, else ``linear``. Returns ``[out]``, then ``residual_out``
-        when ``weight`` is given, ``quant_out`` with quant, ``scale_out`` with nvfp4. Bad
+        rules of ``FusedAllReduce.__call__``; ``quant``: 0 none, 1 fp8, 2 nvfp4, 4 fp8_dynamic
+        (``scale`` as there, any number without quant or with fp8_dynamic); ``swizzled``:
+        NVFP4 scales in the ``swizzled_128x4`` layout, else ``linear``. Returns ``[out]``, then
+        ``residual_out`` when ``weight`` is given, ``quant_out`` with quant, ``scale_out``
+        with nvfp4 and fp8_dynamic (float32 ``[tokens, 1]``). Bad
         arguments raise ``ValueError``; a failed call ``CallTimeout``, ``MismatchedCall`` or
         ``WorkspaceBroken``, as the op does. The operator has a fake (meta) implementation,
         so ``torch.compile`` traces it (backend ``eager``); backends that functionalize

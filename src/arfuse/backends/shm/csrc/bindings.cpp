@@ -83,12 +83,13 @@ Numbers numbers_of(double eps, double weight_bias, int64_t quant, double scale, 
   n.quant = int(quant);
   n.scale = scale;
   n.swizzled = swizzled;
-  if (quant < kNone || quant > kNVFP4) n.quant = -1;  // run() refuses it
+  if (quant < kNone || quant > kFP8Dynamic || quant == kQuantOther) n.quant = -1;  // refused
   return n;
 }
 
 // torch.ops.arfuse.shm_fused_allreduce: [out] (+ [residual_out] with weight) (+ [quant_out]
-// with quant) (+ [scale_out] with nvfp4); see ShmWorkspace.handle in workspace.py.
+// with quant) (+ [scale_out] with nvfp4 and fp8_dynamic); see ShmWorkspace.handle in
+// workspace.py.
 std::vector<at::Tensor> op_fused_allreduce(
     int64_t handle, const at::Tensor& x, const std::optional<at::Tensor>& residual,
     const std::optional<at::Tensor>& weight, double eps, double weight_bias, int64_t quant,
@@ -107,7 +108,7 @@ std::vector<at::Tensor> op_fused_allreduce(
   std::vector<at::Tensor> list{r[0]};
   if (weight) list.push_back(r[1]);
   if (quant != kNone) list.push_back(r[2]);
-  if (quant == kNVFP4) list.push_back(r[3]);
+  if (quant == kNVFP4 || quant == kFP8Dynamic) list.push_back(r[3]);
   return list;
 }
 
@@ -161,6 +162,9 @@ py::dict layout_constants() {
   d["DESC_PATTERN_SHIFT"] = layout::kDescPatternShift;
   d["DESC_QUANT_SHIFT"] = layout::kDescQuantShift;
   d["DESC_LAYOUT_SHIFT"] = layout::kDescLayoutShift;
+  d["DESC_QUANT_HIGH_SHIFT"] = layout::kDescQuantHighShift;
+  d["WAITERS_OFFSET"] = layout::kWaitersOffset;
+  d["CPU_OFFSET"] = layout::kCpuOffset;
   d["DESC_DTYPE_SHIFT"] = layout::kDescDtypeShift;
   d["PATTERN_PLAIN"] = layout::kPatternPlain;
   d["PATTERN_NORM"] = layout::kPatternNorm;
@@ -210,6 +214,30 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize(const at::Tensor& x, double gs
   if (x.scalar_type() == at::kBFloat16) nvfp4_rows<kBF16>(x, gs, vector, q, s);
   else nvfp4_rows<kFP16>(x, gs, vector, q, s);
   return {q, s};
+}
+
+// Test hook: a float32 tensor rounded to dtype (0 bf16, 1 fp16) by the vector code of this
+// build (vector=True; ValueError where it has none) or by the scalar code of conversions.h.
+template <int D>
+void convert_rows(const float* src, int64_t n, bool vector, typename Elem<D>::T* dst) {
+  int64_t h = 0;
+  if (vector) {
+    TORCH_CHECK_VALUE(isa::Has<D>::value, "round_to: no vector form for this dtype here");
+    h = isa::convert_row<D>(src, n, dst);
+  }
+  for (; h < n; ++h) dst[h] = Elem<D>::store(src[h]);
+}
+
+at::Tensor round_to(const at::Tensor& x, int64_t dtype, bool vector) {
+  TORCH_CHECK_VALUE(x.dim() == 1 && x.is_cpu() && x.is_contiguous() &&
+                        x.scalar_type() == at::kFloat && (dtype == kBF16 || dtype == kFP16),
+                    "round_to: x must be a contiguous 1-D CPU float32 tensor, dtype 0 or 1");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(dtype == kBF16 ? at::kBFloat16
+                                                                            : at::kHalf));
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  if (dtype == kBF16) convert_rows<kBF16>(x.data_ptr<float>(), x.size(0), vector, dst);
+  else convert_rows<kFP16>(x.data_ptr<float>(), x.size(0), vector, dst);
+  return out;
 }
 
 void bind_comm(py::module_& m) {
@@ -267,5 +295,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("describe_descriptor", &describe_descriptor);
   m.def("mismatch_message", &mismatch_message);
   m.def("nvfp4_quantize", &nvfp4_quantize);
+  m.def("round_to", &round_to);
   bind_comm(m);
 }

@@ -113,6 +113,9 @@ ShmComm::ShmComm(int64_t base, int64_t world, int64_t rank, int64_t max_tokens, 
       layout::round_up(header_bytes + world * layout::kBuffers * slot_bytes, layout::kPage);
   waiter_.seg = &seg_;
   waiter_.timeout_s = timeout_s;
+#if defined(__linux__)
+  seg_.cpu(seg_.rank)->store(sched_getcpu(), std::memory_order_relaxed);  // before any call
+#endif
   waiter_.pids.assign(size_t(world), 0);
   waiter_.starts.assign(size_t(world), 0);
   scratch_.resize(size_t(hidden_));
@@ -189,7 +192,9 @@ const char* ShmComm::numbers_problem(bool norm, const Numbers& n) const {
   if (norm && !(std::fabs(n.weight_bias) <= kFp32Max)) {
     return "weight_bias must be finite in float32 (|weight_bias| <= 3.4e38)";
   }
-  if (n.quant < kNone || n.quant > kNVFP4) return "quant must be 0 (none), 1 (fp8) or 2 (nvfp4)";
+  if (n.quant < kNone || n.quant > kFP8Dynamic || n.quant == kQuantOther) {
+    return "quant must be 0 (none), 1 (fp8), 2 (nvfp4) or 4 (fp8_dynamic)";
+  }
   if (n.quant == kFP8 && !(n.scale >= kFp8ScaleMin && n.scale <= kFp32Max)) {
     return "an fp8 scale must be in [2.9e-39, 3.4e38] (its float32 reciprocal finite)";
   }
@@ -273,9 +278,11 @@ bool ShmComm::take_numbers(bool norm, py::handle eps, py::handle weight_bias, py
     if (!PyUnicode_Check(quant.ptr())) return false;
     if (is_ascii(quant, "fp8")) n->quant = kFP8;
     else if (is_ascii(quant, "nvfp4")) n->quant = kNVFP4;
+    else if (is_ascii(quant, "fp8_dynamic")) n->quant = kFP8Dynamic;
     else if (!is_ascii(quant, "none")) return false;
   }
   if (n->quant == kNone) return true;
+  if (n->quant == kFP8Dynamic) return scale.is_none();  // it computes its scales
   if (!plain_number(scale, &n->scale)) return false;
   if (n->quant == kNVFP4) {
     if (!PyUnicode_Check(layout.ptr())) return false;
@@ -354,8 +361,9 @@ void ShmComm::remember_failure(const ShmError& e) {
 void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t quant, bool swizzled) {
   if (!broken_.empty()) throw_broken();
   TORCH_CHECK_VALUE(tokens >= 0 && pattern >= layout::kPatternPlain &&
-                        pattern <= layout::kPatternNormResidual && quant >= kNone && quant <= 3,
-                    "arfuse shm: announce needs tokens >= 0, pattern 0..2 and quant 0..3");
+                        pattern <= layout::kPatternNormResidual && quant >= kNone &&
+                        quant <= kFP8Dynamic,
+                    "arfuse shm: announce needs tokens >= 0, pattern 0..2 and quant 0..4");
   const int64_t word0 = descriptor_word(tokens, pattern, quant, swizzled, dtype_);
   py::gil_scoped_release no_gil;
   try {
@@ -414,9 +422,13 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
     residual_out = t.residual_out ? *t.residual_out : output({tokens, hidden_}, x.options());
     c.residual_out = residual_out.data_ptr();
   }
-  if (n.quant == kFP8) {
+  if (n.quant == kFP8 || n.quant == kFP8Dynamic) {
     quant_out = output({tokens, hidden_}, x.options().dtype(at::kFloat8_e4m3fn));
     c.quant_out = reinterpret_cast<uint8_t*>(quant_out.data_ptr());
+    if (n.quant == kFP8Dynamic) {
+      scale_out = output({tokens, 1}, x.options().dtype(at::kFloat));
+      c.scale_out = reinterpret_cast<uint8_t*>(scale_out.data_ptr());
+    }
   } else if (n.quant == kNVFP4) {
     const int64_t cols = hidden_ / 16;
     quant_out = output({tokens, hidden_ / 2}, x.options().dtype(at::kByte));

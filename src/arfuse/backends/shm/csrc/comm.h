@@ -46,8 +46,8 @@ struct Tensors {  // the tensors of one call (nullptr: not given)
 };
 
 struct Numbers {  // the scalars of one call
-  double eps = 1e-6, weight_bias = 0.0, scale = 0.0;
-  int quant = kNone;
+  double eps = 1e-6, weight_bias = 0.0, scale = 0.0;  // scale: unused by fp8_dynamic
+  int quant = kNone;  // kNone, kFP8, kNVFP4 or kFP8Dynamic
   bool swizzled = true;
 };
 
@@ -95,7 +95,7 @@ class ShmComm {
   // Meet the group with the descriptor of a call this rank runs elsewhere (over capacity, on
   // the unfused backend): a group whose calls differ raises MismatchedCall here, on every
   // rank, instead of waiting in two backends. pattern: layout::kPattern*; quant: 0 none,
-  // 1 fp8, 2 nvfp4, 3 a quantisation the kernel does not run.
+  // 1 fp8, 2 nvfp4, 3 a quantisation the kernel does not run, 4 fp8_dynamic.
   void announce(int64_t tokens, int64_t pattern, int64_t quant, bool swizzled);
 
   // Seconds the last call spent in the kernel proper (outputs, exchange, epilogue), once

@@ -10,11 +10,42 @@
 namespace arfuse {
 
 enum DType { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
-enum Quant { kNone = 0, kFP8 = 1, kNVFP4 = 2 };
+// Quantisation codes (the descriptor's and the torch operator's): 3 names a quantisation the
+// kernel does not run (announce only).
+enum Quant { kNone = 0, kFP8 = 1, kNVFP4 = 2, kQuantOther = 3, kFP8Dynamic = 4 };
+// fp8_dynamic's smallest scale: the fp32 value of the double 1 / (512 * 448), as
+// torch.tensor(1 / (512 * 448), dtype=float32) gives it (quant.FP8_DYNAMIC_MIN_SCALE).
+constexpr float kFp8DynamicMinScale = float(1.0 / (512.0 * 448.0));
 constexpr int kLanes = 8;  // the sum of squares is added up in 8 lanes, lane = h % 8
 
 inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+// NaN propagation, made independent of the compiler: C++ leaves open which NaN an operation
+// with two NaN operands returns, and compilers swap the operands of + and * freely (to fold a
+// load, say), so the bytes of a NaN could differ between builds. The kernel's rule is the x86
+// one, stated in the documented operand order: the first operand if it is a NaN, else the
+// second, made quiet; a NaN from numbers (inf - inf, 0 * inf) is the machine's default NaN.
+// The scalar forms apply it explicitly; the vector forms (vec_*.h) issue the instruction with
+// the operands in that order (inline asm), which is how x86 computes it.
+inline float quiet_nan(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u |= 0x400000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+inline float nan_rule(float a, float b, float made) {
+  return std::isnan(a) ? quiet_nan(a) : std::isnan(b) ? quiet_nan(b) : made;
+}
+inline float add_o(float a, float b) {
+  const float r = a + b;
+  return r == r ? r : nan_rule(a, b, r);
+}
+inline float mul_o(float a, float b) {
+  const float r = a * b;
+  return r == r ? r : nan_rule(a, b, r);
+}
 
 inline float bf16_to_f32(uint16_t v) { return float_of(uint32_t(v) << 16); }
 
@@ -34,7 +65,9 @@ inline float fp16_to_f32(uint16_t h) {
     float v = std::ldexp(float(mant), -24);  // subnormal: exact in fp32
     return sign ? -v : v;
   }
-  if (exp == 31) return float_of(sign | 0x7f800000u | (mant << 13));
+  if (exp == 31) {  // infinity; a NaN made quiet, as vcvtph2ps (and torch's vector path) do
+    return float_of(sign | 0x7f800000u | (mant ? 0x400000u : 0u) | (mant << 13));
+  }
   return float_of(sign | ((exp + 112u) << 23) | (mant << 13));
 }
 
@@ -42,7 +75,9 @@ inline uint16_t f32_to_fp16(float f) {
   uint32_t u = bits_of(f);
   uint16_t sign = uint16_t((u >> 16) & 0x8000u);
   uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);           // NaN
+  if (a > 0x7f800000u) {  // NaN: quiet, the top of its payload kept, as vcvtps2ph (and torch)
+    return uint16_t(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+  }
   if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);          // rounds to inf
   if (a < 0x38800000u) {                                          // fp16 subnormal or zero
     float v = float_of(a) * 16777216.0f;                          // * 2^24, exact

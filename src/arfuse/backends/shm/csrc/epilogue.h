@@ -5,6 +5,9 @@
 //   r = f32(residual_out); ss = sum of r*r in 8 interleaved lanes combined in a fixed order;
 //   inv = 1 / sqrt(ss / H + eps); out = T((r * inv) * (weight_bias + f32(w)));
 //   fp8:   q = e4m3_satfinite_rne(f32(out) * (1 / scale))
+//   fp8_dynamic: per row: amax = max |f32(out)| ignoring NaN (fmaxf);
+//          scale = max(amax / 448, f32(1 / (512 * 448))); q = e4m3_satfinite_rne(f32(out) / scale)
+//          (an IEEE division); scale_out[row] = scale (float32)
 //   nvfp4: per 16: amax = max |v| ignoring NaN (NaN when all 16 are NaN);
 //          sf = e4m3(gs * (amax * f32(1/6))); es = sf != 0 ? gs / sf : 0;
 //          q = e2m1_rne_satfinite(f32(out) * es), a NaN giving 0x7 (+6)
@@ -12,9 +15,10 @@
 // block amax is taken with __hmax2/__hmax, which return the other operand for a NaN, and the
 // codes with cvt.rn.satfinite.e2m1x2.f32, which turns a NaN into +MAX_NORM (cuda_fp4.hpp).
 // The vector forms (vec.h) and the scalar loops here compute the same values in the same
-// order (lane = h % 8).
+// order (lane = h % 8), a NaN included (add_o, mul_o in conversions.h).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -78,6 +82,15 @@ void quantize_row(const typename Elem<D>::T* out, const Call& c, int64_t row) {
     uint8_t* dst = c.quant_out + row * H;
     int64_t h = isa::fp8_row<D>(out, inv_scale, H, dst);
     for (; h < H; ++h) dst[h] = f32_to_e4m3(Elem<D>::load(out[h]) * inv_scale);
+  } else if (c.quant == kFP8Dynamic) {
+    float amax = 0.0f;
+    int64_t h = isa::amax_row<D>(out, H, &amax);
+    for (; h < H; ++h) amax = std::fmax(amax, std::fabs(Elem<D>::load(out[h])));
+    const float scale = std::max(amax / 448.0f, kFp8DynamicMinScale);
+    reinterpret_cast<float*>(c.scale_out)[row] = scale;
+    uint8_t* dst = c.quant_out + row * H;
+    h = isa::fp8_div_row<D>(out, scale, H, dst);
+    for (; h < H; ++h) dst[h] = f32_to_e4m3(Elem<D>::load(out[h]) / scale);
   } else if (c.quant == kNVFP4) {
     const int64_t cols = H / 16;
     uint8_t* dst = c.quant_out + row * (H / 2);
@@ -96,22 +109,46 @@ template <int D>
 void norm_row(const Call& c, float* lanes, typename Elem<D>::T* out,
               const typename Elem<D>::T* residual_out) {
   const int64_t H = c.hidden;
-  const float ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-                   ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  const float ss = add_o(add_o(add_o(lanes[0], lanes[1]), add_o(lanes[2], lanes[3])),
+                         add_o(add_o(lanes[4], lanes[5]), add_o(lanes[6], lanes[7])));
   const float inv = 1.0f / std::sqrt(ss / float(H) + c.eps);
   int64_t k = isa::row_scale<D>(residual_out, c.gain, H, inv, out);
   for (; k < H; ++k) {
-    float scaled = Elem<D>::load(residual_out[k]) * inv;
-    out[k] = Elem<D>::store(scaled * c.gain[k]);
+    float scaled = mul_o(Elem<D>::load(residual_out[k]), inv);
+    out[k] = Elem<D>::store(mul_o(scaled, c.gain[k]));
   }
 }
 
+// The first pass of a row by the vector form, as many elements as it takes.
+template <int D>
+int64_t vector_sum(const typename Elem<D>::T* const* rows, int ranks, int64_t H,
+                   const typename Elem<D>::T* res, bool norm, typename Elem<D>::T* out,
+                   typename Elem<D>::T* residual_out, float* lanes,
+                   typename Elem<D>::T* sum_out) {
+  if (sum_out) {
+    if (!norm) return isa::row_sum<D, false, false, true>(rows, ranks, H, nullptr, out, lanes,
+                                                          sum_out);
+    if (res) return isa::row_sum<D, true, true, true>(rows, ranks, H, res, residual_out, lanes,
+                                                      sum_out);
+    return isa::row_sum<D, true, false, true>(rows, ranks, H, nullptr, residual_out, lanes,
+                                              sum_out);
+  }
+  if (!norm) return isa::row_sum<D, false, false, false>(rows, ranks, H, nullptr, out, lanes,
+                                                         nullptr);
+  if (res) return isa::row_sum<D, true, true, false>(rows, ranks, H, res, residual_out, lanes,
+                                                     nullptr);
+  return isa::row_sum<D, true, false, false>(rows, ranks, H, nullptr, residual_out, lanes,
+                                             nullptr);
+}
+
 // Reduce row `in_row` of `ranks` inputs (rank order) and run the whole epilogue on it, with
-// row `row` of the residual and of the quantised outputs.
+// row `row` of the residual and of the quantised outputs. sum_out (may be null): where the
+// rounded sum T(acc) goes too (two-shot: the owner's result slot, which the others finish
+// their rows from).
 template <int D>
 void finish_row(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_row,
                 int64_t row, const Call& c, typename Elem<D>::T* out,
-                typename Elem<D>::T* residual_out) {
+                typename Elem<D>::T* residual_out, typename Elem<D>::T* sum_out = nullptr) {
   using E = Elem<D>;
   using T = typename E::T;
   const int64_t H = c.hidden;
@@ -121,24 +158,23 @@ void finish_row(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_
   float lanes[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
   const T* rows[layout::kMaxWorld];
   for (int j = 0; j < ranks; ++j) rows[j] = inputs[j] + off;
-  int64_t h;
-  if (!norm) h = isa::row_sum<D, false, false>(rows, ranks, H, nullptr, out, lanes);
-  else if (res) h = isa::row_sum<D, true, true>(rows, ranks, H, res, residual_out, lanes);
-  else h = isa::row_sum<D, true, false>(rows, ranks, H, nullptr, residual_out, lanes);
-  for (; h < H; ++h) {
+  int64_t h = vector_sum<D>(rows, ranks, H, res, norm, out, residual_out, lanes, sum_out);
+  for (; h < H; ++h) {  // the same operations in the same order (NaN rule: add_o, mul_o)
     float a = E::load(rows[0][h]);
-    for (int j = 1; j < ranks; ++j) a += E::load(rows[j][h]);
+    for (int j = 1; j < ranks; ++j) a = add_o(a, E::load(rows[j][h]));
+    const T sum = E::store(a);
+    if (sum_out) sum_out[h] = sum;
     if (!norm) {
-      out[h] = E::store(a);
+      out[h] = sum;
       continue;
     }
-    float pre = E::load(E::store(a));
-    if (res) pre += E::load(res[h]);
+    float pre = E::load(sum);
+    if (res) pre = add_o(pre, E::load(res[h]));
     T rounded = E::store(pre);
     residual_out[h] = rounded;
     float r = E::load(rounded);
     float sq = r * r;
-    lanes[h % kLanes] += sq;
+    lanes[h % kLanes] = add_o(lanes[h % kLanes], sq);
   }
   if (norm) norm_row<D>(c, lanes, out, residual_out);
   quantize_row<D>(out, c, row);

@@ -6,7 +6,9 @@
 // by Python), arrival flag and done flag, then the copy-mode votes. A rank's arrival line holds
 // its flag (int64 at byte 0) and, beside it, the descriptor of its current call (one per call
 // parity, so a rank that has moved on to the next call never overwrites the descriptor a
-// slower peer is still comparing). Then, per rank and per buffer, an input slot of max_tokens
+// slower peer is still comparing), then the count of ranks asleep on the flag (int32, futex
+// waits; the done line has one at the same offset) and the CPU the rank last started a call
+// on (int32). Then, per rank and per buffer, an input slot of max_tokens
 // rows and a result slot for the two-shot sums of the rows that rank owns.
 #pragma once
 
@@ -36,8 +38,13 @@ constexpr int64_t kDescOffset = 8;    // bytes into the arrival line
 constexpr int64_t kDescBytes = 16;    // per parity
 constexpr int kDescTokensShift = 0;   // 32 bits
 constexpr int kDescPatternShift = 32;  // 2 bits: kPattern*
-constexpr int kDescQuantShift = 34;   // 2 bits: 0 none, 1 fp8, 2 nvfp4, 3 other
+constexpr int kDescQuantShift = 34;   // 2 bits: the quant code's low bits (see below)
 constexpr int kDescLayoutShift = 36;  // 1 bit: NVFP4 scales swizzled (0 for other quants)
+constexpr int kDescQuantHighShift = 37;  // 1 bit: the quant code's bit 2
+// quant codes: 0 none, 1 fp8, 2 nvfp4, 3 other (announce: a quant the kernel does not run),
+// 4 fp8_dynamic
+constexpr int64_t kWaitersOffset = 40;  // bytes into a flag's line: int32, ranks asleep on it
+constexpr int64_t kCpuOffset = 44;      // bytes into an arrival line: int32, the rank's CPU
 constexpr int kDescDtypeShift = 40;   // 2 bits: 0 bf16, 1 fp16, 2 fp32
 constexpr int kPatternPlain = 0;      // all-reduce only
 constexpr int kPatternNorm = 1;       // + RMSNorm
@@ -45,8 +52,9 @@ constexpr int kPatternNormResidual = 2;  // + residual + RMSNorm
 
 static_assert(kVoteOffset + kMaxWorld * kVoteBuckets <= kHeaderBytes,
               "the copy-mode votes must fit in the header page");
-static_assert(kDescOffset + kBuffers * kDescBytes <= kCacheLine,
-              "the descriptors must share the arrival flag's cache line");
+static_assert(kDescOffset + kBuffers * kDescBytes <= kWaitersOffset &&
+                  kWaitersOffset + 4 <= kCpuOffset && kCpuOffset + 4 <= kCacheLine,
+              "the descriptors, waiters and CPU must share the arrival flag's cache line");
 static_assert(kMaxTokens < (int64_t(1) << 32), "tokens must fit the descriptor's 32 bits");
 
 inline constexpr int64_t round_up(int64_t value, int64_t to) { return (value + to - 1) / to * to; }

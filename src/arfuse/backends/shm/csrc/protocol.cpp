@@ -15,8 +15,10 @@ struct Fields {  // a descriptor, decoded
 };
 
 Fields decode(int64_t word0, int64_t word1) {
+  const int64_t quant = ((word0 >> layout::kDescQuantShift) & 3) |
+                        (((word0 >> layout::kDescQuantHighShift) & 1) << 2);
   return {(word0 >> layout::kDescTokensShift) & 0xffffffffLL,
-          (word0 >> layout::kDescPatternShift) & 3, (word0 >> layout::kDescQuantShift) & 3,
+          (word0 >> layout::kDescPatternShift) & 3, quant,
           (word0 >> layout::kDescLayoutShift) & 1, (word0 >> layout::kDescDtypeShift) & 3,
           word1};
 }
@@ -26,12 +28,13 @@ Fields decode(int64_t word0, int64_t word1) {
 std::string describe_descriptor(int64_t word0, int64_t word1) {
   static const char* const dtypes[] = {"bf16", "fp16", "fp32"};
   static const char* const patterns[] = {"plain", "norm", "norm+residual"};
-  static const char* const quants[] = {"none", "fp8", "nvfp4", "other"};  // see announce
+  static const char* const quants[] = {"none", "fp8", "nvfp4", "other",  // other: announce
+                                       "fp8_dynamic"};
   const Fields f = decode(word0, word1);
   std::ostringstream ss;
   ss << "tokens=" << f.tokens << " dtype=" << name_of(f.dtype, dtypes, 3)
      << " hidden=" << f.hidden << " pattern=" << name_of(f.pattern, patterns, 3)
-     << " quant=" << name_of(f.quant, quants, 4);
+     << " quant=" << name_of(f.quant, quants, 5);
   if (f.quant == kNVFP4) ss << " layout=" << (f.layout ? "swizzled_128x4" : "linear");
   return ss.str();
 }
@@ -86,6 +89,66 @@ long long proc_start_time(long long pid, char* state) {
 }
 
 // ---- Waiter ----------------------------------------------------------------------------------
+
+// Whether rank j last started a call on the CPU this rank runs on now: then it cannot make
+// progress while this rank spins (ranks that share a core), and sleeping at once hands it the
+// CPU.
+bool Waiter::shares_cpu(int j) const {
+#if defined(__linux__)
+  return seg->cpu(j)->load(std::memory_order_relaxed) == sched_getcpu();
+#else
+  (void)j;
+  return false;
+#endif
+}
+
+// Spin (a peer on another CPU), then sleep on the flag; the group's timeout counts from the
+// start of the wait.
+void Waiter::wait_slow(int which, int j, int64_t target, int only) const {
+  std::atomic<int64_t>* f = seg->flag(which, j);
+  const double start = mono_now();
+  const double deadline = start + timeout_s;
+  if (shares_cpu(j)) {
+    sleep_on(which, j, target, only, deadline, kSliceS);
+    return;
+  }
+  for (double now = start; now - start < kSpinS && now <= deadline; now = mono_now()) {
+    for (int i = 0; i < 64; ++i) {
+      if (f->load(std::memory_order_acquire) >= target) return;
+      cpu_relax();
+    }
+    if (now - start >= kSpinPauseS) sched_yield();
+  }
+  sleep_on(which, j, target, only, deadline, kFirstSliceS);
+}
+
+// Sleep on rank j's flag until it reaches target, in slices from first_slice doubling up to
+// kSliceS, between which the deadline and (when the ranks are visible) the peers' lives are
+// checked.
+void Waiter::sleep_on(int which, int j, int64_t target, int only, double deadline,
+                      double first_slice) const {
+  std::atomic<int64_t>* f = seg->flag(which, j);
+  std::atomic<int32_t>* waiters = seg->waiters(which, j);
+  double next_look = mono_now() + kSliceS;
+  double slice = first_slice;
+  while (true) {
+    waiters->fetch_add(1, std::memory_order_seq_cst);  // a full barrier: counted, then look
+    const int64_t seen = f->load(std::memory_order_seq_cst);
+    double now = mono_now();
+    if (seen < target && now <= deadline) {
+      futex_wait_for(f, seen, std::min(slice, deadline - now));
+      slice = std::min(2 * slice, kSliceS);
+    }
+    waiters->fetch_sub(1, std::memory_order_relaxed);
+    if (f->load(std::memory_order_acquire) >= target) return;
+    now = mono_now();
+    if (now > deadline) timed_out(which, target, only);
+    if (check_pids && now >= next_look) {  // a /proc read per slice, not per wake-up
+      check_alive(which, target, only);
+      next_look = now + kSliceS;
+    }
+  }
+}
 
 std::vector<int> Waiter::silent_ranks(int which, int64_t target, int only) const {
   std::vector<int> silent;

@@ -10,6 +10,12 @@
 //             its own block of rows and writes those sums into its result slot[b]; every rank
 //             runs the epilogue on every row from the sums. Both steps go block by block, with
 //             progress counted in the flags (arrive: blocks copied; done: blocks summed).
+// Waiting for a peer's flag: spin while the peer runs on another CPU (it may be about to
+// post), then sleep on the flag with a futex (the flag's low 32 bits, which change with
+// every post); a rank sleeping on a flag counts itself in that flag's waiters word, and
+// the flag's owner makes the wake-up call only when that count is not zero, so an
+// uncontended call makes no system call. A peer that last ran on this rank's CPU (ranks that
+// share a core) cannot progress while this rank spins: sleep at once. See Waiter, post_flag.
 // Double-buffered slots (and descriptors) make a trailing barrier unnecessary: a rank can only
 // reuse buffer b at call s + 2 after every rank arrived at s + 1, i.e. after every rank
 // finished call s. The copy into the slot uses cached or streaming stores, chosen per size by
@@ -21,9 +27,15 @@
 #endif
 #include <sched.h>
 #include <time.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -97,6 +109,16 @@ struct Segment {
                        layout::kCacheLine * r;
     return reinterpret_cast<std::atomic<int64_t>*>(base + at);
   }
+  std::atomic<int32_t>* waiters(int which, int r) const {  // ranks asleep on flag(which, r)
+    return reinterpret_cast<std::atomic<int32_t>*>(reinterpret_cast<char*>(flag(which, r)) +
+                                                   layout::kWaitersOffset);
+  }
+  std::atomic<int32_t>* cpu(int r) const {  // the CPU rank r last started a call on
+    return reinterpret_cast<std::atomic<int32_t>*>(reinterpret_cast<char*>(flag(0, r)) +
+                                                   layout::kCpuOffset);
+  }
+  // Set this rank's flag and wake the ranks asleep on it, if any (see post_flag).
+  void post(int which, int64_t value) const;
   std::atomic<int64_t>* descriptor(int r, int64_t seq) const {  // two words
     const int64_t at = layout::kArriveOffset + layout::kCacheLine * r + layout::kDescOffset +
                        (seq & 1) * layout::kDescBytes;
@@ -119,7 +141,8 @@ inline int64_t descriptor_word(int64_t tokens, int64_t pattern, int64_t quant, b
                                int dtype) {
   const int64_t layout_bit = quant == kNVFP4 && swizzled ? 1 : 0;
   return (std::min<int64_t>(tokens, 0xffffffffLL) << layout::kDescTokensShift) |
-         (pattern << layout::kDescPatternShift) | (quant << layout::kDescQuantShift) |
+         (pattern << layout::kDescPatternShift) | ((quant & 3) << layout::kDescQuantShift) |
+         ((quant >> 2) << layout::kDescQuantHighShift) |
          (layout_bit << layout::kDescLayoutShift) | (int64_t(dtype) << layout::kDescDtypeShift);
 }
 
@@ -137,8 +160,11 @@ std::string mismatch_message(int64_t call, const std::vector<std::pair<int64_t, 
 
 inline void publish_descriptor(const Segment& s, int64_t seq, int64_t word0, int64_t word1) {
   std::atomic<int64_t>* d = s.descriptor(s.rank, seq);
-  d[0].store(word0, std::memory_order_relaxed);  // the flag's release store publishes them
+  d[0].store(word0, std::memory_order_relaxed);  // published by the flag's post
   d[1].store(word1, std::memory_order_relaxed);
+#if defined(__linux__)
+  s.cpu(s.rank)->store(sched_getcpu(), std::memory_order_relaxed);  // same cache line
+#endif
 }
 
 // After the first arrival wait of call seq: every descriptor of this call is visible. Throws
@@ -161,11 +187,71 @@ inline void check_descriptors(const Segment& s, int64_t seq, int64_t word0, int6
 
 // ---- waiting for peers -------------------------------------------------------------------------
 
+// The futex word of a flag: its low 32 bits, which differ between any two values a flag
+// takes while a peer could be waiting on it (a flag moves by less than 2^32 per post).
+inline int32_t* futex_word(std::atomic<int64_t>* f) {
+  static_assert(sizeof(std::atomic<int64_t>) == 8, "flags are plain int64 words");
+  return reinterpret_cast<int32_t*>(f) + (__BYTE_ORDER__ == __ORDER_BIG_ENDIAN__ ? 1 : 0);
+}
+
+inline void futex_wake_all(std::atomic<int64_t>* f) {
+#if defined(__linux__)
+  syscall(SYS_futex, futex_word(f), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+#else
+  (void)f;
+#endif
+}
+
+// Sleep while the flag still reads `seen`, at most `seconds` (a wake-up, a signal or a change
+// of the word ends it early; the caller looks again either way).
+inline void futex_wait_for(std::atomic<int64_t>* f, int64_t seen, double seconds) {
+#if defined(__linux__)
+  timespec ts;
+  ts.tv_sec = time_t(seconds);
+  ts.tv_nsec = long((seconds - double(ts.tv_sec)) * 1e9);
+  syscall(SYS_futex, futex_word(f), FUTEX_WAIT, int32_t(uint32_t(uint64_t(seen))), &ts, nullptr,
+          0);
+#else
+  (void)f, (void)seen, (void)seconds;
+  sched_yield();
+#endif
+}
+
+// Post a flag: a release store (the data before it lands first), then the wake-up call if a
+// rank counts itself asleep on the flag. No full barrier between the two: it would hold the
+// core until every store before it has drained (the copy into the slot: ~1-2 us a call,
+// measured). Without it the count may be read before the new value is visible to a rank
+// going to sleep right then, which so misses this wake-up; a waiter's first sleep is short
+// for that reason (Waiter::kFirstSliceS), and it looks at the flag again when it ends. Ranks
+// on one CPU never miss one: a context switch drains the store buffer.
+inline void post_flag(std::atomic<int64_t>* f, std::atomic<int32_t>* waiters, int64_t value) {
+  f->store(value, std::memory_order_release);
+  std::atomic_signal_fence(std::memory_order_seq_cst);  // the compiler keeps the order
+  if (waiters->load(std::memory_order_relaxed) != 0) futex_wake_all(f);
+}
+
+inline void Segment::post(int which, int64_t value) const {
+  post_flag(flag(which, rank), waiters(which, rank), value);
+}
+
 // /proc/<pid>/stat: state (field 3) and start time (field 22). -1 when the process is gone.
 long long proc_start_time(long long pid, char* state);
 
 class Waiter {
  public:
+  // Spin this long for a peer on another CPU before sleeping: first with pause only, then
+  // yielding the CPU between looks (another task on this CPU may need it). Ranks on their own
+  // cores meet within microseconds in a loop of calls; a peer further behind is slept on.
+  static constexpr double kSpinPauseS = 50e-6;
+  static constexpr double kSpinS = 1e-3;
+  // Sleeps: after spinning for a peer on another CPU the first is this long (a missed wake-up
+  // costs at most that, see post_flag), each next twice as long up to kSliceS, the longest
+  // between deadline and liveness looks. For a peer on this CPU (which cannot miss a wake-up)
+  // every sleep is kSliceS: a sleep that ends before the peer posts would take the CPU from it
+  // (measured: two ranks on one core, 1-token calls 14 us instead of 10 with 0.5 ms sleeps).
+  static constexpr double kFirstSliceS = 0.5e-3;
+  static constexpr double kSliceS = 10e-3;
+
   Segment* seg = nullptr;
   double timeout_s = 0.0;
   bool check_pids = false;
@@ -180,21 +266,15 @@ class Waiter {
   // Wait until rank j's flag reaches target. only: -1 when every other rank waits for the same
   // target (an error names all that have not reached it), else j (it names j alone).
   void wait_rank(int which, int j, int64_t target, int only) const {
-    uint64_t spins = 0;
-    double deadline = 0.0;
-    std::atomic<int64_t>* f = seg->flag(which, j);
-    while (f->load(std::memory_order_acquire) < target) {
-      if (++spins < 2048) { cpu_relax(); continue; }
-      sched_yield();
-      if ((spins & 31) != 0) continue;
-      double now = mono_now();
-      if (deadline == 0.0) deadline = now + timeout_s;
-      if (now > deadline) timed_out(which, target, only);
-      if (check_pids && (spins & 1023) == 0) check_alive(which, target, only);
-    }
+    if (seg->flag(which, j)->load(std::memory_order_acquire) >= target) return;
+    wait_slow(which, j, target, only);
   }
 
  private:
+  void wait_slow(int which, int j, int64_t target, int only) const;
+  void sleep_on(int which, int j, int64_t target, int only, double deadline,
+                double first_slice) const;
+  bool shares_cpu(int j) const;
   std::vector<int> silent_ranks(int which, int64_t target, int only) const;
   std::string silent_list(const std::vector<int>& silent) const;
   [[noreturn]] void timed_out(int which, int64_t target, int only) const;
@@ -264,7 +344,7 @@ inline void copy_in(char* dst, const char* src, size_t n, bool streaming) {
 inline void meet_without_data(const Segment& s, const Waiter& waiter, int64_t seq,
                               int64_t word0, int64_t word1) {
   const int64_t call_base = seq * layout::kProgressUnits;
-  s.flag(0, s.rank)->store(call_base + layout::kProgressUnits - 1, std::memory_order_release);
+  s.post(0, call_base + layout::kProgressUnits - 1);
   waiter.wait_all(0, call_base + 1);
   check_descriptors(s, seq, word0, word1);
 }
@@ -299,7 +379,7 @@ void run_oneshot(const Exchange& e) {
               size_t((end - begin) * e.row_bytes), e.streaming);
     }
     published = n;
-    s.flag(0, s.rank)->store(e.call_base() + n, std::memory_order_release);
+    s.post(0, e.call_base() + n);
   };
   const int64_t lead = e.copy ? kLeadBlocks : blocks;
   T* out = static_cast<T*>(c.out);
@@ -338,9 +418,8 @@ struct TwoShotGeometry {
 
 inline void twoshot_copy(const Exchange& e, const TwoShotGeometry& g) {
   const Segment& s = e.seg;
-  std::atomic<int64_t>* mine = s.flag(0, s.rank);
   if (!e.copy) {
-    mine->store(e.call_base() + layout::kProgressUnits - 1, std::memory_order_release);
+    s.post(0, e.call_base() + layout::kProgressUnits - 1);
     return;
   }
   char* slot = s.input_slot(s.rank, e.seq & 1);
@@ -352,14 +431,15 @@ inline void twoshot_copy(const Exchange& e, const TwoShotGeometry& g) {
       const int64_t r0 = b + k * g.block_rows, r1 = std::min(end, r0 + g.block_rows);
       copy_in(slot + r0 * e.row_bytes, x + r0 * e.row_bytes, size_t((r1 - r0) * e.row_bytes),
               e.streaming);
-      mine->store(e.call_base() + p * g.steps + k + 1, std::memory_order_release);
+      s.post(0, e.call_base() + p * g.steps + k + 1);
     }
-    mine->store(e.call_base() + (p + 1) * g.steps, std::memory_order_release);
+    s.post(0, e.call_base() + (p + 1) * g.steps);
   }
 }
 
 // Sum my block of rows into my result slot (block by block, as the copiers announce them) and
-// finish those rows from the sums at once.
+// finish those rows in the same pass (finish_row's sum_out: the sum goes to the slot and on
+// into the epilogue while it is in registers).
 template <int D>
 void twoshot_own(const Exchange& e, const TwoShotGeometry& g,
                  const typename Elem<D>::T* const* inputs) {
@@ -368,9 +448,6 @@ void twoshot_own(const Exchange& e, const TwoShotGeometry& g,
   const Call& c = e.c;
   const int64_t H = c.hidden, begin = g.begin(s.rank), end = g.end(s.rank);
   T* mine = reinterpret_cast<T*>(s.result_slot(s.rank, e.seq & 1));
-  Call sum_only{};  // no weight, no quant: out = T(sum)
-  sum_only.hidden = H;
-  const T* sums[1] = {mine};
   T* out = static_cast<T*>(c.out);
   T* residual_out = static_cast<T*>(c.residual_out);
   for (int64_t k = 0; begin + k * g.block_rows < end; ++k) {
@@ -381,11 +458,10 @@ void twoshot_own(const Exchange& e, const TwoShotGeometry& g,
     }
     const int64_t r1 = std::min(end, begin + (k + 1) * g.block_rows);
     for (int64_t row = begin + k * g.block_rows; row < r1; ++row) {
-      finish_row<D>(inputs, s.world, row, row, sum_only, mine + (row - begin) * H, nullptr);
-      finish_row<D>(sums, 1, row - begin, row, c, out + row * H,
-                    residual_out ? residual_out + row * H : nullptr);
+      finish_row<D>(inputs, s.world, row, row, c, out + row * H,
+                    residual_out ? residual_out + row * H : nullptr, mine + (row - begin) * H);
     }
-    s.flag(1, s.rank)->store(e.call_base() + k + 1, std::memory_order_release);
+    s.post(1, e.call_base() + k + 1);
   }
 }
 

@@ -3,20 +3,31 @@
 //
 //   kIsa                                 name of the instruction set (for doctor / logs)
 //   Has<D>::value                        whether dtype D has vector forms here
-//   row_sum<D, NORM, RES>(rows, ranks, n, res, dst, lanes)        first pass over one row
+//   row_sum<D, NORM, RES, SUM>(rows, ranks, n, res, dst, lanes, sum_dst)
+//                                        first pass over one row (SUM: the rounded sum also
+//                                        into sum_dst, the two-shot result slot)
 //   row_scale<D>(r, gain, n, inv, out)                           second pass (RMSNorm)
 //   gain_row<D>(w, weight_bias, n, gain)                          weight_bias + f32(w)
 //   fp8_row<D>(out, inv_scale, n, dst)                            e4m3 codes
+//   amax_row<D>(out, n, amax)                                     max |out|, NaN ignored
+//   fp8_div_row<D>(out, scale, n, dst)                            e4m3 codes of out / scale
 //   nvfp4_block<D>(v16, gs, codes8, sf) -> bool                    one block of 16
+//   convert_row<D>(src, n, dst)                                   fp32 -> T (a test hook)
 //   stream_copy(dst, src, n)                                      non-temporal memcpy
 //
 // The row functions return how many leading elements they handled (a multiple of kLanes;
 // 0 when there is no vector form) and the caller finishes the rest with the scalar forms of
-// conversions.h, which compute the same values in the same order (lane = h % 8). An AVX-512
-// (or NEON) version is one more header here and one more line below.
+// conversions.h, which compute the same values in the same order (lane = h % 8).
+//
+// Which header: the build's target (build.py passes the -m flags of the instruction set it
+// builds for: the best the host has, or ARFUSE_SHM_ISA=avx512|avx2|scalar). AVX-512 needs
+// F, BW, VL and DQ (vfpclassps); AVX512_BF16 is used where the compiler targets it.
 #pragma once
 
-#if defined(__AVX2__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#include "vec_avx512.h"
+#elif defined(__AVX2__)
 #include "vec_avx2.h"
 #else
 #include "vec_scalar.h"

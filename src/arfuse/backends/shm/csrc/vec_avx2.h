@@ -25,6 +25,19 @@ constexpr const char* kIsa = "avx2+f16c";
 constexpr const char* kIsa = "avx2";
 #endif
 
+// a + b and a * b with a as the instruction's first source: a NaN result is a's NaN if a is
+// one, else b's (see add_o in conversions.h); the compiler may not swap the operands.
+inline __m256 add_o(__m256 a, __m256 b) {
+  __m256 r;
+  asm("vaddps %2, %1, %0" : "=x"(r) : "x"(a), "xm"(b));
+  return r;
+}
+inline __m256 mul_o(__m256 a, __m256 b) {
+  __m256 r;
+  asm("vmulps %2, %1, %0" : "=x"(r) : "x"(a), "xm"(b));
+  return r;
+}
+
 inline __m256 bf16x8_load(const uint16_t* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -112,36 +125,38 @@ struct BF16x16 {
   static __m256 add_squares(__m256 acc, __m256 lo, __m256 hi) {
     const __m256 first = _mm256_permute2f128_ps(lo, hi, 0x20);
     const __m256 second = _mm256_permute2f128_ps(lo, hi, 0x31);
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(first, first));
-    return _mm256_add_ps(acc, _mm256_mul_ps(second, second));
+    acc = add_o(acc, _mm256_mul_ps(first, first));
+    return add_o(acc, _mm256_mul_ps(second, second));
   }
 };
 
 // The first pass over [0, n16) of a bf16 row (n16 a multiple of 16); see pass1.
-template <int W, bool NORM, bool RES>
+template <int W, bool NORM, bool RES, bool SUM>
 __m256 bf16_pass1(const uint16_t* const* rows, int world, int64_t n16, const uint16_t* res,
-                  uint16_t* dst) {
+                  uint16_t* dst, uint16_t* sum_dst) {
   __m256 vl = _mm256_setzero_ps();
   for (int64_t h = 0; h < n16; h += 16) {
     BF16x16 a = BF16x16::load(rows[0] + h);
     const int ranks = W > 0 ? W : world;
     for (int j = 1; j < ranks; ++j) {
       const BF16x16 b = BF16x16::load(rows[j] + h);
-      a.lo = _mm256_add_ps(a.lo, b.lo);
-      a.hi = _mm256_add_ps(a.hi, b.hi);
+      a.lo = add_o(a.lo, b.lo);
+      a.hi = add_o(a.hi, b.hi);
     }
-    // one input (W == 1) holds bf16 values already: rounding them again changes nothing that
-    // the rounding after the residual add below would not (it also quiets a signaling NaN)
+    // one input (W == 1) holds bf16 values already: rounding them again changes nothing
+    // that the rounding after the residual add below would not (it also quiets a signaling
+    // NaN); the sum for the result slot (SUM) is rounded all the same
     __m256 lo = a.lo, hi = a.hi;
-    if constexpr (!(W == 1 && NORM)) {
+    if constexpr (!(W == 1 && NORM && !SUM)) {
       lo = bf16x8_round32(a.lo);
       hi = bf16x8_round32(a.hi);
     }
+    if constexpr (SUM) BF16x16::put(sum_dst + h, lo, hi);
     if constexpr (NORM) {
       if constexpr (RES) {
         const BF16x16 b = BF16x16::load(res + h);
-        lo = bf16x8_round32(_mm256_add_ps(lo, b.lo));
-        hi = bf16x8_round32(_mm256_add_ps(hi, b.hi));
+        lo = bf16x8_round32(add_o(lo, b.lo));
+        hi = bf16x8_round32(add_o(hi, b.hi));
       }
       vl = BF16x16::add_squares(vl, lo, hi);
     }
@@ -152,10 +167,12 @@ __m256 bf16_pass1(const uint16_t* const* rows, int world, int64_t n16, const uin
 
 // First pass over a row, 8 lanes at a time: sum the ranks (rank order); plain: store the
 // rounded sum; norm: round, add the residual, round, store residual_out and return the
-// per-lane sums of r*r. W is the world size when known at compile time (0: not).
-template <int D, int W, bool NORM, bool RES>
+// per-lane sums of r*r. SUM: also store the rounded sum in sum_dst (the two-shot result
+// slot). W is the world size when known at compile time (0: not).
+template <int D, int W, bool NORM, bool RES, bool SUM>
 __m256 pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
-             const typename Elem<D>::T* res, typename Elem<D>::T* dst) {
+             const typename Elem<D>::T* res, typename Elem<D>::T* dst,
+             typename Elem<D>::T* sum_dst) {
   // res and dst may be the same row (residual updated in place): each lane reads res[h]
   // before it writes dst[h], and no other lane's store touches res.
   using V = Vec<D>;
@@ -168,45 +185,50 @@ __m256 pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
   int64_t h = 0;
   if constexpr (D == kBF16) {
     h = n / 16 * 16;
-    vl = bf16_pass1<W, NORM, RES>(rows, world, h, res, dst);
+    vl = bf16_pass1<W, NORM, RES, SUM>(rows, world, h, res, dst, sum_dst);
   }
   for (; h + kLanes <= n; h += kLanes) {
     __m256 a;
     if constexpr (W == 1) {
       a = V::load(r0 + h);
     } else if constexpr (W == 2) {
-      a = _mm256_add_ps(V::load(r0 + h), V::load(r1 + h));
+      a = add_o(V::load(r0 + h), V::load(r1 + h));
     } else if constexpr (W == 4) {
-      a = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(V::load(r0 + h), V::load(r1 + h)),
-                                      V::load(r2 + h)), V::load(r3 + h));
+      a = add_o(add_o(add_o(V::load(r0 + h), V::load(r1 + h)), V::load(r2 + h)),
+                V::load(r3 + h));
     } else {
       a = V::load(r0 + h);
-      for (int j = 1; j < world; ++j) a = _mm256_add_ps(a, V::load(rows[j] + h));
+      for (int j = 1; j < world; ++j) a = add_o(a, V::load(rows[j] + h));
     }
     if constexpr (!NORM) {
-      V::put(dst + h, V::pack(a));
+      const auto s = V::pack(a);
+      V::put(dst + h, s);
+      if constexpr (SUM) V::put(sum_dst + h, s);
     } else {
-      __m256 pre = W == 1 ? a : V::round(a);  // one input: values of T already (see above)
-      if constexpr (RES) pre = _mm256_add_ps(pre, V::load(res + h));
+      // one input: values of T already (see above), unless the sum is stored too
+      __m256 pre = W == 1 && !SUM ? a : V::round(a);
+      if constexpr (SUM) V::put(sum_dst + h, V::narrow(pre));
+      if constexpr (RES) pre = add_o(pre, V::load(res + h));
       __m256 r = V::round(pre);
       V::put(dst + h, V::narrow(r));
-      vl = _mm256_add_ps(vl, _mm256_mul_ps(r, r));
+      vl = add_o(vl, _mm256_mul_ps(r, r));
     }
   }
   return vl;
 }
 
-template <int D, bool NORM, bool RES>
+template <int D, bool NORM, bool RES, bool SUM>
 int64_t row_sum(const typename Elem<D>::T* const* rows, int ranks, int64_t n,
-                const typename Elem<D>::T* res, typename Elem<D>::T* dst, float* lanes) {
+                const typename Elem<D>::T* res, typename Elem<D>::T* dst, float* lanes,
+                typename Elem<D>::T* sum_dst) {
   if constexpr (!Vec<D>::ok) {
     return 0;
   } else {
     __m256 vl;
-    if (ranks == 1) vl = pass1<D, 1, NORM, RES>(rows, ranks, n, res, dst);
-    else if (ranks == 2) vl = pass1<D, 2, NORM, RES>(rows, ranks, n, res, dst);
-    else if (ranks == 4) vl = pass1<D, 4, NORM, RES>(rows, ranks, n, res, dst);
-    else vl = pass1<D, 0, NORM, RES>(rows, ranks, n, res, dst);
+    if (ranks == 1) vl = pass1<D, 1, NORM, RES, SUM>(rows, ranks, n, res, dst, sum_dst);
+    else if (ranks == 2) vl = pass1<D, 2, NORM, RES, SUM>(rows, ranks, n, res, dst, sum_dst);
+    else if (ranks == 4) vl = pass1<D, 4, NORM, RES, SUM>(rows, ranks, n, res, dst, sum_dst);
+    else vl = pass1<D, 0, NORM, RES, SUM>(rows, ranks, n, res, dst, sum_dst);
     _mm256_storeu_ps(lanes, vl);
     return n / kLanes * kLanes;
   }
@@ -226,15 +248,14 @@ int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, in
     if constexpr (D == kBF16) {  // gain holds [0, n / 16 * 16) in BF16x16 order
       for (; k + 16 <= n; k += 16) {
         const BF16x16 v = BF16x16::load(r + k);
-        const __m256 lo = _mm256_mul_ps(_mm256_mul_ps(v.lo, vinv), _mm256_loadu_ps(gain + k));
-        const __m256 hi =
-            _mm256_mul_ps(_mm256_mul_ps(v.hi, vinv), _mm256_loadu_ps(gain + k + 8));
+        const __m256 lo = mul_o(mul_o(v.lo, vinv), _mm256_loadu_ps(gain + k));
+        const __m256 hi = mul_o(mul_o(v.hi, vinv), _mm256_loadu_ps(gain + k + 8));
         BF16x16::put(out + k, bf16x8_round32(lo), bf16x8_round32(hi));
       }
     }
     for (; k + kLanes <= n; k += kLanes) {
-      __m256 scaled = _mm256_mul_ps(V::load(r + k), vinv);
-      V::put(out + k, V::pack(_mm256_mul_ps(scaled, _mm256_loadu_ps(gain + k))));
+      __m256 scaled = mul_o(V::load(r + k), vinv);
+      V::put(out + k, V::pack(mul_o(scaled, _mm256_loadu_ps(gain + k))));
     }
     return k;
   }
@@ -259,6 +280,20 @@ int64_t gain_row(const typename Elem<D>::T* w, float weight_bias, int64_t n, flo
       _mm256_storeu_ps(gain + k, _mm256_add_ps(vb, Vec<D>::load(w + k)));
     }
     return k;
+  }
+}
+
+// src rounded to T, 8 at a time (a test hook: the vector rounding against the scalar one).
+template <int D>
+int64_t convert_row(const float* src, int64_t n, typename Elem<D>::T* dst) {
+  if constexpr (!Vec<D>::ok) {
+    return 0;
+  } else {
+    int64_t h = 0;
+    for (; h + kLanes <= n; h += kLanes) {
+      Vec<D>::put(dst + h, Vec<D>::pack(_mm256_loadu_ps(src + h)));
+    }
+    return h;
   }
 }
 
@@ -298,6 +333,45 @@ int64_t fp8_row(const typename Elem<D>::T* out, float inv_scale, int64_t n, uint
     for (; h + kLanes <= n; h += kLanes) {
       _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + h),
                        e4m3x8(_mm256_mul_ps(Vec<D>::load(out + h), vs)));
+    }
+    return h;
+  }
+}
+
+// max |out| over the leading multiple of 8 ignoring NaN (a NaN lane counts as 0; every
+// |v| >= 0), in *amax.
+template <int D>
+int64_t amax_row(const typename Elem<D>::T* out, int64_t n, float* amax) {
+  if constexpr (!Vec<D>::ok) {
+    return 0;
+  } else {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_setzero_ps();
+    int64_t h = 0;
+    for (; h + kLanes <= n; h += kLanes) {
+      const __m256 v = Vec<D>::load(out + h);
+      const __m256 ord = _mm256_cmp_ps(v, v, _CMP_ORD_Q);
+      mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_and_ps(v, abs_mask), ord));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    *amax = _mm_cvtss_f32(m4);
+    return h;
+  }
+}
+
+// e4m3 codes of out / scale (an IEEE division, as fp8_dynamic_quantize).
+template <int D>
+int64_t fp8_div_row(const typename Elem<D>::T* out, float scale, int64_t n, uint8_t* dst) {
+  if constexpr (!Vec<D>::ok) {
+    return 0;
+  } else {
+    const __m256 vs = _mm256_set1_ps(scale);
+    int64_t h = 0;
+    for (; h + kLanes <= n; h += kLanes) {
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + h),
+                       e4m3x8(_mm256_div_ps(Vec<D>::load(out + h), vs)));
     }
     return h;
   }

@@ -15,9 +15,10 @@ constexpr const char* kIsa = "scalar";
 
 template <int D> struct Has { static constexpr bool value = false; };
 
-template <int D, bool NORM, bool RES>
+template <int D, bool NORM, bool RES, bool SUM>
 inline int64_t row_sum(const typename Elem<D>::T* const*, int, int64_t,
-                       const typename Elem<D>::T*, typename Elem<D>::T*, float*) {
+                       const typename Elem<D>::T*, typename Elem<D>::T*, float*,
+                       typename Elem<D>::T*) {
   return 0;
 }
 template <int D>
@@ -29,6 +30,12 @@ template <int D>
 inline int64_t gain_row(const typename Elem<D>::T*, float, int64_t, float*) { return 0; }
 template <int D>
 inline int64_t fp8_row(const typename Elem<D>::T*, float, int64_t, uint8_t*) { return 0; }
+template <int D>
+inline int64_t convert_row(const float*, int64_t, typename Elem<D>::T*) { return 0; }
+template <int D>
+inline int64_t amax_row(const typename Elem<D>::T*, int64_t, float*) { return 0; }
+template <int D>
+inline int64_t fp8_div_row(const typename Elem<D>::T*, float, int64_t, uint8_t*) { return 0; }
 template <int D>
 inline bool nvfp4_block(const typename Elem<D>::T*, float, uint8_t*, uint8_t*) { return false; }
 

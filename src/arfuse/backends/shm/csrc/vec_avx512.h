@@ -1,0 +1,364 @@
+// AVX-512 (F, BW, VL, DQ; + BF16 where the CPU has it) forms of the row kernels: 16 fp32
+// lanes per vector, the same values as the scalar forms in conversions.h. See vec.h for the
+// interface.
+//
+// The sum of squares keeps the documented 8 lanes (lane = h % 8): a 16-wide vector of squares
+// holds elements h..h+7 in its low half and h+8..h+15 in its high half, and is added to the
+// 8-lane accumulator in that order (low half, then high half), which is exactly the sequential
+// per-lane order of the scalar loop.
+//
+// bf16 rounding: vcvtneps2bf16 (AVX512_BF16) rounds to nearest even and makes a NaN quiet with
+// the payload rule of f32_to_bf16 ((bits >> 16) | 0x40: checked in tests/test_isa_paths.py),
+// but it treats denormal inputs as zero, which f32_to_bf16 (and torch) do not. So it is used
+// only for vectors without a denormal (one vfpclassps per vector); a vector with one takes the
+// integer rounding, as the AVX2 and scalar forms do. fp16 uses AVX512F's vcvtps2ph/vcvtph2ps,
+// the F16C instructions on 16 lanes (AVX512_FP16 adds nothing the kernel needs).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "conversions.h"
+
+namespace arfuse {
+namespace isa {
+
+#if defined(__AVX512BF16__)
+constexpr const char* kIsa = "avx512+bf16";
+#else
+constexpr const char* kIsa = "avx512";
+#endif
+
+constexpr int kWide = 16;  // fp32 lanes per vector
+
+inline __m512i splat(int v) { return _mm512_set1_epi32(v); }
+
+// a + b and a * b with a as the instruction's first source: a NaN result is a's NaN if a is
+// one, else b's (see add_o in conversions.h); the compiler may not swap the operands.
+inline __m512 add_o(__m512 a, __m512 b) {
+  __m512 r;
+  asm("vaddps %2, %1, %0" : "=v"(r) : "v"(a), "vm"(b));
+  return r;
+}
+inline __m512 mul_o(__m512 a, __m512 b) {
+  __m512 r;
+  asm("vmulps %2, %1, %0" : "=v"(r) : "v"(a), "vm"(b));
+  return r;
+}
+inline __m256 add_o(__m256 a, __m256 b) {
+  __m256 r;
+  asm("vaddps %2, %1, %0" : "=v"(r) : "v"(a), "vm"(b));
+  return r;
+}
+inline __m512 as_ps(__m512i v) { return _mm512_castsi512_ps(v); }
+inline __m512i as_si(__m512 v) { return _mm512_castps_si512(v); }
+
+// bf16 bits (16 in a __m256i) -> fp32: word i to the high half of lane i, zeros below, in one
+// vpermw (zero-extend and shift would take a shuffle and a shift; measured 3% on a whole row)
+inline __m512 bf16_widen(__m256i b) {
+  const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0,
+                                       6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+  return as_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, _mm512_castsi256_si512(b)));
+}
+
+// Round to the nearest bf16 with integer arithmetic (ties to even; NaN stays a quiet NaN,
+// (bits >> 16) | 0x40), kept as fp32 whose low 16 bits are zero: f32_to_bf16 on 16 lanes.
+inline __m512 bf16_round32_int(__m512 v) {
+  const __m512i u = as_si(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), splat(1));
+  __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(splat(0x7fff), lsb));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_or_epi32(rounded, nan, u, splat(0x400000));
+  return as_ps(_mm512_and_si512(rounded, splat(int(0xffff0000u))));
+}
+
+// The bf16 bits of v, rounded as f32_to_bf16 does.
+inline __m256i bf16_pack(__m512 v) {
+#if defined(__AVX512BF16__)
+  if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0x20) == 0, 1)) {  // 0x20: denormal
+    const __m256bh b = _mm512_cvtneps_pbh(v);
+    __m256i bits;
+    std::memcpy(&bits, &b, sizeof(bits));
+    return bits;
+  }
+#endif
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(as_si(bf16_round32_int(v)), 16));
+}
+
+// pack: round 16 floats to the dtype (its bits); unpack: back to floats; put: store the bits.
+template <int D> struct Vec;
+template <> struct Vec<kBF16> {
+  using B = __m256i;
+  static B pack(__m512 v) { return bf16_pack(v); }
+  static __m512 unpack(B b) { return bf16_widen(b); }
+  static __m512 load(const uint16_t* p) {
+    return bf16_widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void put(uint16_t* p, B b) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b); }
+};
+template <> struct Vec<kFP16> {
+  using B = __m256i;
+  static B pack(__m512 v) {
+    return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static __m512 unpack(B b) { return _mm512_cvtph_ps(b); }
+  static __m512 load(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void put(uint16_t* p, B b) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b); }
+};
+template <> struct Vec<kFP32> {
+  using B = __m512;
+  static B pack(__m512 v) { return v; }
+  static __m512 unpack(B b) { return b; }
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static void put(float* p, B b) { _mm512_storeu_ps(p, b); }
+};
+
+template <int D> struct Has { static constexpr bool value = true; };
+
+// acc (lanes 0-7) += squares of 16 elements in the canonical order: elements 0-7, then 8-15.
+inline __m256 add_squares(__m256 acc, __m512 r) {
+  const __m512 sq = _mm512_mul_ps(r, r);
+  acc = add_o(acc, _mm512_castps512_ps256(sq));
+  return add_o(acc, _mm512_extractf32x8_ps(sq, 1));
+}
+
+// The sum over the ranks of 16 elements at h, in rank order.
+template <int D, int W>
+inline __m512 rank_sum(const typename Elem<D>::T* const* rows, int world, int64_t h) {
+  using V = Vec<D>;
+  __m512 a = V::load(rows[0] + h);
+  if constexpr (W == 2) {
+    a = add_o(a, V::load(rows[1] + h));
+  } else if constexpr (W == 4) {
+    a = add_o(a, V::load(rows[1] + h));
+    a = add_o(a, V::load(rows[2] + h));
+    a = add_o(a, V::load(rows[3] + h));
+  } else if constexpr (W != 1) {
+    for (int j = 1; j < world; ++j) a = add_o(a, V::load(rows[j] + h));
+  }
+  return a;
+}
+
+// First pass over [0, n16) of a row, 16 at a time: sum the ranks (rank order); plain: store
+// the rounded sum; norm: round, add the residual, round, store residual_out and return the
+// per-lane sums of r*r. SUM: also store the rounded sum in sum_dst (the two-shot result slot).
+// W is the world size when known at compile time (0: not).
+template <int D, int W, bool NORM, bool RES, bool SUM>
+__m256 pass1(const typename Elem<D>::T* const* rows, int world, int64_t n16,
+             const typename Elem<D>::T* res, typename Elem<D>::T* dst,
+             typename Elem<D>::T* sum_dst) {
+  // res and dst may be the same row (residual updated in place): each lane reads res[h]
+  // before it writes dst[h], and no other lane's store touches res.
+  using V = Vec<D>;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t h = 0; h < n16; h += kWide) {
+    const __m512 a = rank_sum<D, W>(rows, world, h);
+    if constexpr (!NORM) {
+      const typename V::B s = V::pack(a);
+      V::put(dst + h, s);
+      if constexpr (SUM) V::put(sum_dst + h, s);
+    } else {
+      // one input (W == 1) holds values of T already: rounding them again changes nothing
+      // that the rounding after the residual add would not (it also quiets a signaling NaN)
+      __m512 pre = a;
+      if constexpr (W != 1 || SUM) {
+        const typename V::B s = V::pack(a);
+        if constexpr (SUM) V::put(sum_dst + h, s);
+        pre = V::unpack(s);
+      }
+      if constexpr (RES) pre = add_o(pre, V::load(res + h));
+      const typename V::B rb = V::pack(pre);
+      V::put(dst + h, rb);
+      acc = add_squares(acc, V::unpack(rb));
+    }
+  }
+  return acc;
+}
+
+template <int D, bool NORM, bool RES, bool SUM>
+int64_t row_sum(const typename Elem<D>::T* const* rows, int ranks, int64_t n,
+                const typename Elem<D>::T* res, typename Elem<D>::T* dst, float* lanes,
+                typename Elem<D>::T* sum_dst) {
+  const int64_t n16 = n / kWide * kWide;
+  __m256 acc;
+  if (ranks == 1) acc = pass1<D, 1, NORM, RES, SUM>(rows, ranks, n16, res, dst, sum_dst);
+  else if (ranks == 2) acc = pass1<D, 2, NORM, RES, SUM>(rows, ranks, n16, res, dst, sum_dst);
+  else if (ranks == 4) acc = pass1<D, 4, NORM, RES, SUM>(rows, ranks, n16, res, dst, sum_dst);
+  else acc = pass1<D, 0, NORM, RES, SUM>(rows, ranks, n16, res, dst, sum_dst);
+  _mm256_storeu_ps(lanes, acc);
+  return n16;
+}
+
+// Second pass: out = T((r * inv) * gain), r read back from residual_out (exact: it holds r
+// in T), gain as gain_row laid it out (element order).
+template <int D>
+int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, int64_t n,
+                  float inv, typename Elem<D>::T* out) {
+  using V = Vec<D>;
+  const __m512 vinv = _mm512_set1_ps(inv);
+  int64_t k = 0;
+  for (; k + kWide <= n; k += kWide) {
+    const __m512 scaled = mul_o(V::load(r + k), vinv);
+    V::put(out + k, V::pack(mul_o(scaled, _mm512_loadu_ps(gain + k))));
+  }
+  return k;
+}
+
+// gain = weight_bias + f32(w), element order.
+template <int D>
+int64_t gain_row(const typename Elem<D>::T* w, float weight_bias, int64_t n, float* gain) {
+  const __m512 vb = _mm512_set1_ps(weight_bias);
+  int64_t k = 0;
+  for (; k + kWide <= n; k += kWide) {
+    _mm512_storeu_ps(gain + k, _mm512_add_ps(vb, Vec<D>::load(w + k)));
+  }
+  return k;
+}
+
+// src rounded to T, 16 at a time (a test hook: the vector rounding against the scalar one).
+template <int D>
+int64_t convert_row(const float* src, int64_t n, typename Elem<D>::T* dst) {
+  int64_t h = 0;
+  for (; h + kWide <= n; h += kWide) {
+    Vec<D>::put(dst + h, Vec<D>::pack(_mm512_loadu_ps(src + h)));
+  }
+  return h;
+}
+
+// 16 floats -> 16 e4m3 codes; the same rounding as f32_to_e4m3.
+inline __m128i e4m3x16(__m512 v) {
+  const __m512i u = as_si(v);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), splat(0x80));
+  const __m512i au = _mm512_and_si512(u, splat(0x7fffffff));
+  const __m512 a = as_ps(au);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(au, 20), splat(1));
+  const __m512i r = _mm512_add_epi32(au, _mm512_add_epi32(splat(0x7ffff), lsb));
+  const __m512i normal = _mm512_or_si512(
+      _mm512_slli_epi32(_mm512_sub_epi32(_mm512_srli_epi32(r, 23), splat(120)), 3),
+      _mm512_and_si512(_mm512_srli_epi32(r, 20), splat(7)));
+  // below 2^-6: steps of 2^-9, a * 512 rounded to an integer, nearest even (2^23 trick)
+  const __m512 t = _mm512_add_ps(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)),
+                                 _mm512_set1_ps(8388608.0f));
+  const __m512i small = _mm512_sub_epi32(as_si(t), splat(0x4b000000));
+  const __mmask16 is_small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+  __m512i code = _mm512_mask_blend_epi32(is_small, normal, small);
+  code = _mm512_min_epi32(code, splat(0x7e));  // saturate at 448
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  code = _mm512_mask_mov_epi32(code, nan, splat(0x7f));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
+}
+
+template <int D>
+int64_t fp8_row(const typename Elem<D>::T* out, float inv_scale, int64_t n, uint8_t* dst) {
+  const __m512 vs = _mm512_set1_ps(inv_scale);
+  int64_t h = 0;
+  for (; h + kWide <= n; h += kWide) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + h),
+                     e4m3x16(_mm512_mul_ps(Vec<D>::load(out + h), vs)));
+  }
+  return h;
+}
+
+// max |out| over [0, n16) ignoring NaN (a NaN lane counts as 0; every |v| >= 0), in *amax.
+template <int D>
+int64_t amax_row(const typename Elem<D>::T* out, int64_t n, float* amax) {
+  const __m512i abs_mask = splat(0x7fffffff);
+  __m512 mx = _mm512_setzero_ps();
+  int64_t h = 0;
+  for (; h + kWide <= n; h += kWide) {
+    const __m512 v = Vec<D>::load(out + h);
+    const __mmask16 ord = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+    mx = _mm512_mask_max_ps(mx, ord, mx, as_ps(_mm512_and_si512(as_si(v), abs_mask)));
+  }
+  *amax = _mm512_reduce_max_ps(mx);
+  return h;
+}
+
+// e4m3 codes of out / scale (an IEEE division, as fp8_dynamic_quantize).
+template <int D>
+int64_t fp8_div_row(const typename Elem<D>::T* out, float scale, int64_t n, uint8_t* dst) {
+  const __m512 vs = _mm512_set1_ps(scale);
+  int64_t h = 0;
+  for (; h + kWide <= n; h += kWide) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + h),
+                     e4m3x16(_mm512_div_ps(Vec<D>::load(out + h), vs)));
+  }
+  return h;
+}
+
+// 16 floats -> 16 e2m1 codes (int32 lanes); the same thresholds as f32_to_e2m1. The unordered
+// "not <=" / "not <" comparisons are "greater" / "greater or equal" for numbers and true for a
+// NaN, which so passes every threshold: code 7 (+6, its sign bit dropped), as f32_to_e2m1.
+inline __m512i e2m1x16(__m512 v) {
+  const __m512 m = as_ps(_mm512_and_si512(as_si(v), splat(0x7fffffff)));
+  __m512i code = _mm512_setzero_si512();
+  const __m512i one = splat(1);
+  auto count = [&](float threshold, bool strict) {
+    const __mmask16 hit =
+        strict ? _mm512_cmp_ps_mask(m, _mm512_set1_ps(threshold), _CMP_NLE_UQ)
+               : _mm512_cmp_ps_mask(m, _mm512_set1_ps(threshold), _CMP_NLT_UQ);
+    code = _mm512_mask_add_epi32(code, hit, code, one);
+  };
+  count(0.25f, true);
+  count(0.75f, false);
+  count(1.25f, true);
+  count(1.75f, false);
+  count(2.5f, true);
+  count(3.5f, false);
+  count(5.0f, true);
+  const __mmask16 ordered = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+  const __m512i sign = _mm512_slli_epi32(_mm512_srli_epi32(as_si(v), 31), 3);
+  return _mm512_mask_or_epi32(code, ordered, code, sign);
+}
+
+// One NVFP4 block of 16 (see quantize_row in epilogue.h for the rule): the 8 code bytes, and
+// the e4m3 block scale in *sf. The amax ignores NaN unless all 16 are NaN.
+template <int D>
+bool nvfp4_block(const typename Elem<D>::T* v16, float gs, uint8_t* codes8, uint8_t* sf) {
+  const __m512 v = Vec<D>::load(v16);
+  const __mmask16 ord = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+  const __m512 mag = as_ps(_mm512_maskz_and_epi32(ord, as_si(v), splat(0x7fffffff)));
+  const float amax = ord == 0 ? NAN : _mm512_reduce_max_ps(mag);  // all 16 NaN: NaN
+  const uint8_t scale = f32_to_e4m3(gs * (amax * (1.0f / 6.0f)));
+  const float sfq = g_e4m3_decode[scale];
+  const __m512 es = _mm512_set1_ps(sfq != 0.0f ? gs / sfq : 0.0f);
+  const __m128i bytes = _mm512_cvtepi32_epi8(e2m1x16(_mm512_mul_ps(v, es)));
+  const __m128i pairs = _mm_maddubs_epi16(bytes, _mm_set1_epi16(0x1001));  // lo + 16 * hi
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(codes8), _mm_packus_epi16(pairs, pairs));
+  *sf = scale;
+  return true;
+}
+
+// memcpy with streaming (non-temporal) stores for the aligned body; ends with a store fence,
+// so a later release store of the arrival flag orders after the data.
+inline void stream_copy(char* dst, const char* src, size_t n) {
+  size_t head = (64 - (reinterpret_cast<uintptr_t>(dst) & 63)) & 63;
+  head = std::min(head, n);
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  const size_t body = n & ~size_t(255);
+  for (size_t i = 0; i < body; i += 256) {
+    const __m512i a = _mm512_loadu_si512(src + i);
+    const __m512i b = _mm512_loadu_si512(src + i + 64);
+    const __m512i c = _mm512_loadu_si512(src + i + 128);
+    const __m512i d = _mm512_loadu_si512(src + i + 192);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), a);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 64), b);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 128), c);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 192), d);
+  }
+  std::memcpy(dst + body, src + body, n - body);
+  _mm_sfence();
+}
+
+}  // namespace isa
+}  // namespace arfuse
