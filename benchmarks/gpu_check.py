@@ -17,7 +17,6 @@ runs the same steps on CPU ranks (gloo, shm) so the script itself can be checked
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import sys
@@ -29,18 +28,11 @@ from typing import Any
 import torch
 
 from arfuse.cli.launch import init_from_env, launch
+from arfuse.cli.run import digest
 
 EPS = 1e-6
 PATTERNS = ("plain", "norm", "residual", "fp8", "fp8_dynamic", "nvfp4")
 TOLERANCE = {"bf16": 8 * 2.0**-8, "fp32": 1e-4}
-
-
-def _digest(*tensors: torch.Tensor | None) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        if t is not None:
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _inputs(rank: int, world: int, tokens: int, hidden: int, dtype: torch.dtype,
@@ -105,7 +97,7 @@ def _check_backend(rank: int, world: int, backend: str, opts: argparse.Namespace
                 res = _call(comm, pattern, data)
                 row["err"] = _error(res.out, _reference(data, pattern))
                 digests: list[Any] = [None] * world
-                dist.all_gather_object(digests, _digest(res.out, res.residual_out,
+                dist.all_gather_object(digests, digest(res.out, res.residual_out,
                                                         res.quant_out, res.scale_out))
                 row["identical"] = len(set(digests)) == 1
                 row["ok"] = row["identical"] and row["err"] <= TOLERANCE["bf16"]

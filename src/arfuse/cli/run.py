@@ -43,7 +43,8 @@ def _say(rank: int, text: str = "") -> None:
         print(text, flush=True)
 
 
-def _digest(*tensors: torch.Tensor | None) -> str:
+def digest(*tensors: torch.Tensor | None) -> str:
+    """A short hash of the tensors' bytes: ranks compare it to show bit-identical results."""
     h = hashlib.sha256()
     for t in tensors:
         if t is not None:
@@ -97,7 +98,7 @@ def run_body(rank: int, world: int, opts: RunOptions) -> int:
         result = comm(partial, residual=residual, weight=gamma, eps=EPS, quant=opts.quant,
                       scale=scale)
         digests: list[Any] = [None] * world
-        dist.all_gather_object(digests, _digest(result.out, result.residual_out,
+        dist.all_gather_object(digests, digest(result.out, result.residual_out,
                                                 result.quant_out, result.scale_out))
         identical = len(set(digests)) == 1
         # the whole layer in one process, float64

@@ -109,8 +109,7 @@ def _marker() -> tuple[str | None, str]:
     directory = tempfile.gettempdir()
     path = os.path.join(directory, f"arfuse-fdx-{os.getpid()}-{uuid.uuid4().hex}")
     try:
-        with open(path, "x"):
-            pass
+        open(path, "x").close()  # only its existence matters
     except OSError as exc:
         return None, f"cannot create a file in the temp directory {directory}: {exc.strerror}"
     return path, ""
