@@ -61,9 +61,11 @@ _AVX512 = ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq")
 _ISA_NEEDS = {"avx512": _AVX512, "avx512-nobf16": _AVX512, "avx2": ("avx2",), "scalar": ()}
 _ISA_OPTIONS = {"avx2": "-mavx2", "f16c": "-mf16c", "fma": "-mfma", "avx512f": "-mavx512f",
                 "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
-                "avx512dq": "-mavx512dq", "avx512_bf16": "-mavx512bf16"}
-_ISA_USES = {"avx512": (*_AVX512, "fma", "avx512_bf16"), "avx512-nobf16": (*_AVX512, "fma"),
-             "avx2": ("avx2", "f16c", "fma"), "scalar": ()}
+                "avx512dq": "-mavx512dq", "avx512_bf16": "-mavx512bf16",
+                "3dnowprefetch": "-mprfchw"}  # Linux's name for PREFETCHW
+_ISA_USES = {"avx512": (*_AVX512, "fma", "avx512_bf16", "3dnowprefetch"),
+             "avx512-nobf16": (*_AVX512, "fma", "3dnowprefetch"),
+             "avx2": ("avx2", "f16c", "fma", "3dnowprefetch"), "scalar": ("3dnowprefetch",)}
 
 
 def host_isas() -> list[str]:

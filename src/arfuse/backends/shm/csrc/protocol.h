@@ -50,6 +50,7 @@
 #include "conversions.h"
 #include "epilogue.h"
 #include "layout.h"
+#include "prefetch.h"
 #include "vec.h"
 
 namespace arfuse {
@@ -335,7 +336,7 @@ struct Exchange {  // what one call's exchange needs
 
 inline void copy_in(char* dst, const char* src, size_t n, bool streaming) {
   if (streaming) isa::stream_copy(dst, src, n);
-  else std::memcpy(dst, src, n);
+  else copy_prefetching(dst, src, n);
 }
 
 // Call seq without data: announce it whole, wait until every rank has entered it, compare the

@@ -24,6 +24,7 @@
 #include <cstring>
 
 #include "conversions.h"
+#include "prefetch.h"
 
 namespace arfuse {
 namespace isa {
@@ -159,6 +160,8 @@ __m256 pass1(const typename Elem<D>::T* const* rows, int world, int64_t n16,
   using V = Vec<D>;
   __m256 acc = _mm256_setzero_ps();
   for (int64_t h = 0; h < n16; h += kWide) {
+    for (int j = 0; j < (W > 0 ? W : world); ++j) prefetch_read(rows[j] + h);
+    if constexpr (SUM) prefetch_write(sum_dst + h);
     const __m512 a = rank_sum<D, W>(rows, world, h);
     if constexpr (!NORM) {
       const typename V::B s = V::pack(a);
