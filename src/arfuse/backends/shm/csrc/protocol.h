@@ -403,72 +403,73 @@ void run_oneshot(const Exchange& e) {
 // Two-shot: each rank sums its block of rows (rank order, rounded to T: exactly the one-shot
 // sum) into its result slot and finishes those rows at once; each then finishes the other
 // blocks from their owners' sums. Only inputs and sums cross between ranks, and every rank
-// runs the same epilogue on the same sums (bit-identical ranks). Pipelined in blocks of rows:
-// a rank copies the others' blocks in turn (rank + 1 first), announcing each step, so an
-// owner starts summing as soon as its first rows are in; owners announce their sums block by
-// block too.
+// runs the same epilogue on the same sums (bit-identical ranks). Pipelined in steps of rows:
+// at step k a rank copies step k + 1 of every other owner's rows (rank + 1 first), sums and
+// finishes step k of its own rows, and finishes step k - 1 of the others' rows from their
+// sums; so the rows of x it copied are still in cache when it overwrites them (out = x), and
+// every wait is for a peer at most one step behind. Progress is counted in the flags
+// (arrive: steps copied; done: steps summed).
 struct TwoShotGeometry {
   int64_t tokens, chunk, block_rows, steps;
   int world;
   int64_t begin(int j) const { return std::min<int64_t>(tokens, chunk * j); }
   int64_t end(int j) const { return std::min<int64_t>(tokens, chunk * (j + 1)); }
-  // Arrival progress: chunk at position p of a copier's order (copier + 1 + p), block k copied:
-  // p * steps + k + 1 (a chunk with fewer blocks jumps to (p + 1) * steps when done).
+  // Rows [first, last) of step k of owner j's chunk (empty past its end).
+  std::pair<int64_t, int64_t> rows(int j, int64_t k) const {
+    const int64_t first = std::min(end(j), begin(j) + k * block_rows);
+    return {first, std::min(end(j), first + block_rows)};
+  }
+  // The copier's arrival progress once it has copied step k of the chunk at position p of
+  // its order (owner copier + 1 + p).
+  int64_t copied(int64_t k, int p) const { return k * (world - 1) + p + 1; }
   int position(int owner, int copier) const { return (owner - copier - 1 + world) % world; }
 };
 
-inline void twoshot_copy(const Exchange& e, const TwoShotGeometry& g) {
+// Copy step k of every other owner's rows into my slot, announcing each.
+inline void twoshot_copy_step(const Exchange& e, const TwoShotGeometry& g, int64_t k) {
   const Segment& s = e.seg;
-  if (!e.copy) {
-    s.post(0, e.call_base() + layout::kProgressUnits - 1);
-    return;
-  }
   char* slot = s.input_slot(s.rank, e.seq & 1);
   const char* x = static_cast<const char*>(e.x);
   for (int p = 0; p + 1 < s.world; ++p) {
-    const int j = (s.rank + 1 + p) % s.world;
-    const int64_t b = g.begin(j), end = g.end(j);
-    for (int64_t k = 0; b + k * g.block_rows < end; ++k) {
-      const int64_t r0 = b + k * g.block_rows, r1 = std::min(end, r0 + g.block_rows);
+    const auto [r0, r1] = g.rows((s.rank + 1 + p) % s.world, k);
+    if (r1 > r0) {
       copy_in(slot + r0 * e.row_bytes, x + r0 * e.row_bytes, size_t((r1 - r0) * e.row_bytes),
               e.streaming);
-      s.post(0, e.call_base() + p * g.steps + k + 1);
     }
-    s.post(0, e.call_base() + (p + 1) * g.steps);
+    s.post(0, e.call_base() + g.copied(k, p));
   }
 }
 
-// Sum my block of rows into my result slot (block by block, as the copiers announce them) and
-// finish those rows in the same pass (finish_row's sum_out: the sum goes to the slot and on
-// into the epilogue while it is in registers).
+// Sum step k of my rows into my result slot once every copier has them, and finish those
+// rows in the same pass (finish_row's sum_out: the sum goes to the slot and on into the
+// epilogue while it is in registers).
 template <int D>
-void twoshot_own(const Exchange& e, const TwoShotGeometry& g,
-                 const typename Elem<D>::T* const* inputs) {
+void twoshot_own_step(const Exchange& e, const TwoShotGeometry& g,
+                      const typename Elem<D>::T* const* inputs, int64_t k) {
   using T = typename Elem<D>::T;
   const Segment& s = e.seg;
   const Call& c = e.c;
-  const int64_t H = c.hidden, begin = g.begin(s.rank), end = g.end(s.rank);
+  const auto [r0, r1] = g.rows(s.rank, k);
+  if (r1 <= r0) return;
+  for (int j = 0; j < s.world; ++j) {
+    if (j != s.rank) {
+      e.waiter.wait_rank(0, j, e.call_base() + g.copied(k, g.position(s.rank, j)), j);
+    }
+  }
+  const int64_t H = c.hidden, begin = g.begin(s.rank);
   T* mine = reinterpret_cast<T*>(s.result_slot(s.rank, e.seq & 1));
   T* out = static_cast<T*>(c.out);
   T* residual_out = static_cast<T*>(c.residual_out);
-  for (int64_t k = 0; begin + k * g.block_rows < end; ++k) {
-    for (int j = 0; j < s.world; ++j) {
-      if (j != s.rank) {
-        e.waiter.wait_rank(0, j, e.call_base() + g.position(s.rank, j) * g.steps + k + 1, j);
-      }
-    }
-    const int64_t r1 = std::min(end, begin + (k + 1) * g.block_rows);
-    for (int64_t row = begin + k * g.block_rows; row < r1; ++row) {
-      finish_row<D>(inputs, s.world, row, row, c, out + row * H,
-                    residual_out ? residual_out + row * H : nullptr, mine + (row - begin) * H);
-    }
-    s.post(1, e.call_base() + k + 1);
+  for (int64_t row = r0; row < r1; ++row) {
+    finish_row<D>(inputs, s.world, row, row, c, out + row * H,
+                  residual_out ? residual_out + row * H : nullptr, mine + (row - begin) * H);
   }
+  s.post(1, e.call_base() + k + 1);
 }
 
-// Finish every other owner's rows from its sums, block by block as it announces them.
+// Finish step k of every other owner's rows from its sums, once it has announced them.
 template <int D>
-void twoshot_others(const Exchange& e, const TwoShotGeometry& g) {
+void twoshot_others_step(const Exchange& e, const TwoShotGeometry& g, int64_t k) {
   using T = typename Elem<D>::T;
   const Segment& s = e.seg;
   const Call& c = e.c;
@@ -477,15 +478,13 @@ void twoshot_others(const Exchange& e, const TwoShotGeometry& g) {
   T* residual_out = static_cast<T*>(c.residual_out);
   for (int p = 0; p + 1 < s.world; ++p) {
     const int j = (s.rank + 1 + p) % s.world;
-    const int64_t b = g.begin(j), end = g.end(j);
+    const auto [r0, r1] = g.rows(j, k);
+    if (r1 <= r0) continue;
+    e.waiter.wait_rank(1, j, e.call_base() + k + 1, j);
     const T* theirs[1] = {reinterpret_cast<const T*>(s.result_slot(j, e.seq & 1))};
-    for (int64_t k = 0; b + k * g.block_rows < end; ++k) {
-      e.waiter.wait_rank(1, j, e.call_base() + k + 1, j);
-      const int64_t r1 = std::min(end, b + (k + 1) * g.block_rows);
-      for (int64_t row = b + k * g.block_rows; row < r1; ++row) {
-        finish_row<D>(theirs, 1, row - b, row, c, out + row * H,
-                      residual_out ? residual_out + row * H : nullptr);
-      }
+    for (int64_t row = r0; row < r1; ++row) {
+      finish_row<D>(theirs, 1, row - g.begin(j), row, c, out + row * H,
+                    residual_out ? residual_out + row * H : nullptr);
     }
   }
 }
@@ -499,19 +498,27 @@ void run_twoshot(const Exchange& e) {
   g.world = s.world;
   g.chunk = (g.tokens + s.world - 1) / s.world;
   g.block_rows = std::max<int64_t>(1, kBlockBytes / e.row_bytes);
-  g.steps = (g.chunk + g.block_rows - 1) / g.block_rows;  // blocks per chunk, at most
-  twoshot_copy(e, g);
-  // Every rank has announced progress of this call by now or soon: its descriptor is visible.
-  // Compare before waiting for any block (a rank with other tokens counts other blocks).
-  e.waiter.wait_all(0, e.call_base() + 1);
-  check_descriptors(s, e.seq, e.word0, e.word1);
+  g.steps = (g.chunk + g.block_rows - 1) / g.block_rows;  // steps per chunk, at most
   const T* inputs[layout::kMaxWorld];
   for (int j = 0; j < s.world; ++j) {
     inputs[j] = reinterpret_cast<const T*>(s.input_slot(j, e.seq & 1));
   }
-  if (e.copy) inputs[s.rank] = static_cast<const T*>(e.x);  // my own block: read from x
-  twoshot_own<D>(e, g, inputs);
-  twoshot_others<D>(e, g);
+  if (e.copy) {
+    inputs[s.rank] = static_cast<const T*>(e.x);  // my own rows: read from x
+    twoshot_copy_step(e, g, 0);
+  } else {
+    s.post(0, e.call_base() + layout::kProgressUnits - 1);  // all in the slot already
+  }
+  // Every rank has announced progress of this call by now or soon: its descriptor is visible.
+  // Compare before waiting for any block (a rank with other tokens counts other steps).
+  e.waiter.wait_all(0, e.call_base() + 1);
+  check_descriptors(s, e.seq, e.word0, e.word1);
+  for (int64_t k = 0; k < g.steps; ++k) {
+    if (e.copy && k + 1 < g.steps) twoshot_copy_step(e, g, k + 1);
+    twoshot_own_step<D>(e, g, inputs, k);
+    if (k > 0) twoshot_others_step<D>(e, g, k - 1);
+  }
+  twoshot_others_step<D>(e, g, g.steps - 1);
   // Every other rank's flags of this call have been seen by now (a rank with an empty
   // block waits on every owner; the others wait on every copier), so every vote is final.
   if (e.decide >= 0) e.tuner.decide(e.decide, s);
