@@ -21,6 +21,14 @@ inline const char* ahead(const void* p) {
 inline void prefetch_read(const void* p) { __builtin_prefetch(ahead(p), 0, 3); }
 inline void prefetch_write(const void* p) { __builtin_prefetch(ahead(p), 1, 3); }
 
+// The lines that step h of a row pass reaches a little later: every input row's, and the
+// result slot's for writing (sum_dst; null when the pass stores no sums).
+template <class T>
+inline void prefetch_step(const T* const* rows, int ranks, std::int64_t h, T* sum_dst) {
+  for (int j = 0; j < ranks; ++j) prefetch_read(rows[j] + h);
+  if (sum_dst != nullptr) prefetch_write(sum_dst + h);
+}
+
 // dst = src, n bytes, each destination line taken for writing ahead of its store.
 inline void copy_prefetching(char* dst, const char* src, std::size_t n) {
   std::size_t i = 0;

@@ -138,8 +138,7 @@ __m256 bf16_pass1(const uint16_t* const* rows, int world, int64_t n16, const uin
   __m256 vl = _mm256_setzero_ps();
   for (int64_t h = 0; h < n16; h += 16) {
     const int ranks = W > 0 ? W : world;
-    for (int j = 0; j < ranks; ++j) prefetch_read(rows[j] + h);
-    if constexpr (SUM) prefetch_write(sum_dst + h);
+    prefetch_step(rows, ranks, h, SUM ? sum_dst : nullptr);
     BF16x16 a = BF16x16::load(rows[0] + h);
     for (int j = 1; j < ranks; ++j) {
       const BF16x16 b = BF16x16::load(rows[j] + h);
@@ -191,8 +190,7 @@ __m256 pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
     vl = bf16_pass1<W, NORM, RES, SUM>(rows, world, h, res, dst, sum_dst);
   }
   for (; h + kLanes <= n; h += kLanes) {
-    for (int j = 0; j < (W > 0 ? W : world); ++j) prefetch_read(rows[j] + h);
-    if constexpr (SUM) prefetch_write(sum_dst + h);
+    prefetch_step(rows, (W > 0 ? W : world), h, SUM ? sum_dst : nullptr);
     __m256 a;
     if constexpr (W == 1) {
       a = V::load(r0 + h);

@@ -160,8 +160,7 @@ __m256 pass1(const typename Elem<D>::T* const* rows, int world, int64_t n16,
   using V = Vec<D>;
   __m256 acc = _mm256_setzero_ps();
   for (int64_t h = 0; h < n16; h += kWide) {
-    for (int j = 0; j < (W > 0 ? W : world); ++j) prefetch_read(rows[j] + h);
-    if constexpr (SUM) prefetch_write(sum_dst + h);
+    prefetch_step(rows, (W > 0 ? W : world), h, SUM ? sum_dst : nullptr);
     const __m512 a = rank_sum<D, W>(rows, world, h);
     if constexpr (!NORM) {
       const typename V::B s = V::pack(a);
