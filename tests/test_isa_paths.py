@@ -9,7 +9,7 @@ built by its own process (``ARFUSE_SHM_ISA``), for every path this machine can r
   infinities, -0, denormals and sums that overflow: the bytes of every output are the same on
   every ISA and rank, and equal to the reference for the same inputs: the rank-order fp32
   sum and residual add through torch, ``out`` by the documented formula (numpy float32, one
-  operation at a time, 8 lanes), the quantised bytes by ``arfuse.quant``. A NaN is compared
+  operation at a time, 32 lanes), the quantised bytes by ``arfuse.quant``. A NaN is compared
   as a NaN with torch's values (torch makes its NaNs canonical: 0x7fc0 or 0xffff in bf16),
   bit for bit across ISAs.
 """
@@ -180,18 +180,21 @@ def matrix(rank: int, world: int, mode: str) -> dict[str, Any]:
 
 def documented_out(residual_out: torch.Tensor, weight: torch.Tensor,
                    weight_bias: float) -> torch.Tensor:
-    """out = T((r * inv) * (weight_bias + w)), inv = 1 / sqrt(ss / H + eps), ss summed in 8
-    lanes (lane = h % 8, in order) combined ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)): numpy float32,
-    one IEEE operation at a time."""
+    """out = T((r * inv) * (weight_bias + w)), inv = 1 / sqrt(ss / H + eps), ss summed in 32
+    lanes (lane = h % 32, in order) combined by halving (lane i + lane i + 16, then i + 8, 4,
+    2, 1): numpy float32, one IEEE operation at a time."""
     r = residual_out.float().numpy()
     tokens, hidden = r.shape
-    lanes = np.zeros((8, tokens), dtype=np.float32)
+    lanes = np.zeros((32, tokens), dtype=np.float32)
     with np.errstate(all="ignore"):
-        for lane in range(min(8, hidden)):
-            sq = r[:, lane::8] * r[:, lane::8]
+        for lane in range(min(32, hidden)):
+            sq = r[:, lane::32] * r[:, lane::32]
             lanes[lane] = np.cumsum(sq, axis=1, dtype=np.float32)[:, -1]
-        ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + (
-            (lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+        width = 16
+        while width >= 1:
+            lanes[:width] = lanes[:width] + lanes[width:2 * width]
+            width //= 2
+        ss = lanes[0]
         inv = np.float32(1.0) / np.sqrt(ss / np.float32(hidden) + np.float32(EPS))
         gain = np.float32(weight_bias) + weight.float().numpy()
         out = (r * inv[:, None]) * gain

@@ -1,6 +1,6 @@
 """The compiled kernel computes exactly the documented formula, bit for bit (kernel header):
-the sum of squares in 8 lanes (lane = h % 8, each added up in order, combined as
-((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))), then out = T((r * inv) * (weight_bias + w)).
+the sum of squares in 32 lanes (lane = h % 32, each added up in order, combined by halving:
+lane i + lane i + 16 for i < 16, then i + 8, 4, 2, 1), then out = T((r * inv) * (weight_bias + w)).
 
 This pins the order of the fp32 operations, so a faster loop that reorders them fails here
 even when it stays within the tolerance the reference tests allow (in float32 outputs; in 16-bit
@@ -43,11 +43,15 @@ def documented_out(residual_out: torch.Tensor, weight: torch.Tensor, eps: float,
     tokens, hidden = r.shape
     out = np.empty_like(r)
     for t in range(tokens):
-        lanes = np.zeros(8, dtype=np.float32)
+        lanes = np.zeros(32, dtype=np.float32)
         for h in range(hidden):
-            lanes[h % 8] = lanes[h % 8] + r[t, h] * r[t, h]
-        ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + (
-            (lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+            lanes[h % 32] = lanes[h % 32] + r[t, h] * r[t, h]
+        width = 16
+        while width >= 1:
+            for i in range(width):
+                lanes[i] = lanes[i] + lanes[i + width]
+            width //= 2
+        ss = lanes[0]
         inv = np.float32(1.0) / np.sqrt(ss / np.float32(hidden) + np.float32(eps))
         out[t] = (r[t] * inv) * gain
     return torch.from_numpy(out).to(residual_out.dtype)

@@ -16,7 +16,9 @@ enum Quant { kNone = 0, kFP8 = 1, kNVFP4 = 2, kQuantOther = 3, kFP8Dynamic = 4 }
 // fp8_dynamic's smallest scale: the fp32 value of the double 1 / (512 * 448), as
 // torch.tensor(1 / (512 * 448), dtype=float32) gives it (quant.FP8_DYNAMIC_MIN_SCALE).
 constexpr float kFp8DynamicMinScale = float(1.0 / (512.0 * 448.0));
-constexpr int kLanes = 8;  // the sum of squares is added up in 8 lanes, lane = h % 8
+// The sum of squares is added up in 32 lanes, lane = h % 32, each in order of h; so many that
+// the vector forms keep independent accumulators (no chain of dependent adds).
+constexpr int kSumLanes = 32;
 
 inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }

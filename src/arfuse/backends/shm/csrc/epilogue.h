@@ -2,7 +2,8 @@
 // and quantisation. Identical on every rank and in one-shot and two-shot mode:
 //
 //   acc = sum_r f32(x_r) in rank order; sum = T(acc); residual_out = T(f32(sum) + f32(res));
-//   r = f32(residual_out); ss = sum of r*r in 8 interleaved lanes combined in a fixed order;
+//   r = f32(residual_out); ss = sum of r*r in 32 lanes (lane = h % 32, each in order of h),
+//          combined by halving (lane i + lane i + 16 for i < 16, then i + 8, 4, 2, 1);
 //   inv = 1 / sqrt(ss / H + eps); out = T((r * inv) * (weight_bias + f32(w)));
 //   fp8:   q = e4m3_satfinite_rne(f32(out) * (1 / scale))
 //   fp8_dynamic: per row: amax = max |f32(out)| ignoring NaN (fmaxf);
@@ -15,7 +16,7 @@
 // block amax is taken with __hmax2/__hmax, which return the other operand for a NaN, and the
 // codes with cvt.rn.satfinite.e2m1x2.f32, which turns a NaN into +MAX_NORM (cuda_fp4.hpp).
 // The vector forms (vec.h) and the scalar loops here compute the same values in the same
-// order (lane = h % 8), a NaN included (add_o, mul_o in conversions.h).
+// order (lane = h % 32), a NaN included (add_o, mul_o in conversions.h).
 #pragma once
 
 #include <algorithm>
@@ -103,14 +104,21 @@ void quantize_row(const typename Elem<D>::T* out, const Call& c, int64_t row) {
   }
 }
 
-// The norm tail of a row: the lanes combined in the documented order, then out from
-// residual_out (exact: it holds r in T) and the gain.
+// The lane sums combined in the documented order (halving: lane i + lane i + width).
+inline float combine_lanes(float* lanes) {
+  for (int width = kSumLanes / 2; width >= 1; width /= 2) {
+    for (int i = 0; i < width; ++i) lanes[i] = add_o(lanes[i], lanes[i + width]);
+  }
+  return lanes[0];
+}
+
+// The norm tail of a row: the lanes combined, then out from residual_out (exact: it holds r
+// in T) and the gain.
 template <int D>
 void norm_row(const Call& c, float* lanes, typename Elem<D>::T* out,
               const typename Elem<D>::T* residual_out) {
   const int64_t H = c.hidden;
-  const float ss = add_o(add_o(add_o(lanes[0], lanes[1]), add_o(lanes[2], lanes[3])),
-                         add_o(add_o(lanes[4], lanes[5]), add_o(lanes[6], lanes[7])));
+  const float ss = combine_lanes(lanes);
   const float inv = 1.0f / std::sqrt(ss / float(H) + c.eps);
   int64_t k = isa::row_scale<D>(residual_out, c.gain, H, inv, out);
   for (; k < H; ++k) {
@@ -155,7 +163,7 @@ void finish_row(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_
   const int64_t off = in_row * H;
   const T* res = c.residual ? static_cast<const T*>(c.residual) + row * H : nullptr;
   const bool norm = c.weight != nullptr;
-  float lanes[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float lanes[kSumLanes] = {};
   const T* rows[layout::kMaxWorld];
   for (int j = 0; j < ranks; ++j) rows[j] = inputs[j] + off;
   int64_t h = vector_sum<D>(rows, ranks, H, res, norm, out, residual_out, lanes, sum_out);
@@ -174,7 +182,7 @@ void finish_row(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_
     residual_out[h] = rounded;
     float r = E::load(rounded);
     float sq = r * r;
-    lanes[h % kLanes] = add_o(lanes[h % kLanes], sq);
+    lanes[h % kSumLanes] = add_o(lanes[h % kSumLanes], sq);
   }
   if (norm) norm_row<D>(c, lanes, out, residual_out);
   quantize_row<D>(out, c, row);

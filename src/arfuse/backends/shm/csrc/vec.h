@@ -5,7 +5,8 @@
 //   Has<D>::value                        whether dtype D has vector forms here
 //   row_sum<D, NORM, RES, SUM>(rows, ranks, n, res, dst, lanes, sum_dst)
 //                                        first pass over one row (SUM: the rounded sum also
-//                                        into sum_dst, the two-shot result slot)
+//                                        into sum_dst, the two-shot result slot); lanes: the
+//                                        kSumLanes sums of squares, lane = h % kSumLanes
 //   row_scale<D>(r, gain, n, inv, out)                           second pass (RMSNorm)
 //   gain_row<D>(w, weight_bias, n, gain)                          weight_bias + f32(w)
 //   fp8_row<D>(out, inv_scale, n, dst)                            e4m3 codes
@@ -15,9 +16,10 @@
 //   convert_row<D>(src, n, dst)                                   fp32 -> T (a test hook)
 //   stream_copy(dst, src, n)                                      non-temporal memcpy
 //
-// The row functions return how many leading elements they handled (a multiple of kLanes;
-// 0 when there is no vector form) and the caller finishes the rest with the scalar forms of
-// conversions.h, which compute the same values in the same order (lane = h % 8).
+// The row functions return how many leading elements they handled (0 when there is no vector
+// form; row_sum: a multiple of kSumLanes; row_scale: as many as gain_row laid out in its own
+// order) and the caller finishes the rest with the scalar forms of conversions.h, which
+// compute the same values in the same order (lane = h % kSumLanes).
 //
 // Which header: the build's target (build.py passes the -m flags of the instruction set it
 // builds for: the best the host has, or ARFUSE_SHM_ISA=avx512|avx2|scalar). AVX-512 needs

@@ -1,5 +1,7 @@
-// AVX2 (+ F16C for fp16) forms of the row kernels: 8 fp32 lanes, lane = h % 8, the same
-// rounding as the scalar forms in conversions.h. See vec.h for the interface.
+// AVX2 (+ F16C for fp16) forms of the row kernels: 8 fp32 lanes per vector, the same
+// rounding as the scalar forms in conversions.h. See vec.h for the interface. The sum of
+// squares in its 32 lanes (lane = h % 32): four 8-wide accumulators, each lane added up in
+// order of h (which lanes each holds: see pass1).
 //
 // (Streaming stores for the outputs were measured: slower or faster depending on where the
 // hypervisor placed the two cores; cached stores it is. The copy into the slot chooses per
@@ -19,6 +21,8 @@
 
 namespace arfuse {
 namespace isa {
+
+constexpr int kWide = 8;  // fp32 lanes per vector
 
 #if defined(__F16C__)
 constexpr const char* kIsa = "avx2+f16c";
@@ -122,102 +126,115 @@ struct BF16x16 {
     const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(hi), 16);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_packus_epi32(a, b));
   }
-  // sum of squares in the canonical order (lane = h % 8): elements 0-7, then 8-15
-  static __m256 add_squares(__m256 acc, __m256 lo, __m256 hi) {
-    const __m256 first = _mm256_permute2f128_ps(lo, hi, 0x20);
-    const __m256 second = _mm256_permute2f128_ps(lo, hi, 0x31);
-    acc = add_o(acc, _mm256_mul_ps(first, first));
-    return add_o(acc, _mm256_mul_ps(second, second));
-  }
 };
 
-// The first pass over [0, n16) of a bf16 row (n16 a multiple of 16); see pass1.
+// 16 bf16 elements at h of the first pass (see pass1_step); lo and hi take the squares of
+// elements [0-3, 8-11] and [4-7, 12-15] of the 16.
 template <int W, bool NORM, bool RES, bool SUM>
-__m256 bf16_pass1(const uint16_t* const* rows, int world, int64_t n16, const uint16_t* res,
-                  uint16_t* dst, uint16_t* sum_dst) {
-  __m256 vl = _mm256_setzero_ps();
-  for (int64_t h = 0; h < n16; h += 16) {
-    const int ranks = W > 0 ? W : world;
-    prefetch_step(rows, ranks, h, SUM ? sum_dst : nullptr);
-    BF16x16 a = BF16x16::load(rows[0] + h);
-    for (int j = 1; j < ranks; ++j) {
-      const BF16x16 b = BF16x16::load(rows[j] + h);
-      a.lo = add_o(a.lo, b.lo);
-      a.hi = add_o(a.hi, b.hi);
-    }
-    // one input (W == 1) holds bf16 values already: rounding them again changes nothing
-    // that the rounding after the residual add below would not (it also quiets a signaling
-    // NaN); the sum for the result slot (SUM) is rounded all the same
-    __m256 lo = a.lo, hi = a.hi;
-    if constexpr (!(W == 1 && NORM && !SUM)) {
-      lo = bf16x8_round32(a.lo);
-      hi = bf16x8_round32(a.hi);
-    }
-    if constexpr (SUM) BF16x16::put(sum_dst + h, lo, hi);
-    if constexpr (NORM) {
-      if constexpr (RES) {
-        const BF16x16 b = BF16x16::load(res + h);
-        lo = bf16x8_round32(add_o(lo, b.lo));
-        hi = bf16x8_round32(add_o(hi, b.hi));
-      }
-      vl = BF16x16::add_squares(vl, lo, hi);
-    }
-    BF16x16::put(dst + h, lo, hi);
+inline void bf16_pass1_step(const uint16_t* const* rows, int world, int64_t h,
+                            const uint16_t* res, uint16_t* dst, uint16_t* sum_dst,
+                            __m256& acc_lo, __m256& acc_hi) {
+  const int ranks = W > 0 ? W : world;
+  prefetch_step(rows, ranks, h, SUM ? sum_dst : nullptr);
+  BF16x16 a = BF16x16::load(rows[0] + h);
+  for (int j = 1; j < ranks; ++j) {
+    const BF16x16 b = BF16x16::load(rows[j] + h);
+    a.lo = add_o(a.lo, b.lo);
+    a.hi = add_o(a.hi, b.hi);
   }
-  return vl;
+  // one input (W == 1) holds bf16 values already: rounding them again changes nothing
+  // that the rounding after the residual add below would not (it also quiets a signaling
+  // NaN); the sum for the result slot (SUM) is rounded all the same
+  __m256 lo = a.lo, hi = a.hi;
+  if constexpr (!(W == 1 && NORM && !SUM)) {
+    lo = bf16x8_round32(a.lo);
+    hi = bf16x8_round32(a.hi);
+  }
+  if constexpr (SUM) BF16x16::put(sum_dst + h, lo, hi);
+  if constexpr (NORM) {
+    if constexpr (RES) {
+      const BF16x16 b = BF16x16::load(res + h);
+      lo = bf16x8_round32(add_o(lo, b.lo));
+      hi = bf16x8_round32(add_o(hi, b.hi));
+    }
+    acc_lo = add_o(acc_lo, _mm256_mul_ps(lo, lo));
+    acc_hi = add_o(acc_hi, _mm256_mul_ps(hi, hi));
+  }
+  BF16x16::put(dst + h, lo, hi);
 }
 
-// First pass over a row, 8 lanes at a time: sum the ranks (rank order); plain: store the
-// rounded sum; norm: round, add the residual, round, store residual_out and return the
-// per-lane sums of r*r. SUM: also store the rounded sum in sum_dst (the two-shot result
-// slot). W is the world size when known at compile time (0: not).
+// 8 elements at h of the first pass: sum the ranks (rank order); plain: store the rounded
+// sum; norm: round, add the residual, round, store residual_out and add the squares of r to
+// acc. SUM: also store the rounded sum in sum_dst (the two-shot result slot). W is the world
+// size when known at compile time (0: not).
 template <int D, int W, bool NORM, bool RES, bool SUM>
-__m256 pass1(const typename Elem<D>::T* const* rows, int world, int64_t n,
-             const typename Elem<D>::T* res, typename Elem<D>::T* dst,
-             typename Elem<D>::T* sum_dst) {
+inline void pass1_step(const typename Elem<D>::T* const* rows, int world, int64_t h,
+                       const typename Elem<D>::T* res, typename Elem<D>::T* dst,
+                       typename Elem<D>::T* sum_dst, __m256& acc) {
   // res and dst may be the same row (residual updated in place): each lane reads res[h]
   // before it writes dst[h], and no other lane's store touches res.
   using V = Vec<D>;
-  using T = typename Elem<D>::T;
-  const T* __restrict r0 = rows[0];
-  const T* __restrict r1 = W >= 2 ? rows[1] : nullptr;
-  const T* __restrict r2 = W >= 4 ? rows[2] : nullptr;
-  const T* __restrict r3 = W >= 4 ? rows[3] : nullptr;
-  __m256 vl = _mm256_setzero_ps();
-  int64_t h = 0;
+  prefetch_step(rows, W > 0 ? W : world, h, SUM ? sum_dst : nullptr);
+  __m256 a;
+  if constexpr (W == 1) {
+    a = V::load(rows[0] + h);
+  } else if constexpr (W == 2) {
+    a = add_o(V::load(rows[0] + h), V::load(rows[1] + h));
+  } else if constexpr (W == 4) {
+    a = add_o(add_o(add_o(V::load(rows[0] + h), V::load(rows[1] + h)), V::load(rows[2] + h)),
+              V::load(rows[3] + h));
+  } else {
+    a = V::load(rows[0] + h);
+    for (int j = 1; j < world; ++j) a = add_o(a, V::load(rows[j] + h));
+  }
+  if constexpr (!NORM) {
+    const auto s = V::pack(a);
+    V::put(dst + h, s);
+    if constexpr (SUM) V::put(sum_dst + h, s);
+  } else {
+    // one input: values of T already (see bf16_pass1_step), unless the sum is stored too
+    __m256 pre = W == 1 && !SUM ? a : V::round(a);
+    if constexpr (SUM) V::put(sum_dst + h, V::narrow(pre));
+    if constexpr (RES) pre = add_o(pre, V::load(res + h));
+    __m256 r = V::round(pre);
+    V::put(dst + h, V::narrow(r));
+    acc = add_o(acc, _mm256_mul_ps(r, r));
+  }
+}
+
+// The first pass over [0, n32) of a row (n32 a multiple of 32), the lane sums into lanes:
+// acc[q] holds lanes 8q..8q+7 (bf16: lanes {0-3, 8-11}, {4-7, 12-15}, {16-19, 24-27},
+// {20-23, 28-31}, the BF16x16 order of each 16).
+template <int D, int W, bool NORM, bool RES, bool SUM>
+void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
+           const typename Elem<D>::T* res, typename Elem<D>::T* dst,
+           typename Elem<D>::T* sum_dst, float* lanes) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
   if constexpr (D == kBF16) {
-    h = n / 16 * 16;
-    vl = bf16_pass1<W, NORM, RES, SUM>(rows, world, h, res, dst, sum_dst);
-  }
-  for (; h + kLanes <= n; h += kLanes) {
-    prefetch_step(rows, (W > 0 ? W : world), h, SUM ? sum_dst : nullptr);
-    __m256 a;
-    if constexpr (W == 1) {
-      a = V::load(r0 + h);
-    } else if constexpr (W == 2) {
-      a = add_o(V::load(r0 + h), V::load(r1 + h));
-    } else if constexpr (W == 4) {
-      a = add_o(add_o(add_o(V::load(r0 + h), V::load(r1 + h)), V::load(r2 + h)),
-                V::load(r3 + h));
-    } else {
-      a = V::load(r0 + h);
-      for (int j = 1; j < world; ++j) a = add_o(a, V::load(rows[j] + h));
+    for (int64_t h = 0; h < n32; h += 32) {
+      bf16_pass1_step<W, NORM, RES, SUM>(rows, world, h, res, dst, sum_dst, acc[0], acc[1]);
+      bf16_pass1_step<W, NORM, RES, SUM>(rows, world, h + 16, res, dst, sum_dst, acc[2],
+                                         acc[3]);
     }
-    if constexpr (!NORM) {
-      const auto s = V::pack(a);
-      V::put(dst + h, s);
-      if constexpr (SUM) V::put(sum_dst + h, s);
-    } else {
-      // one input: values of T already (see above), unless the sum is stored too
-      __m256 pre = W == 1 && !SUM ? a : V::round(a);
-      if constexpr (SUM) V::put(sum_dst + h, V::narrow(pre));
-      if constexpr (RES) pre = add_o(pre, V::load(res + h));
-      __m256 r = V::round(pre);
-      V::put(dst + h, V::narrow(r));
-      vl = add_o(vl, _mm256_mul_ps(r, r));
+    alignas(32) float held[4][kWide];
+    for (int q = 0; q < 4; ++q) _mm256_store_ps(held[q], acc[q]);
+    for (int half = 0; half < 2; ++half) {  // the 16 at 16 * half: lo = acc[2 * half]
+      for (int i = 0; i < 4; ++i) {
+        lanes[16 * half + i] = held[2 * half][i];
+        lanes[16 * half + 8 + i] = held[2 * half][4 + i];
+        lanes[16 * half + 4 + i] = held[2 * half + 1][i];
+        lanes[16 * half + 12 + i] = held[2 * half + 1][4 + i];
+      }
     }
+  } else {
+    for (int64_t h = 0; h < n32; h += 32) {
+      for (int q = 0; q < 4; ++q) {
+        pass1_step<D, W, NORM, RES, SUM>(rows, world, h + q * kWide, res, dst, sum_dst, acc[q]);
+      }
+    }
+    for (int q = 0; q < 4; ++q) _mm256_storeu_ps(lanes + q * kWide, acc[q]);
   }
-  return vl;
 }
 
 template <int D, bool NORM, bool RES, bool SUM>
@@ -227,13 +244,13 @@ int64_t row_sum(const typename Elem<D>::T* const* rows, int ranks, int64_t n,
   if constexpr (!Vec<D>::ok) {
     return 0;
   } else {
-    __m256 vl;
-    if (ranks == 1) vl = pass1<D, 1, NORM, RES, SUM>(rows, ranks, n, res, dst, sum_dst);
-    else if (ranks == 2) vl = pass1<D, 2, NORM, RES, SUM>(rows, ranks, n, res, dst, sum_dst);
-    else if (ranks == 4) vl = pass1<D, 4, NORM, RES, SUM>(rows, ranks, n, res, dst, sum_dst);
-    else vl = pass1<D, 0, NORM, RES, SUM>(rows, ranks, n, res, dst, sum_dst);
-    _mm256_storeu_ps(lanes, vl);
-    return n / kLanes * kLanes;
+    static_assert(kSumLanes == 4 * kWide, "four accumulators of 8 lanes");
+    const int64_t n32 = n / kSumLanes * kSumLanes;
+    if (ranks == 1) pass1<D, 1, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
+    else if (ranks == 2) pass1<D, 2, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
+    else if (ranks == 4) pass1<D, 4, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
+    else pass1<D, 0, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
+    return n32;
   }
 }
 
@@ -256,7 +273,7 @@ int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, in
         BF16x16::put(out + k, bf16x8_round32(lo), bf16x8_round32(hi));
       }
     }
-    for (; k + kLanes <= n; k += kLanes) {
+    for (; k + kWide <= n; k += kWide) {
       __m256 scaled = mul_o(V::load(r + k), vinv);
       V::put(out + k, V::pack(mul_o(scaled, _mm256_loadu_ps(gain + k))));
     }
@@ -279,7 +296,7 @@ int64_t gain_row(const typename Elem<D>::T* w, float weight_bias, int64_t n, flo
         _mm256_storeu_ps(gain + k + 8, _mm256_add_ps(vb, v.hi));
       }
     }
-    for (; k + kLanes <= n; k += kLanes) {
+    for (; k + kWide <= n; k += kWide) {
       _mm256_storeu_ps(gain + k, _mm256_add_ps(vb, Vec<D>::load(w + k)));
     }
     return k;
@@ -293,7 +310,7 @@ int64_t convert_row(const float* src, int64_t n, typename Elem<D>::T* dst) {
     return 0;
   } else {
     int64_t h = 0;
-    for (; h + kLanes <= n; h += kLanes) {
+    for (; h + kWide <= n; h += kWide) {
       Vec<D>::put(dst + h, Vec<D>::pack(_mm256_loadu_ps(src + h)));
     }
     return h;
@@ -333,7 +350,7 @@ int64_t fp8_row(const typename Elem<D>::T* out, float inv_scale, int64_t n, uint
   } else {
     const __m256 vs = _mm256_set1_ps(inv_scale);
     int64_t h = 0;
-    for (; h + kLanes <= n; h += kLanes) {
+    for (; h + kWide <= n; h += kWide) {
       _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + h),
                        e4m3x8(_mm256_mul_ps(Vec<D>::load(out + h), vs)));
     }
@@ -351,7 +368,7 @@ int64_t amax_row(const typename Elem<D>::T* out, int64_t n, float* amax) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 mx = _mm256_setzero_ps();
     int64_t h = 0;
-    for (; h + kLanes <= n; h += kLanes) {
+    for (; h + kWide <= n; h += kWide) {
       const __m256 v = Vec<D>::load(out + h);
       const __m256 ord = _mm256_cmp_ps(v, v, _CMP_ORD_Q);
       mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_and_ps(v, abs_mask), ord));
@@ -372,7 +389,7 @@ int64_t fp8_div_row(const typename Elem<D>::T* out, float scale, int64_t n, uint
   } else {
     const __m256 vs = _mm256_set1_ps(scale);
     int64_t h = 0;
-    for (; h + kLanes <= n; h += kLanes) {
+    for (; h + kWide <= n; h += kWide) {
       _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + h),
                        e4m3x8(_mm256_div_ps(Vec<D>::load(out + h), vs)));
     }

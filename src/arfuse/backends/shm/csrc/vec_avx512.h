@@ -2,10 +2,12 @@
 // lanes per vector, the same values as the scalar forms in conversions.h. See vec.h for the
 // interface.
 //
-// The sum of squares keeps the documented 8 lanes (lane = h % 8): a 16-wide vector of squares
-// holds elements h..h+7 in its low half and h+8..h+15 in its high half, and is added to the
-// 8-lane accumulator in that order (low half, then high half), which is exactly the sequential
-// per-lane order of the scalar loop.
+// The sum of squares in its 32 lanes (lane = h % 32): two 16-wide accumulators, each lane
+// added up in order of h as the scalar loop does. fp32 and fp16 go 16 elements at a time in
+// element order (elements h..h+15 of each 32 to the first accumulator, h+16..h+31 to the
+// second). bf16 goes 32 at a time split into even and odd elements (BF16x32): widening is then
+// a shift or a mask instead of a shuffle (the shuffle port bounded the loop), and the two
+// accumulators hold lanes 0, 2, ..., 30 and 1, 3, ..., 31. Packing interleaves them back.
 //
 // bf16 rounding: vcvtneps2bf16 (AVX512_BF16) rounds to nearest even and makes a NaN quiet with
 // the payload rule of f32_to_bf16 ((bits >> 16) | 0x40: checked in tests/test_isa_paths.py),
@@ -123,12 +125,33 @@ template <> struct Vec<kFP32> {
 
 template <int D> struct Has { static constexpr bool value = true; };
 
-// acc (lanes 0-7) += squares of 16 elements in the canonical order: elements 0-7, then 8-15.
-inline __m256 add_squares(__m256 acc, __m512 r) {
-  const __m512 sq = _mm512_mul_ps(r, r);
-  acc = add_o(acc, _mm512_castps512_ps256(sq));
-  return add_o(acc, _mm512_extractf32x8_ps(sq, 1));
-}
+// bf16, 32 at a time: the even elements are the low halves of the 32-bit words (shifted up,
+// that is their fp32 value), the odd ones the high halves (masked): no shuffle to widen.
+struct BF16x32 {
+  __m512 even, odd;
+  static BF16x32 of(__m512i bits) {
+    return {as_ps(_mm512_slli_epi32(bits, 16)), as_ps(_mm512_and_si512(bits, splat(int(0xffff0000u))))};
+  }
+  static BF16x32 load(const uint16_t* p) { return of(_mm512_loadu_si512(p)); }
+  static void put(uint16_t* p, __m512i bits) { _mm512_storeu_si512(p, bits); }
+  // The bf16 bits of even and odd in element order, rounded as f32_to_bf16 does.
+  __m512i pack() const {
+#if defined(__AVX512BF16__)
+    if (__builtin_expect(
+            (_mm512_fpclass_ps_mask(even, 0x20) | _mm512_fpclass_ps_mask(odd, 0x20)) == 0, 1)) {
+      const __m512bh both = _mm512_cvtne2ps_pbh(odd, even);  // words 0-15 even, 16-31 odd
+      __m512i bits;
+      std::memcpy(&bits, &both, sizeof(bits));
+      const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                             25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                             18, 2, 17, 1, 16, 0);
+      return _mm512_permutexvar_epi16(order, bits);
+    }
+#endif
+    return _mm512_or_si512(_mm512_srli_epi32(as_si(bf16_round32_int(even)), 16),
+                           as_si(bf16_round32_int(odd)));
+  }
+};
 
 // The sum over the ranks of 16 elements at h, in rank order.
 template <int D, int W>
@@ -147,55 +170,115 @@ inline __m512 rank_sum(const typename Elem<D>::T* const* rows, int world, int64_
   return a;
 }
 
-// First pass over [0, n16) of a row, 16 at a time: sum the ranks (rank order); plain: store
-// the rounded sum; norm: round, add the residual, round, store residual_out and return the
-// per-lane sums of r*r. SUM: also store the rounded sum in sum_dst (the two-shot result slot).
+// 16 elements at h of the first pass (fp32, fp16): sum the ranks (rank order); plain: store
+// the rounded sum; norm: round, add the residual, round, store residual_out and add the
+// squares of r to acc. SUM: also store the rounded sum in sum_dst (the two-shot result slot).
 // W is the world size when known at compile time (0: not).
 template <int D, int W, bool NORM, bool RES, bool SUM>
-__m256 pass1(const typename Elem<D>::T* const* rows, int world, int64_t n16,
-             const typename Elem<D>::T* res, typename Elem<D>::T* dst,
-             typename Elem<D>::T* sum_dst) {
+inline void pass1_step(const typename Elem<D>::T* const* rows, int world, int64_t h,
+                       const typename Elem<D>::T* res, typename Elem<D>::T* dst,
+                       typename Elem<D>::T* sum_dst, __m512& acc) {
   // res and dst may be the same row (residual updated in place): each lane reads res[h]
   // before it writes dst[h], and no other lane's store touches res.
   using V = Vec<D>;
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t h = 0; h < n16; h += kWide) {
-    prefetch_step(rows, (W > 0 ? W : world), h, SUM ? sum_dst : nullptr);
-    const __m512 a = rank_sum<D, W>(rows, world, h);
-    if constexpr (!NORM) {
+  prefetch_step(rows, W > 0 ? W : world, h, SUM ? sum_dst : nullptr);
+  const __m512 a = rank_sum<D, W>(rows, world, h);
+  if constexpr (!NORM) {
+    const typename V::B s = V::pack(a);
+    V::put(dst + h, s);
+    if constexpr (SUM) V::put(sum_dst + h, s);
+  } else {
+    // one input (W == 1) holds values of T already: rounding them again changes nothing
+    // that the rounding after the residual add would not (it also quiets a signaling NaN)
+    __m512 pre = a;
+    if constexpr (W != 1 || SUM) {
       const typename V::B s = V::pack(a);
-      V::put(dst + h, s);
       if constexpr (SUM) V::put(sum_dst + h, s);
-    } else {
-      // one input (W == 1) holds values of T already: rounding them again changes nothing
-      // that the rounding after the residual add would not (it also quiets a signaling NaN)
-      __m512 pre = a;
-      if constexpr (W != 1 || SUM) {
-        const typename V::B s = V::pack(a);
-        if constexpr (SUM) V::put(sum_dst + h, s);
-        pre = V::unpack(s);
-      }
-      if constexpr (RES) pre = add_o(pre, V::load(res + h));
-      const typename V::B rb = V::pack(pre);
-      V::put(dst + h, rb);
-      acc = add_squares(acc, V::unpack(rb));
+      pre = V::unpack(s);
     }
+    if constexpr (RES) pre = add_o(pre, V::load(res + h));
+    const typename V::B rb = V::pack(pre);
+    V::put(dst + h, rb);
+    const __m512 r = V::unpack(rb);
+    acc = add_o(acc, _mm512_mul_ps(r, r));
   }
-  return acc;
+}
+
+// 32 bf16 elements at h of the first pass, the same steps on even and odd elements; acc_even
+// and acc_odd take the squares of lanes 0, 2, ..., 30 and 1, 3, ..., 31.
+template <int W, bool NORM, bool RES, bool SUM>
+inline void bf16_pass1_step(const uint16_t* const* rows, int world, int64_t h,
+                            const uint16_t* res, uint16_t* dst, uint16_t* sum_dst,
+                            __m512& acc_even, __m512& acc_odd) {
+  prefetch_step(rows, W > 0 ? W : world, h, SUM ? sum_dst : nullptr);
+  BF16x32 a = BF16x32::load(rows[0] + h);
+  for (int j = 1; j < (W > 0 ? W : world); ++j) {
+    const BF16x32 b = BF16x32::load(rows[j] + h);
+    a.even = add_o(a.even, b.even);
+    a.odd = add_o(a.odd, b.odd);
+  }
+  if constexpr (!NORM) {
+    const __m512i s = a.pack();
+    BF16x32::put(dst + h, s);
+    if constexpr (SUM) BF16x32::put(sum_dst + h, s);
+  } else {
+    BF16x32 pre = a;  // one input: bf16 values already (see pass1_step)
+    if constexpr (W != 1 || SUM) {
+      const __m512i s = a.pack();
+      if constexpr (SUM) BF16x32::put(sum_dst + h, s);
+      pre = BF16x32::of(s);
+    }
+    if constexpr (RES) {
+      const BF16x32 b = BF16x32::load(res + h);
+      pre.even = add_o(pre.even, b.even);
+      pre.odd = add_o(pre.odd, b.odd);
+    }
+    const __m512i rb = pre.pack();
+    BF16x32::put(dst + h, rb);
+    const BF16x32 r = BF16x32::of(rb);
+    acc_even = add_o(acc_even, _mm512_mul_ps(r.even, r.even));
+    acc_odd = add_o(acc_odd, _mm512_mul_ps(r.odd, r.odd));
+  }
+}
+
+// The first pass over [0, n32) of a row (n32 a multiple of 32), the lane sums into lanes.
+template <int D, int W, bool NORM, bool RES, bool SUM>
+void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
+           const typename Elem<D>::T* res, typename Elem<D>::T* dst,
+           typename Elem<D>::T* sum_dst, float* lanes) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  if constexpr (D == kBF16) {
+    for (int64_t h = 0; h < n32; h += 32) {
+      bf16_pass1_step<W, NORM, RES, SUM>(rows, world, h, res, dst, sum_dst, acc0, acc1);
+    }
+    alignas(64) float even[kWide], odd[kWide];
+    _mm512_store_ps(even, acc0);
+    _mm512_store_ps(odd, acc1);
+    for (int i = 0; i < kWide; ++i) {
+      lanes[2 * i] = even[i];
+      lanes[2 * i + 1] = odd[i];
+    }
+  } else {
+    for (int64_t h = 0; h < n32; h += 32) {
+      pass1_step<D, W, NORM, RES, SUM>(rows, world, h, res, dst, sum_dst, acc0);
+      pass1_step<D, W, NORM, RES, SUM>(rows, world, h + kWide, res, dst, sum_dst, acc1);
+    }
+    _mm512_storeu_ps(lanes, acc0);
+    _mm512_storeu_ps(lanes + kWide, acc1);
+  }
 }
 
 template <int D, bool NORM, bool RES, bool SUM>
 int64_t row_sum(const typename Elem<D>::T* const* rows, int ranks, int64_t n,
                 const typename Elem<D>::T* res, typename Elem<D>::T* dst, float* lanes,
                 typename Elem<D>::T* sum_dst) {
-  const int64_t n16 = n / kWide * kWide;
-  __m256 acc;
-  if (ranks == 1) acc = pass1<D, 1, NORM, RES, SUM>(rows, ranks, n16, res, dst, sum_dst);
-  else if (ranks == 2) acc = pass1<D, 2, NORM, RES, SUM>(rows, ranks, n16, res, dst, sum_dst);
-  else if (ranks == 4) acc = pass1<D, 4, NORM, RES, SUM>(rows, ranks, n16, res, dst, sum_dst);
-  else acc = pass1<D, 0, NORM, RES, SUM>(rows, ranks, n16, res, dst, sum_dst);
-  _mm256_storeu_ps(lanes, acc);
-  return n16;
+  static_assert(kSumLanes == 2 * kWide, "two accumulators of 16 lanes");
+  const int64_t n32 = n / kSumLanes * kSumLanes;
+  if (ranks == 1) pass1<D, 1, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
+  else if (ranks == 2) pass1<D, 2, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
+  else if (ranks == 4) pass1<D, 4, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
+  else pass1<D, 0, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
+  return n32;
 }
 
 // Second pass: out = T((r * inv) * gain), r read back from residual_out (exact: it holds r
@@ -206,6 +289,15 @@ int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, in
   using V = Vec<D>;
   const __m512 vinv = _mm512_set1_ps(inv);
   int64_t k = 0;
+  if constexpr (D == kBF16) {  // gain holds [0, n / 32 * 32) in BF16x32 order
+    for (; k + 32 <= n; k += 32) {
+      BF16x32 v = BF16x32::load(r + k);
+      v.even = mul_o(mul_o(v.even, vinv), _mm512_loadu_ps(gain + k));
+      v.odd = mul_o(mul_o(v.odd, vinv), _mm512_loadu_ps(gain + k + kWide));
+      BF16x32::put(out + k, v.pack());
+    }
+    return k;
+  }
   for (; k + kWide <= n; k += kWide) {
     const __m512 scaled = mul_o(V::load(r + k), vinv);
     V::put(out + k, V::pack(mul_o(scaled, _mm512_loadu_ps(gain + k))));
@@ -213,11 +305,19 @@ int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, in
   return k;
 }
 
-// gain = weight_bias + f32(w), element order.
+// gain = weight_bias + f32(w), in the order row_scale reads it (BF16x32 order for bf16).
 template <int D>
 int64_t gain_row(const typename Elem<D>::T* w, float weight_bias, int64_t n, float* gain) {
   const __m512 vb = _mm512_set1_ps(weight_bias);
   int64_t k = 0;
+  if constexpr (D == kBF16) {
+    for (; k + 32 <= n; k += 32) {
+      const BF16x32 v = BF16x32::load(w + k);
+      _mm512_storeu_ps(gain + k, _mm512_add_ps(vb, v.even));
+      _mm512_storeu_ps(gain + k + kWide, _mm512_add_ps(vb, v.odd));
+    }
+    return k;
+  }
   for (; k + kWide <= n; k += kWide) {
     _mm512_storeu_ps(gain + k, _mm512_add_ps(vb, Vec<D>::load(w + k)));
   }
