@@ -109,58 +109,58 @@ template <> struct Vec<kFP16> { static constexpr bool ok = false; };
 
 template <int D> struct Has { static constexpr bool value = Vec<D>::ok; };
 
-// bf16, 16 at a time: widening by interleaving with zeros gives elements [0-3, 8-11] ("lo")
-// and [4-7, 12-15] ("hi") in one instruction each, and packing lo, hi back restores the
-// order, so no shuffles on the way in or out (the 8-wide form needs two per load).
+// bf16, 16 at a time, split into even and odd elements: the even ones are the low halves of
+// the 32-bit words (shifted up, that is their fp32 value), the odd ones the high halves
+// (masked); packing puts them back with a shift and an or. No shuffle on the way in or out
+// (the 8-wide form needs two per load).
 struct BF16x16 {
-  __m256 lo, hi;
+  __m256 even, odd;
   static BF16x16 load(const uint16_t* p) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m256i z = _mm256_setzero_si256();
-    return {_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v)),
-            _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v))};
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
+            _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))))};
   }
-  // the bf16 bits of already rounded lo, hi
-  static void put(uint16_t* p, __m256 lo, __m256 hi) {
-    const __m256i a = _mm256_srli_epi32(_mm256_castps_si256(lo), 16);
-    const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(hi), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_packus_epi32(a, b));
+  // the bf16 bits of even, odd (already bf16 values: their low 16 bits are zero)
+  static void put(uint16_t* p, __m256 even, __m256 odd) {
+    const __m256i low = _mm256_srli_epi32(_mm256_castps_si256(even), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm256_or_si256(low, _mm256_castps_si256(odd)));
   }
 };
 
-// 16 bf16 elements at h of the first pass (see pass1_step); lo and hi take the squares of
-// elements [0-3, 8-11] and [4-7, 12-15] of the 16.
+// 16 bf16 elements at h of the first pass (see pass1_step); acc_even and acc_odd take the
+// squares of its even and odd elements.
 template <int W, bool NORM, bool RES, bool SUM>
 inline void bf16_pass1_step(const uint16_t* const* rows, int world, int64_t h,
                             const uint16_t* res, uint16_t* dst, uint16_t* sum_dst,
-                            __m256& acc_lo, __m256& acc_hi) {
+                            __m256& acc_even, __m256& acc_odd) {
   const int ranks = W > 0 ? W : world;
   prefetch_step(rows, ranks, h, SUM ? sum_dst : nullptr);
   BF16x16 a = BF16x16::load(rows[0] + h);
   for (int j = 1; j < ranks; ++j) {
     const BF16x16 b = BF16x16::load(rows[j] + h);
-    a.lo = add_o(a.lo, b.lo);
-    a.hi = add_o(a.hi, b.hi);
+    a.even = add_o(a.even, b.even);
+    a.odd = add_o(a.odd, b.odd);
   }
   // one input (W == 1) holds bf16 values already: rounding them again changes nothing
   // that the rounding after the residual add below would not (it also quiets a signaling
   // NaN); the sum for the result slot (SUM) is rounded all the same
-  __m256 lo = a.lo, hi = a.hi;
+  __m256 even = a.even, odd = a.odd;
   if constexpr (!(W == 1 && NORM && !SUM)) {
-    lo = bf16x8_round32(a.lo);
-    hi = bf16x8_round32(a.hi);
+    even = bf16x8_round32(a.even);
+    odd = bf16x8_round32(a.odd);
   }
-  if constexpr (SUM) BF16x16::put(sum_dst + h, lo, hi);
+  if constexpr (SUM) BF16x16::put(sum_dst + h, even, odd);
   if constexpr (NORM) {
     if constexpr (RES) {
       const BF16x16 b = BF16x16::load(res + h);
-      lo = bf16x8_round32(add_o(lo, b.lo));
-      hi = bf16x8_round32(add_o(hi, b.hi));
+      even = bf16x8_round32(add_o(even, b.even));
+      odd = bf16x8_round32(add_o(odd, b.odd));
     }
-    acc_lo = add_o(acc_lo, _mm256_mul_ps(lo, lo));
-    acc_hi = add_o(acc_hi, _mm256_mul_ps(hi, hi));
+    acc_even = add_o(acc_even, _mm256_mul_ps(even, even));
+    acc_odd = add_o(acc_odd, _mm256_mul_ps(odd, odd));
   }
-  BF16x16::put(dst + h, lo, hi);
+  BF16x16::put(dst + h, even, odd);
 }
 
 // 8 elements at h of the first pass: sum the ranks (rank order); plain: store the rounded
@@ -203,8 +203,7 @@ inline void pass1_step(const typename Elem<D>::T* const* rows, int world, int64_
 }
 
 // The first pass over [0, n32) of a row (n32 a multiple of 32), the lane sums into lanes:
-// acc[q] holds lanes 8q..8q+7 (bf16: lanes {0-3, 8-11}, {4-7, 12-15}, {16-19, 24-27},
-// {20-23, 28-31}, the BF16x16 order of each 16).
+// acc[q] holds lanes 8q..8q+7 (bf16: the even and the odd lanes of 0-15, then of 16-31).
 template <int D, int W, bool NORM, bool RES, bool SUM>
 void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
            const typename Elem<D>::T* res, typename Elem<D>::T* dst,
@@ -219,12 +218,10 @@ void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
     }
     alignas(32) float held[4][kWide];
     for (int q = 0; q < 4; ++q) _mm256_store_ps(held[q], acc[q]);
-    for (int half = 0; half < 2; ++half) {  // the 16 at 16 * half: lo = acc[2 * half]
-      for (int i = 0; i < 4; ++i) {
-        lanes[16 * half + i] = held[2 * half][i];
-        lanes[16 * half + 8 + i] = held[2 * half][4 + i];
-        lanes[16 * half + 4 + i] = held[2 * half + 1][i];
-        lanes[16 * half + 12 + i] = held[2 * half + 1][4 + i];
+    for (int half = 0; half < 2; ++half) {  // the 16 at 16 * half: even = acc[2 * half]
+      for (int i = 0; i < kWide; ++i) {
+        lanes[16 * half + 2 * i] = held[2 * half][i];
+        lanes[16 * half + 2 * i + 1] = held[2 * half + 1][i];
       }
     }
   } else {
@@ -268,9 +265,9 @@ int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, in
     if constexpr (D == kBF16) {  // gain holds [0, n / 16 * 16) in BF16x16 order
       for (; k + 16 <= n; k += 16) {
         const BF16x16 v = BF16x16::load(r + k);
-        const __m256 lo = mul_o(mul_o(v.lo, vinv), _mm256_loadu_ps(gain + k));
-        const __m256 hi = mul_o(mul_o(v.hi, vinv), _mm256_loadu_ps(gain + k + 8));
-        BF16x16::put(out + k, bf16x8_round32(lo), bf16x8_round32(hi));
+        const __m256 even = mul_o(mul_o(v.even, vinv), _mm256_loadu_ps(gain + k));
+        const __m256 odd = mul_o(mul_o(v.odd, vinv), _mm256_loadu_ps(gain + k + 8));
+        BF16x16::put(out + k, bf16x8_round32(even), bf16x8_round32(odd));
       }
     }
     for (; k + kWide <= n; k += kWide) {
@@ -292,8 +289,8 @@ int64_t gain_row(const typename Elem<D>::T* w, float weight_bias, int64_t n, flo
     if constexpr (D == kBF16) {
       for (; k + 16 <= n; k += 16) {
         const BF16x16 v = BF16x16::load(w + k);
-        _mm256_storeu_ps(gain + k, _mm256_add_ps(vb, v.lo));
-        _mm256_storeu_ps(gain + k + 8, _mm256_add_ps(vb, v.hi));
+        _mm256_storeu_ps(gain + k, _mm256_add_ps(vb, v.even));
+        _mm256_storeu_ps(gain + k + 8, _mm256_add_ps(vb, v.odd));
       }
     }
     for (; k + kWide <= n; k += kWide) {
