@@ -203,3 +203,33 @@ def test_the_plan_states_the_shm_kernels_token_limit() -> None:
     assert plan["backend"] == "torch", plan
     shm = next(c for c in plan["candidates"] if c["backend"] == "shm")
     assert not shm["viable"] and str(MAX_TOKENS) in shm["reason"], shm
+
+
+def test_a_full_shm_dir_is_reported_in_kib_not_as_zero_mib(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    """A 64 KiB tmpfs and a ~100 KiB segment: the reason must not say "0 MiB ... 0 MiB"."""
+    from types import SimpleNamespace
+
+    from arfuse.backends.shm import workspace as shm_workspace
+    from arfuse.spec import Spec
+
+    monkeypatch.setattr(shm_workspace, "SHM_DIR", tmp_path)
+    monkeypatch.setattr(shm_workspace.os, "statvfs",
+                        lambda _path: SimpleNamespace(f_bavail=16, f_frsize=4096))
+    reason = shm_workspace.ShmBackend().blocker(SimpleNamespace(world_size=2),
+                                                 Spec(max_tokens=64, hidden=256))
+    assert reason.startswith(f"{tmp_path} has 64 KiB free, the segment needs ")
+    needed = int(reason.split("needs ")[1].split(" KiB")[0])
+    assert needed > 64
+
+
+def test_the_torch_operators_fake_names_x_for_a_0d_input() -> None:
+    """torch.compile's fake of the shm operator refuses a 0-d x as the kernel does."""
+    from arfuse.backends.shm import build as shm_build
+
+    if shm_build.load() is None:
+        pytest.skip(f"no compiled kernel: {shm_build.why_not()}")
+    x = torch.empty((), device="meta", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"x must be 2-D \[tokens, hidden\]"):
+        torch.ops.arfuse.shm_fused_allreduce(1, x, None, None, 1e-6, 0.0, 0, 0.0, True, None,
+                                             None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -138,6 +139,15 @@ def registry_story(rank: int, world: int) -> dict[str, Any]:
     story["old_still_works"] = bool(torch.all(a(x).out == world))
     e = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.bfloat16)
     story["after_growth_reuses_largest"] = e.workspace is d.workspace
+    topology = Path(__file__).resolve().parent.parent / "examples/topologies/cpu-host-2.json"
+    os.environ["ARFUSE_TOPOLOGY"] = str(topology)  # a covering request, another topology file
+    try:
+        g = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.bfloat16)
+    finally:
+        del os.environ["ARFUSE_TOPOLOGY"]
+    story["other_topology_is_new"] = g.workspace is not d.workspace
+    story["other_topology_works"] = bool(torch.all(g(x).out == world))
+    g.close()
     f = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=96, dtype=torch.bfloat16)
     story["other_hidden_is_new"] = f.workspace is not d.workspace
     over = torch.ones(40, 64, dtype=torch.bfloat16)
