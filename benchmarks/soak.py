@@ -28,9 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from arfuse.backends.shm.workspace import ONESHOT_MAX_BYTES
+
 HIDDEN = 128                      # bf16: 256 bytes a row
 CAPACITY = 256                    # tokens the workspace holds
-ONESHOT_TOKENS = 32 * 1024 // (HIDDEN * 2)   # 128: shm's one-/two-shot switch per rank
+ONESHOT_TOKENS = ONESHOT_MAX_BYTES // (HIDDEN * 2)  # shm's one-/two-shot switch per rank
 OVER = 320                        # the largest call, over capacity (runs unfused)
 EDGES = (1, 2, ONESHOT_TOKENS - 1, ONESHOT_TOKENS, ONESHOT_TOKENS + 1, CAPACITY - 1, CAPACITY,
          CAPACITY + 1)
