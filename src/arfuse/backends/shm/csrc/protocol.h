@@ -8,8 +8,9 @@
 //             reduces every row (fp32, rank order) and runs the epilogue locally.
 //   two-shot: as above (a rank copies all rows but its own block), but each rank reduces only
 //             its own block of rows and writes those sums into its result slot[b]; every rank
-//             runs the epilogue on every row from the sums. Both steps go block by block, with
-//             progress counted in the flags (arrive: blocks copied; done: blocks summed).
+//             runs the epilogue on every row from the sums. One pipeline of steps of rows
+//             (copy, sum, finish; see run_twoshot), progress counted in the flags (arrive:
+//             steps copied; done: steps summed).
 // Waiting for a peer's flag: spin while the peer runs on another CPU (it may be about to
 // post), then sleep on the flag with a futex (the flag's low 32 bits, which change with
 // every post); a rank sleeping on a flag counts itself in that flag's waiters word, and
