@@ -21,6 +21,8 @@
 // order) and the caller finishes the rest with the scalar forms of conversions.h, which
 // compute the same values in the same order (lane = h % kSumLanes).
 //
+// row_sum is shared by the vector headers (row_sum.h, over each one's pass1).
+//
 // Which header: the build's target (build.py passes the -m flags of the instruction set it
 // builds for: the best the host has, or ARFUSE_SHM_ISA=avx512|avx2|scalar). AVX-512 needs
 // F, BW, VL and DQ (vfpclassps); AVX512_BF16 is used where the compiler targets it.
@@ -29,8 +31,10 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512DQ__)
 #include "vec_avx512.h"
+#include "row_sum.h"
 #elif defined(__AVX2__)
 #include "vec_avx2.h"
+#include "row_sum.h"
 #else
 #include "vec_scalar.h"
 #endif

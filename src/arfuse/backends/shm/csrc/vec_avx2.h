@@ -208,6 +208,7 @@ template <int D, int W, bool NORM, bool RES, bool SUM>
 void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
            const typename Elem<D>::T* res, typename Elem<D>::T* dst,
            typename Elem<D>::T* sum_dst, float* lanes) {
+  static_assert(kSumLanes == 4 * kWide, "four accumulators of 8 lanes");
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
   if constexpr (D == kBF16) {
@@ -231,23 +232,6 @@ void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
       }
     }
     for (int q = 0; q < 4; ++q) _mm256_storeu_ps(lanes + q * kWide, acc[q]);
-  }
-}
-
-template <int D, bool NORM, bool RES, bool SUM>
-int64_t row_sum(const typename Elem<D>::T* const* rows, int ranks, int64_t n,
-                const typename Elem<D>::T* res, typename Elem<D>::T* dst, float* lanes,
-                typename Elem<D>::T* sum_dst) {
-  if constexpr (!Vec<D>::ok) {
-    return 0;
-  } else {
-    static_assert(kSumLanes == 4 * kWide, "four accumulators of 8 lanes");
-    const int64_t n32 = n / kSumLanes * kSumLanes;
-    if (ranks == 1) pass1<D, 1, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
-    else if (ranks == 2) pass1<D, 2, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
-    else if (ranks == 4) pass1<D, 4, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
-    else pass1<D, 0, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
-    return n32;
   }
 }
 

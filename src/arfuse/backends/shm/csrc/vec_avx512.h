@@ -246,6 +246,7 @@ template <int D, int W, bool NORM, bool RES, bool SUM>
 void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
            const typename Elem<D>::T* res, typename Elem<D>::T* dst,
            typename Elem<D>::T* sum_dst, float* lanes) {
+  static_assert(kSumLanes == 2 * kWide, "two accumulators of 16 lanes");
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   if constexpr (D == kBF16) {
     for (int64_t h = 0; h < n32; h += 32) {
@@ -266,19 +267,6 @@ void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
     _mm512_storeu_ps(lanes, acc0);
     _mm512_storeu_ps(lanes + kWide, acc1);
   }
-}
-
-template <int D, bool NORM, bool RES, bool SUM>
-int64_t row_sum(const typename Elem<D>::T* const* rows, int ranks, int64_t n,
-                const typename Elem<D>::T* res, typename Elem<D>::T* dst, float* lanes,
-                typename Elem<D>::T* sum_dst) {
-  static_assert(kSumLanes == 2 * kWide, "two accumulators of 16 lanes");
-  const int64_t n32 = n / kSumLanes * kSumLanes;
-  if (ranks == 1) pass1<D, 1, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
-  else if (ranks == 2) pass1<D, 2, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
-  else if (ranks == 4) pass1<D, 4, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
-  else pass1<D, 0, NORM, RES, SUM>(rows, ranks, n32, res, dst, sum_dst, lanes);
-  return n32;
 }
 
 // Second pass: out = T((r * inv) * gain), r read back from residual_out (exact: it holds r
