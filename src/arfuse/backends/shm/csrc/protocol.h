@@ -51,7 +51,7 @@
 #include "conversions.h"
 #include "epilogue.h"
 #include "layout.h"
-#include "prefetch.h"
+#include "memory_access.h"
 #include "vec.h"
 
 namespace arfuse {
@@ -336,7 +336,7 @@ struct Exchange {  // what one call's exchange needs
 };
 
 inline void copy_in(char* dst, const char* src, size_t n, bool streaming) {
-  if (streaming) isa::stream_copy(dst, src, n);
+  if (streaming) stream_copy(dst, src, n);
   else copy_prefetching(dst, src, n);
 }
 

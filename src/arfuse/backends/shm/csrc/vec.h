@@ -14,7 +14,6 @@
 //   fp8_div_row<D>(out, scale, n, dst)                            e4m3 codes of out / scale
 //   nvfp4_block<D>(v16, gs, codes8, sf) -> bool                    one block of 16
 //   convert_row<D>(src, n, dst)                                   fp32 -> T (a test hook)
-//   stream_copy(dst, src, n)                                      non-temporal memcpy
 //
 // The row functions return how many leading elements they handled (0 when there is no vector
 // form; row_sum: a multiple of kSumLanes; row_scale: as many as gain_row laid out in its own

@@ -17,7 +17,7 @@
 #include <cstring>
 
 #include "conversions.h"
-#include "prefetch.h"
+#include "memory_access.h"
 
 namespace arfuse {
 namespace isa {
@@ -439,30 +439,6 @@ bool nvfp4_block(const typename Elem<D>::T* v16, float gs, uint8_t* codes8, uint
     *sf = scale;
     return true;
   }
-}
-
-// memcpy with streaming (non-temporal) stores for the aligned body; ends with a store fence,
-// so a later release store of the arrival flag orders after the data.
-inline void stream_copy(char* dst, const char* src, size_t n) {
-  size_t head = (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31;
-  head = std::min(head, n);
-  std::memcpy(dst, src, head);
-  dst += head;
-  src += head;
-  n -= head;
-  const size_t body = n & ~size_t(127);
-  for (size_t i = 0; i < body; i += 128) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
-    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
-  }
-  std::memcpy(dst + body, src + body, n - body);
-  _mm_sfence();
 }
 
 }  // namespace isa

@@ -26,7 +26,7 @@
 #include <cstring>
 
 #include "conversions.h"
-#include "prefetch.h"
+#include "memory_access.h"
 
 namespace arfuse {
 namespace isa {
@@ -424,30 +424,6 @@ bool nvfp4_block(const typename Elem<D>::T* v16, float gs, uint8_t* codes8, uint
   _mm_storel_epi64(reinterpret_cast<__m128i*>(codes8), _mm_packus_epi16(pairs, pairs));
   *sf = scale;
   return true;
-}
-
-// memcpy with streaming (non-temporal) stores for the aligned body; ends with a store fence,
-// so a later release store of the arrival flag orders after the data.
-inline void stream_copy(char* dst, const char* src, size_t n) {
-  size_t head = (64 - (reinterpret_cast<uintptr_t>(dst) & 63)) & 63;
-  head = std::min(head, n);
-  std::memcpy(dst, src, head);
-  dst += head;
-  src += head;
-  n -= head;
-  const size_t body = n & ~size_t(255);
-  for (size_t i = 0; i < body; i += 256) {
-    const __m512i a = _mm512_loadu_si512(src + i);
-    const __m512i b = _mm512_loadu_si512(src + i + 64);
-    const __m512i c = _mm512_loadu_si512(src + i + 128);
-    const __m512i d = _mm512_loadu_si512(src + i + 192);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), a);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 64), b);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 128), c);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 192), d);
-  }
-  std::memcpy(dst + body, src + body, n - body);
-  _mm_sfence();
 }
 
 }  // namespace isa

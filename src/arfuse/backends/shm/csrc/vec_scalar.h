@@ -39,7 +39,6 @@ inline int64_t fp8_div_row(const typename Elem<D>::T*, float, int64_t, uint8_t*)
 template <int D>
 inline bool nvfp4_block(const typename Elem<D>::T*, float, uint8_t*, uint8_t*) { return false; }
 
-inline void stream_copy(char* dst, const char* src, size_t n) { std::memcpy(dst, src, n); }
 
 }  // namespace isa
 }  // namespace arfuse

@@ -1,3 +1,6 @@
+// How the exchange touches the shared slots: software prefetch and the two copies into a slot
+// (prefetching, streaming).
+//
 // Software prefetch in the exchange's loops. The lines a rank reads from a peer's slot, and the
 // lines of its own slots that it overwrites, were last in the other core's cache: each access
 // waits on that core, and the hardware keeps too few such requests in flight for one core to
@@ -7,6 +10,11 @@
 // faults, so it may reach past the end of a buffer.
 #pragma once
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -37,6 +45,32 @@ inline void copy_prefetching(char* dst, const char* src, std::size_t n) {
     std::memcpy(dst + i, src + i, 64);
   }
   std::memcpy(dst + i, src + i, n - i);
+}
+
+// dst = src, n bytes, with streaming (non-temporal) stores for the aligned body where the CPU
+// has them (the write-combining buffers fill whole lines from 16-byte stores as from wider
+// ones); ends with a store fence, so a later release store of the arrival flag orders after
+// the data. Without SSE2: a plain copy.
+inline void stream_copy(char* dst, const char* src, std::size_t n) {
+#if defined(__SSE2__)
+  std::size_t head = (64 - (reinterpret_cast<std::uintptr_t>(dst) & 63)) & 63;
+  head = std::min(head, n);
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  const std::size_t body = n & ~std::size_t(63);
+  for (std::size_t i = 0; i < body; i += 64) {
+    for (std::size_t k = 0; k < 64; k += 16) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + k));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + k), v);
+    }
+  }
+  std::memcpy(dst + body, src + body, n - body);
+  _mm_sfence();
+#else
+  std::memcpy(dst, src, n);
+#endif
 }
 
 }  // namespace arfuse
