@@ -137,7 +137,18 @@ def test_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
         expected = {"shm": 5, "shm-inplace": 5, "shm-slot": 4}[r["backend"]] * size
         assert r["moved_bytes"] == expected and r["copy_gib_s"] > 0
         assert r["x_floor"] == pytest.approx(r["median_us"] / r["floor_us"])
-    assert "shm-inplace / floor" in (out / "bench.txt").read_text()
+        # the same bytes by kind, each at its own rate measured in the same run
+        fresh = {"shm": 2, "shm-inplace": 0, "shm-slot": 1}[r["backend"]] * size
+        assert r["traffic"] == {"local": expected - size - fresh, "peer": size, "fresh": fresh}
+        assert r["peer_read_gib_s"] > 0 and r["fresh_write_gib_s"] > 0
+        kinds = (r["traffic"]["local"] / r["copy_gib_s"] + size / r["peer_read_gib_s"]
+                 + fresh / r["fresh_write_gib_s"]) / 2**30 * 1e6
+        assert r["measured_floor_us"] == pytest.approx(kinds)
+        assert r["x_measured_floor"] == pytest.approx(r["median_us"] / kinds)
+        assert r["page_faults_per_call"] >= 0
+    text = (out / "bench.txt").read_text()
+    assert "shm-inplace / floor, measured" in text and "peer" in text
+    assert not list(Path("/dev/shm").glob("arfuse-bench-*"))  # the rate files are gone
 
 
 def test_explain_shows_unknown_facts_of_a_topology_file(tmp_path: Path) -> None:
@@ -150,3 +161,18 @@ def test_explain_shows_unknown_facts_of_a_topology_file(tmp_path: Path) -> None:
     assert plan["backend"] == "trtllm"          # multicast taken as absent: mnnvl is out
     text = arfuse("explain", "--topology", str(path)).stdout
     assert "multicast: rank 5: NVML init failed: Unknown Error" in text
+
+
+def test_bench_rates_split_a_copy_into_its_two_sides() -> None:
+    from arfuse.cli.bench import Rates, Traffic, _read_part_rate, traffic
+
+    # a copy of 1000 bytes that took 3 s, where the write side alone takes 1 s at the copy rate
+    assert _read_part_rate(1000, 3.0, copy_rate=1000.0) == pytest.approx(500.0)
+    # faster than the local copy in total: the read side is taken as nearly free, not negative
+    assert _read_part_rate(1000, 0.5, copy_rate=1000.0) > 1000.0 * 100
+    rates = Rates(copy=100.0, peer_read=10.0, fresh_write=50.0)
+    moved = Traffic(local=200, peer=30, fresh=100)
+    assert rates.floor_s(moved) == pytest.approx(3.3)
+    assert rates.measured_floor_s(moved) == pytest.approx(2.0 + 3.0 + 2.0)
+    assert traffic("torch", 10, 2) is None
+    assert traffic("deepspeed", 10, 4) == Traffic(local=20, peer=30, fresh=0)

@@ -28,6 +28,7 @@ import glob
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -70,10 +71,11 @@ ROUNDS = 5
 WARMUP = 5
 
 
-def _measure(rows: dict[str, tuple[Any, Any]], opts: BenchOptions,
-             shm_warmup: int = WARMUP) -> dict[str, list[float]]:
+def _measure(rows: dict[str, tuple[Any, Any]], opts: BenchOptions, shm_warmup: int = WARMUP
+             ) -> tuple[dict[str, list[float]], dict[str, int]]:
     """Per-call microseconds of every row, after warm-up, interleaved in rounds so that drift
-    of a shared machine hits every row alike. Every rank runs the same counts (collectives)."""
+    of a shared machine hits every row alike, and the page faults of its timed calls. Every
+    rank runs the same counts (collectives)."""
     import torch.distributed as dist
 
     counts: dict[str, int] = {}
@@ -90,16 +92,35 @@ def _measure(rows: dict[str, tuple[Any, Any]], opts: BenchOptions,
         dist.all_reduce(probe, op=dist.ReduceOp.MAX)
         counts[name] = max(2, _iters(float(probe.item()), opts) // ROUNDS)
     times: dict[str, list[float]] = {name: [] for name in rows}
+    faults: dict[str, int] = dict.fromkeys(rows, 0)
     dist.barrier()
     for _ in range(ROUNDS):
         for name, (fn, reset) in rows.items():
             for _ in range(counts[name]):
                 if reset:
                     reset()
+                f0 = _minor_faults()
                 t0 = time.perf_counter_ns()
                 fn()
-                times[name].append((time.perf_counter_ns() - t0) / 1e3)
-    return times
+                elapsed = time.perf_counter_ns() - t0
+                faults[name] += _minor_faults() - f0
+                times[name].append(elapsed / 1e3)
+    return times, faults
+
+
+def _run_tag() -> int:
+    """A number every rank of this run agrees on (rank 0's pid): names the run's files."""
+    import torch.distributed as dist
+
+    tag = torch.tensor([os.getpid()], dtype=torch.int64)
+    dist.broadcast(tag, 0)
+    return int(tag.item())
+
+
+def _minor_faults() -> int:
+    """Page faults of this process so far: a row whose outputs come from fresh pages pays
+    them inside its call (the allocator returned the previous call's memory to the system)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _summary(times: list[float]) -> dict[str, float]:
@@ -150,6 +171,7 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
     init_from_env("cpu")
     pinned = pin_to_core(rank, world)  # after init: gloo's threads stay free (see pin_to_core)
     progress = _progress(rank, opts)
+    run_tag = _run_tag()
     results: list[dict[str, Any]] = []
     overhead: dict[str, Any] = {}
     negotiation: dict[str, Any] = {}
@@ -210,18 +232,25 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
             # the shm rows warm up past the copy-mode trial: timed calls run the chosen mode
             workspace: Any = None if comm is None else comm.workspace
             trial = 0 if workspace is None else workspace.copy_trial_calls
-            rows = _measure(candidates, opts, WARMUP + trial)
+            rows, faults = _measure(candidates, opts, WARMUP + trial)
             size = tokens * opts.hidden * x.element_size()
-            bandwidth = copy_bandwidth(size)
+            rates = measure_rates(size, run_tag)
             for backend, times in rows.items():
                 summary = _summary(times)
                 entry: dict[str, Any] = {"dtype": dname, "tokens": tokens, "backend": backend,
-                                         "bytes_per_rank": size, **summary}
-                moved = moved_bytes(backend, size, world)
-                if moved:
-                    floor_us = moved / bandwidth * 1e6
-                    entry.update(moved_bytes=moved, copy_gib_s=bandwidth / 2**30,
-                                 floor_us=floor_us, x_floor=summary["median_us"] / floor_us)
+                                         "bytes_per_rank": size, **summary,
+                                         "page_faults_per_call": faults[backend] / len(times)}
+                moved = traffic(backend, size, world)
+                if moved is not None:
+                    floor_us = rates.floor_s(moved) * 1e6
+                    measured_us = rates.measured_floor_s(moved) * 1e6
+                    entry.update(moved_bytes=moved.total, traffic=asdict(moved),
+                                 copy_gib_s=rates.copy / 2**30,
+                                 peer_read_gib_s=rates.peer_read / 2**30,
+                                 fresh_write_gib_s=rates.fresh_write / 2**30,
+                                 floor_us=floor_us, x_floor=summary["median_us"] / floor_us,
+                                 measured_floor_us=measured_us,
+                                 x_measured_floor=summary["median_us"] / measured_us)
                 if backend.startswith("shm"):
                     entry["mode"] = mode
                 if backend.startswith("deepspeed"):
@@ -248,20 +277,59 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
     return 0
 
 
-def moved_bytes(row: str, size: int, world: int) -> int:
-    """Bytes one rank must read or write for a row's work on ``size`` bytes per rank (0: no
-    floor stated). The fused op: its input into the shared slot (none when the layer wrote it
-    there: ``shm-slot``), every peer's input, the residual in, ``residual_out`` and ``out``.
-    DeepSpeed's all-reduce alone: its input into shared memory, every peer's input, the sum
-    back into the tensor."""
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one rank must read or write for a row's work, by where the lines are: ``local``
+    (its own memory, recently used), ``peer`` (lines another rank's core has just written: each
+    crosses between cores) and ``fresh`` (new output tensors: lines a store must first fetch
+    from beyond this core's caches)."""
+
+    local: int
+    peer: int
+    fresh: int
+
+    @property
+    def total(self) -> int:
+        return self.local + self.peer + self.fresh
+
+
+def traffic(row: str, size: int, world: int) -> Traffic | None:
+    """What a row moves on ``size`` bytes per rank (None: no floor stated). The fused op: its
+    input into the shared slot (none when the layer wrote it there: ``shm-slot``), every
+    peer's input, the residual in, ``residual_out`` and ``out`` (new tensors in ``shm``;
+    ``shm-slot`` gets a new ``out``). DeepSpeed's all-reduce alone: its input into shared
+    memory, every peer's input, the sum back into the tensor."""
     peers = (world - 1) * size
-    if row in ("shm", "shm-inplace"):
-        return size + peers + 3 * size
+    if row == "shm-inplace":
+        return Traffic(local=4 * size, peer=peers, fresh=0)
+    if row == "shm":
+        return Traffic(local=2 * size, peer=peers, fresh=2 * size)
     if row == "shm-slot":
-        return peers + 3 * size
+        return Traffic(local=2 * size, peer=peers, fresh=size)
     if row == "deepspeed":
-        return size + peers + size
-    return 0
+        return Traffic(local=2 * size, peer=peers, fresh=0)
+    return None
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Bytes per second for one working-set size, measured in the same run on this rank's
+    core: ``copy`` (read + write of a local copy: the floor's one rate), ``peer_read``
+    (reading lines the next rank's core has just written) and ``fresh_write`` (writing a new
+    tensor, as the op's new outputs are)."""
+
+    copy: float
+    peer_read: float
+    fresh_write: float
+
+    def floor_s(self, moved: Traffic) -> float:
+        """Seconds to move every byte at the copy rate: the floor."""
+        return moved.total / self.copy
+
+    def measured_floor_s(self, moved: Traffic) -> float:
+        """Seconds to move each kind of byte at its own measured rate."""
+        return (moved.local / self.copy + moved.peer / self.peer_read
+                + moved.fresh / self.fresh_write)
 
 
 def copy_bandwidth(size: int, repeats: int = 64) -> float:
@@ -278,6 +346,79 @@ def copy_bandwidth(size: int, repeats: int = 64) -> float:
         dst.copy_(src)
         times.append(time.perf_counter_ns() - start)
     return 2 * size / (statistics.median(times) * 1e-9)
+
+
+def _read_part_rate(size: int, copy_s: float, copy_rate: float) -> float:
+    """The rate of one side of a copy of ``size`` bytes that took ``copy_s``, the other side
+    counted at the local copy rate (each byte read or written costs ``1 / copy_rate`` there)."""
+    other_s = size / copy_rate
+    return size / max(copy_s - other_s, other_s * 1e-3)
+
+
+def peer_read_rate(size: int, copy_rate: float, tag: int, repeats: int = 16) -> float:
+    """Bytes per second this rank reads from a buffer in shared memory that the next rank has
+    just written (as a rank reads a peer's slot: every line comes from the other core), less
+    the local write of that copy. Collective: every rank calls it with the same arguments."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    size = max(size, 4096)
+    if world < 2:
+        return copy_rate
+
+    def path(r: int) -> str:
+        return f"/dev/shm/arfuse-bench-{tag}-{r}-{size}"
+
+    mine = torch.from_file(path(rank), shared=True, size=size, dtype=torch.uint8)
+    try:
+        dist.barrier()
+        theirs = torch.from_file(path((rank + 1) % world), shared=True, size=size,
+                                 dtype=torch.uint8)
+        src = torch.ones(size, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        times = []
+        for i in range(repeats + 2):
+            mine.copy_(src)  # this core now holds the lines, written
+            dist.barrier()
+            start = time.perf_counter_ns()
+            dst.copy_(theirs)
+            took = time.perf_counter_ns() - start
+            dist.barrier()
+            if i >= 2:
+                times.append(took)
+        return _read_part_rate(size, statistics.median(times) * 1e-9, copy_rate)
+    finally:
+        dist.barrier()  # every rank has mapped every file before any is unlinked
+        os.unlink(path(rank))
+
+
+def fresh_write_rate(size: int, copy_rate: float, repeats: int = 16) -> float:
+    """Bytes per second of writing a new tensor: allocated for the copy, as the op's new
+    outputs are (the allocator hands back memory freed a call ago), after this core has moved
+    four times as many bytes of other data (a call's other traffic), less the copy's read of
+    a source in cache."""
+    size = max(size, 4096)
+    src = torch.ones(size, dtype=torch.uint8)
+    other = torch.empty(4 * size, dtype=torch.uint8)
+    times = []
+    for i in range(repeats + 2):
+        other.fill_(i & 0xFF)
+        src.add_(0)  # the source back in cache
+        start = time.perf_counter_ns()
+        new = torch.empty(size, dtype=torch.uint8)
+        new.copy_(src)
+        took = time.perf_counter_ns() - start
+        del new
+        if i >= 2:
+            times.append(took)
+    return _read_part_rate(size, statistics.median(times) * 1e-9, copy_rate)
+
+
+def measure_rates(size: int, tag: int) -> Rates:
+    """Every rate of the floors for a working set of ``size`` bytes. Collective."""
+    copy = copy_bandwidth(size)
+    return Rates(copy=copy, peer_read=peer_read_rate(size, copy, tag),
+                 fresh_write=fresh_write_rate(size, copy))
 
 
 def _all_reduce(dist: Any, tensor: torch.Tensor) -> torch.Tensor:
@@ -446,20 +587,24 @@ def _versus_deepspeed(rows: list[dict[str, Any]], tokens: list[int]) -> list[str
 
 
 def _versus_floor(rows: list[dict[str, Any]], tokens: list[int]) -> list[str]:
-    """Each row's median as a multiple of its memory floor (bytes it must move at the copy
-    rate measured in the same run for that working set)."""
+    """Each row's median as a multiple of its memory floor: the bytes it must move at the
+    local copy rate measured in the same run for that working set (``floor``), and each kind
+    of byte at its own measured rate (``measured``: lines from a peer's core, new outputs)."""
     floored = [b for b in dict.fromkeys(r["backend"] for r in rows)
                if any(r["backend"] == b and "x_floor" in r for r in rows)]
     if not floored:
         return []
-    lines = [f"{'':>7} {'copy GiB/s':>10}" + "".join(f" {b + ' / floor':>22}" for b in floored)]
+    lines = [f"{'':>7} {'GiB/s: copy':>11} {'peer':>5} {'fresh':>5}"
+             + "".join(f" {b + ' / floor, measured':>30}" for b in floored)]
     for n in tokens:
         by = {r["backend"]: r for r in rows if r["tokens"] == n and "x_floor" in r}
         if not by:
             continue
-        rate = next(iter(by.values()))["copy_gib_s"]
-        cells = [f" {by[b]['x_floor']:>21.2f}x" if b in by else f" {'-':>22}" for b in floored]
-        lines.append(f"{n:>7} {rate:>10.1f}" + "".join(cells))
+        any_row = next(iter(by.values()))
+        cells = [f" {by[b]['x_floor']:>21.2f}x, {by[b]['x_measured_floor']:>5.2f}x"
+                 if b in by else f" {'-':>30}" for b in floored]
+        lines.append(f"{n:>7} {any_row['copy_gib_s']:>11.1f} {any_row['peer_read_gib_s']:>5.1f}"
+                     f" {any_row['fresh_write_gib_s']:>5.1f}" + "".join(cells))
     return lines
 
 
