@@ -395,22 +395,21 @@ def peer_read_rate(size: int, copy_rate: float, tag: int, repeats: int = 16) -> 
 
 
 def fresh_write_rate(size: int, copy_rate: float, repeats: int = 16) -> float:
-    """Bytes per second of writing a new tensor: allocated for the copy, as the op's new
-    outputs are (the allocator hands back memory freed a call ago), after this core has moved
-    four times as many bytes of other data (a call's other traffic), less the copy's read of
-    a source in cache."""
+    """Bytes per second of writing lines this core last wrote a call's traffic ago (four
+    times as many bytes of other data since), as a new output tensor's are: the allocator
+    hands back the memory the previous call's outputs freed (without page faults: see
+    ``page_faults_per_call``). A copy from a source in cache, less that read."""
     size = max(size, 4096)
     src = torch.ones(size, dtype=torch.uint8)
+    dst = torch.zeros(size, dtype=torch.uint8)  # its pages exist, as reused memory's do
     other = torch.empty(4 * size, dtype=torch.uint8)
     times = []
     for i in range(repeats + 2):
         other.fill_(i & 0xFF)
         src.add_(0)  # the source back in cache
         start = time.perf_counter_ns()
-        new = torch.empty(size, dtype=torch.uint8)
-        new.copy_(src)
+        dst.copy_(src)
         took = time.perf_counter_ns() - start
-        del new
         if i >= 2:
             times.append(took)
     return _read_part_rate(size, statistics.median(times) * 1e-9, copy_rate)
