@@ -606,6 +606,9 @@ def _versus_floor(rows: list[dict[str, Any]], tokens: list[int]) -> list[str]:
                  if b in by else f" {'-':>30}" for b in floored]
         lines.append(f"{n:>7} {any_row['copy_gib_s']:>11.1f} {any_row['peer_read_gib_s']:>5.1f}"
                      f" {any_row['fresh_write_gib_s']:>5.1f}" + "".join(cells))
+    lines.append("(floor: every byte the row must move at the copy rate; measured: its own "
+                 "lines at the copy rate, lines from the peer's core at the peer rate, new "
+                 "output tensors at the fresh rate; each rate measured in this run)")
     return lines
 
 
