@@ -176,3 +176,17 @@ def test_bench_rates_split_a_copy_into_its_two_sides() -> None:
     assert rates.measured_floor_s(moved) == pytest.approx(2.0 + 3.0 + 2.0)
     assert traffic("torch", 10, 2) is None
     assert traffic("deepspeed", 10, 4) == Traffic(local=20, peer=30, fresh=0)
+
+
+@pytest.mark.parametrize("blocked", [None, 1])
+def test_bench_peer_read_rate_is_measured_or_skipped_on_every_rank(tmp_path: Path,
+                                                                   blocked: int | None) -> None:
+    from harness import run_ranks, values
+    from workers import peer_read_rate
+
+    got = values(run_ranks(peer_read_rate, 2, blocked, str(tmp_path), timeout=60))
+    if blocked is None:
+        assert all(g["rate"] is not None and g["rate"] > 0 for g in got)
+    else:  # one rank could not reserve its buffer: no rank measures, none waits for it
+        assert all(g["rate"] is None for g in got)
+    assert all(g["left"] == [] for g in got)  # every rate file is gone

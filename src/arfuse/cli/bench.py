@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ..log import logger
 from ..torch_types import TORCH_DTYPES
 from . import args as cli_args
 
@@ -245,14 +246,15 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
                 moved = traffic(backend, size, world)
                 if moved is not None:
                     floor_us = rates.floor_s(moved) * 1e6
-                    measured_us = rates.measured_floor_s(moved) * 1e6
                     entry.update(moved_bytes=moved.total, traffic=asdict(moved),
                                  copy_gib_s=rates.copy / 2**30,
-                                 peer_read_gib_s=rates.peer_read / 2**30,
                                  fresh_write_gib_s=rates.fresh_write / 2**30,
-                                 floor_us=floor_us, x_floor=summary["median_us"] / floor_us,
-                                 measured_floor_us=measured_us,
-                                 x_measured_floor=summary["median_us"] / measured_us)
+                                 floor_us=floor_us, x_floor=summary["median_us"] / floor_us)
+                    measured_s = rates.measured_floor_s(moved)
+                    if measured_s is not None and rates.peer_read is not None:
+                        entry.update(peer_read_gib_s=rates.peer_read / 2**30,
+                                     measured_floor_us=measured_s * 1e6,
+                                     x_measured_floor=summary["median_us"] / (measured_s * 1e6))
                 if backend.startswith("shm"):
                     entry["mode"] = mode
                 if backend.startswith("deepspeed"):
@@ -321,15 +323,17 @@ class Rates:
     tensor, as the op's new outputs are)."""
 
     copy: float
-    peer_read: float
+    peer_read: float | None  # None: not measured (see peer_read_rate)
     fresh_write: float
 
     def floor_s(self, moved: Traffic) -> float:
         """Seconds to move every byte at the copy rate: the floor."""
         return moved.total / self.copy
 
-    def measured_floor_s(self, moved: Traffic) -> float:
-        """Seconds to move each kind of byte at its own measured rate."""
+    def measured_floor_s(self, moved: Traffic) -> float | None:
+        """Seconds to move each kind of byte at its own measured rate (None: a rate missing)."""
+        if self.peer_read is None:
+            return None
         return (moved.local / self.copy + moved.peer / self.peer_read
                 + moved.fresh / self.fresh_write)
 
@@ -357,24 +361,42 @@ def _read_part_rate(size: int, copy_s: float, copy_rate: float) -> float:
     return size / max(copy_s - other_s, other_s * 1e-3)
 
 
-def peer_read_rate(size: int, copy_rate: float, tag: int, repeats: int = 16) -> float:
-    """Bytes per second this rank reads from a buffer in shared memory that the next rank has
-    just written (as a rank reads a peer's slot: every line comes from the other core), less
-    the local write of that copy. Collective: every rank calls it with the same arguments."""
+def peer_read_rate(size: int, copy_rate: float, tag: int, repeats: int = 16) -> float | None:
+    """Bytes per second this rank reads from a buffer in shared memory (``ARFUSE_SHM_DIR``)
+    that the next rank has just written (as a rank reads a peer's slot: every line comes from
+    the other core), less the local write of that copy. None, on every rank, when a rank cannot
+    reserve its buffer there (a full or missing directory: logged). Collective: every rank
+    calls it with the same arguments."""
     import torch.distributed as dist
+
+    from ..backends.shm.workspace import SHM_DIR
 
     rank, world = dist.get_rank(), dist.get_world_size()
     size = max(size, 4096)
     if world < 2:
         return copy_rate
 
-    def path(r: int) -> str:
-        return f"/dev/shm/arfuse-bench-{tag}-{r}-{size}"
+    def path(r: int) -> Path:
+        return SHM_DIR / f"arfuse-bench-{tag}-{r}-{size}"
 
-    mine = torch.from_file(path(rank), shared=True, size=size, dtype=torch.uint8)
+    reserved = 1
+    try:  # reserved, not sparse: a full directory is an error here, not a SIGBUS at a store
+        fd = os.open(path(rank), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        reserved = 0
+        logger.warning("bench: no peer-read rate for %d bytes: %s (%s)", size, exc.strerror,
+                    path(rank))
+    agreed = torch.tensor([reserved], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     try:
-        dist.barrier()
-        theirs = torch.from_file(path((rank + 1) % world), shared=True, size=size,
+        if not agreed.item():
+            return None
+        mine = torch.from_file(str(path(rank)), shared=True, size=size, dtype=torch.uint8)
+        theirs = torch.from_file(str(path((rank + 1) % world)), shared=True, size=size,
                                  dtype=torch.uint8)
         src = torch.ones(size, dtype=torch.uint8)
         dst = torch.empty_like(src)
@@ -390,8 +412,9 @@ def peer_read_rate(size: int, copy_rate: float, tag: int, repeats: int = 16) -> 
                 times.append(took)
         return _read_part_rate(size, statistics.median(times) * 1e-9, copy_rate)
     finally:
-        dist.barrier()  # every rank has mapped every file before any is unlinked
-        os.unlink(path(rank))
+        dist.barrier()  # every rank is done with every file before any is unlinked
+        if reserved:
+            path(rank).unlink()
 
 
 def fresh_write_rate(size: int, copy_rate: float, repeats: int = 16) -> float:
@@ -602,14 +625,20 @@ def _versus_floor(rows: list[dict[str, Any]], tokens: list[int]) -> list[str]:
         if not by:
             continue
         any_row = next(iter(by.values()))
-        cells = [f" {by[b]['x_floor']:>21.2f}x, {by[b]['x_measured_floor']:>5.2f}x"
+        cells = [f" {by[b]['x_floor']:>21.2f}x, {_ratio(by[b].get('x_measured_floor'))}"
                  if b in by else f" {'-':>30}" for b in floored]
-        lines.append(f"{n:>7} {any_row['copy_gib_s']:>11.1f} {any_row['peer_read_gib_s']:>5.1f}"
+        peer = any_row.get("peer_read_gib_s")
+        lines.append(f"{n:>7} {any_row['copy_gib_s']:>11.1f} "
+                     f"{'-' if peer is None else f'{peer:.1f}':>5}"
                      f" {any_row['fresh_write_gib_s']:>5.1f}" + "".join(cells))
     lines.append("(floor: every byte the row must move at the copy rate; measured: its own "
                  "lines at the copy rate, lines from the peer's core at the peer rate, new "
                  "output tensors at the fresh rate; each rate measured in this run)")
     return lines
+
+
+def _ratio(value: float | None) -> str:
+    return f"{'-':>6}" if value is None else f"{value:>5.2f}x"
 
 
 def _write(report: dict[str, Any], out: Path) -> None:
