@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from arfuse.backends.shm import build as shm_build
+
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGIES = ROOT / "examples" / "topologies"
 
@@ -126,6 +128,11 @@ def test_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
                     for t in (1, 4)}
     assert all(r["median_us"] > 0 and r["p90_us"] >= r["median_us"] for r in report["results"])
     assert report["machine"]["cores"] and report["python_overhead"]["bf16"]["calls"] > 0
+    module = shm_build.load()  # the ISA the figures come from: the kernel the ranks ran
+    expected_isa = module.isa if module else f"none ({shm_build.why_not()})"
+    assert report["machine"]["kernel_isa"] == expected_isa
+    assert f"shm kernel built for {report['machine']['kernel_isa']}" in (out / "bench.txt"
+                                                                          ).read_text()
     assert (out / "bench.png").stat().st_size > 1000
     assert "torch median / this median" in (out / "bench.txt").read_text()
     # the memory floor: bytes each row must move, at the copy rate measured in the same run

@@ -504,12 +504,22 @@ def _overhead(comm: Any, weight: torch.Tensor, opts: BenchOptions) -> dict[str, 
             "calls": len(op_t)}
 
 
+def _kernel_isa() -> str:
+    """The instruction set the shm kernel of this run was built for (ARFUSE_SHM_ISA or the
+    host's best), or why there is no compiled kernel."""
+    from ..backends.shm import build as shm_build
+
+    module = shm_build.load()
+    return str(module.isa) if module is not None else f"none ({shm_build.why_not()})"
+
+
 def _machine(pinned: bool, world: int) -> dict[str, Any]:
     from ..machine import cpu_flags, cpu_model
 
     return {"cpu": cpu_model() or platform.processor(), "cores": os.cpu_count(),
             "isa": " ".join(f for f in ("avx512f", "avx512bw", "avx2", "fma", "f16c")
                             if f in cpu_flags()),
+            "kernel_isa": _kernel_isa(),
             "python": platform.python_version(), "torch": torch.__version__,
             "platform": platform.platform(), "ranks_pinned": pinned,
             "pinning": "main thread, after init (library threads free)" if pinned else "none",
@@ -591,7 +601,8 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"deepspeed: {report['deepspeed']}")
     m = report["machine"]
     lines.append(f"machine: {m['cpu']}, {m['cores']} cores, {m['isa']}, torch {m['torch']}, "
-                 f"ranks pinned: {m['ranks_pinned']}")
+                 f"ranks pinned: {m['ranks_pinned']}; shm kernel built for "
+                 f"{m.get('kernel_isa', 'an unrecorded ISA')}")
     return "\n".join(lines)
 
 
