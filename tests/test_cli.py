@@ -146,10 +146,12 @@ def test_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
         assert r["x_floor"] == pytest.approx(r["median_us"] / r["floor_us"])
         # the same bytes by kind, each at its own rate measured in the same run
         fresh = {"shm": 2, "shm-inplace": 0, "shm-slot": 1}[r["backend"]] * size
-        assert r["traffic"] == {"local": expected - size - fresh, "peer": size, "fresh": fresh}
-        assert r["peer_read_gib_s"] > 0 and r["fresh_write_gib_s"] > 0
-        kinds = (r["traffic"]["local"] / r["copy_gib_s"] + size / r["peer_read_gib_s"]
-                 + fresh / r["fresh_write_gib_s"]) / 2**30 * 1e6
+        shared = 0 if r["backend"] == "shm-slot" else size  # x into the slot
+        assert r["traffic"] == {"local": expected - size - fresh - shared, "shared": shared,
+                                "peer": size, "fresh": fresh}
+        assert min(r["peer_read_gib_s"], r["shared_write_gib_s"], r["fresh_write_gib_s"]) > 0
+        kinds = (r["traffic"]["local"] / r["copy_gib_s"] + shared / r["shared_write_gib_s"]
+                 + size / r["peer_read_gib_s"] + fresh / r["fresh_write_gib_s"]) / 2**30 * 1e6
         assert r["measured_floor_us"] == pytest.approx(kinds)
         assert r["x_measured_floor"] == pytest.approx(r["median_us"] / kinds)
         assert r["page_faults_per_call"] >= 0
@@ -171,29 +173,30 @@ def test_explain_shows_unknown_facts_of_a_topology_file(tmp_path: Path) -> None:
 
 
 def test_bench_rates_split_a_copy_into_its_two_sides() -> None:
-    from arfuse.cli.bench import Rates, Traffic, _read_part_rate, traffic
+    from arfuse.cli.bench import PeerRates, Rates, Traffic, _one_side_rate, traffic
 
-    # a copy of 1000 bytes that took 3 s, where the write side alone takes 1 s at the copy rate
-    assert _read_part_rate(1000, 3.0, copy_rate=1000.0) == pytest.approx(500.0)
-    # faster than the local copy in total: the read side is taken as nearly free, not negative
-    assert _read_part_rate(1000, 0.5, copy_rate=1000.0) > 1000.0 * 100
-    rates = Rates(copy=100.0, peer_read=10.0, fresh_write=50.0)
-    moved = Traffic(local=200, peer=30, fresh=100)
-    assert rates.floor_s(moved) == pytest.approx(3.3)
-    assert rates.measured_floor_s(moved) == pytest.approx(2.0 + 3.0 + 2.0)
+    # a copy of 1000 bytes that took 3 s, where the other side alone takes 1 s at the copy rate
+    assert _one_side_rate(1000, 3.0, copy_rate=1000.0) == pytest.approx(500.0)
+    # faster than the local copy in total: the side is taken as nearly free, not negative
+    assert _one_side_rate(1000, 0.5, copy_rate=1000.0) > 1000.0 * 100
+    rates = Rates(copy=100.0, peer=PeerRates(read=10.0, shared_write=20.0), fresh_write=50.0)
+    moved = Traffic(local=200, shared=40, peer=30, fresh=100)
+    assert rates.floor_s(moved) == pytest.approx(3.7)
+    assert rates.measured_floor_s(moved) == pytest.approx(2.0 + 2.0 + 3.0 + 2.0)
+    assert Rates(copy=100.0, peer=None, fresh_write=50.0).measured_floor_s(moved) is None
     assert traffic("torch", 10, 2) is None
-    assert traffic("deepspeed", 10, 4) == Traffic(local=20, peer=30, fresh=0)
+    assert traffic("deepspeed", 10, 4) == Traffic(local=10, shared=10, peer=30, fresh=0)
 
 
 @pytest.mark.parametrize("blocked", [None, 1])
-def test_bench_peer_read_rate_is_measured_or_skipped_on_every_rank(tmp_path: Path,
+def test_bench_peer_rates_are_measured_or_skipped_on_every_rank(tmp_path: Path,
                                                                    blocked: int | None) -> None:
     from harness import run_ranks, values
-    from workers import peer_read_rate
+    from workers import peer_rates
 
-    got = values(run_ranks(peer_read_rate, 2, blocked, str(tmp_path), timeout=60))
+    got = values(run_ranks(peer_rates, 2, blocked, str(tmp_path), timeout=60))
     if blocked is None:
-        assert all(g["rate"] is not None and g["rate"] > 0 for g in got)
+        assert all(g["rate"] is not None and min(g["rate"]) > 0 for g in got)
     else:  # one rank could not reserve its buffer: no rank measures, none waits for it
         assert all(g["rate"] is None for g in got)
     assert all(g["left"] == [] for g in got)  # every rate file is gone

@@ -544,15 +544,16 @@ def announce_across_capacity(rank: int, world: int) -> dict[str, Any]:
     return report
 
 
-def peer_read_rate(rank: int, world: int, blocked: int | None, directory: str) -> dict[str, Any]:
-    """arfuse bench's peer-read rate in ``directory``; rank ``blocked`` gets a directory it
-    cannot write (a full or missing ARFUSE_SHM_DIR)."""
+def peer_rates(rank: int, world: int, blocked: int | None, directory: str) -> dict[str, Any]:
+    """arfuse bench's peer rates in ``directory``; rank ``blocked`` gets a directory it cannot
+    write (a full or missing ARFUSE_SHM_DIR)."""
     from pathlib import Path
 
     from arfuse.backends.shm import workspace
     from arfuse.cli import bench
 
     workspace.SHM_DIR = Path(directory) / ("missing" if rank == blocked else "")
-    rate = bench.peer_read_rate(1 << 16, copy_rate=1e10, tag=4242)
+    rates = bench.peer_rates(1 << 16, copy_rate=1e10, tag=4242)
     torch.distributed.barrier()
-    return {"rate": rate, "left": sorted(p.name for p in Path(directory).iterdir())}
+    return {"rate": None if rates is None else (rates.read, rates.shared_write),
+            "left": sorted(p.name for p in Path(directory).iterdir())}

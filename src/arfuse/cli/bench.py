@@ -251,8 +251,9 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
                                  fresh_write_gib_s=rates.fresh_write / 2**30,
                                  floor_us=floor_us, x_floor=summary["median_us"] / floor_us)
                     measured_s = rates.measured_floor_s(moved)
-                    if measured_s is not None and rates.peer_read is not None:
-                        entry.update(peer_read_gib_s=rates.peer_read / 2**30,
+                    if measured_s is not None and rates.peer is not None:
+                        entry.update(peer_read_gib_s=rates.peer.read / 2**30,
+                                     shared_write_gib_s=rates.peer.shared_write / 2**30,
                                      measured_floor_us=measured_s * 1e6,
                                      x_measured_floor=summary["median_us"] / (measured_s * 1e6))
                 if backend.startswith("shm"):
@@ -284,17 +285,19 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
 @dataclass(frozen=True)
 class Traffic:
     """Bytes one rank must read or write for a row's work, by where the lines are: ``local``
-    (its own memory, recently used), ``peer`` (lines another rank's core has just written: each
-    crosses between cores) and ``fresh`` (new output tensors: lines a store must first fetch
-    from beyond this core's caches)."""
+    (its own memory, recently used), ``shared`` (its input into shared memory: lines the peer's
+    core read last, which a store must take back), ``peer`` (lines another rank's core has just
+    written: each crosses between cores) and ``fresh`` (new output tensors: lines a store must
+    first fetch from beyond this core's caches)."""
 
     local: int
+    shared: int
     peer: int
     fresh: int
 
     @property
     def total(self) -> int:
-        return self.local + self.peer + self.fresh
+        return self.local + self.shared + self.peer + self.fresh
 
 
 def traffic(row: str, size: int, world: int) -> Traffic | None:
@@ -305,25 +308,33 @@ def traffic(row: str, size: int, world: int) -> Traffic | None:
     memory, every peer's input, the sum back into the tensor."""
     peers = (world - 1) * size
     if row == "shm-inplace":
-        return Traffic(local=4 * size, peer=peers, fresh=0)
+        return Traffic(local=3 * size, shared=size, peer=peers, fresh=0)
     if row == "shm":
-        return Traffic(local=2 * size, peer=peers, fresh=2 * size)
+        return Traffic(local=size, shared=size, peer=peers, fresh=2 * size)
     if row == "shm-slot":
-        return Traffic(local=2 * size, peer=peers, fresh=size)
+        return Traffic(local=2 * size, shared=0, peer=peers, fresh=size)
     if row == "deepspeed":
-        return Traffic(local=2 * size, peer=peers, fresh=0)
+        return Traffic(local=size, shared=size, peer=peers, fresh=0)
     return None
+
+
+@dataclass(frozen=True)
+class PeerRates:
+    """Bytes per second between this rank's core and the next rank's, measured now (see
+    peer_rates): reading lines the peer has just written, and writing lines the peer read."""
+
+    read: float
+    shared_write: float
 
 
 @dataclass(frozen=True)
 class Rates:
     """Bytes per second for one working-set size, measured in the same run on this rank's
-    core: ``copy`` (read + write of a local copy: the floor's one rate), ``peer_read``
-    (reading lines the next rank's core has just written) and ``fresh_write`` (writing a new
-    tensor, as the op's new outputs are)."""
+    core: ``copy`` (read + write of a local copy: the floor's one rate), ``peer`` (None: not
+    measured) and ``fresh_write`` (writing a new tensor, as the op's new outputs are)."""
 
     copy: float
-    peer_read: float | None  # None: not measured (see peer_read_rate)
+    peer: PeerRates | None
     fresh_write: float
 
     def floor_s(self, moved: Traffic) -> float:
@@ -332,10 +343,10 @@ class Rates:
 
     def measured_floor_s(self, moved: Traffic) -> float | None:
         """Seconds to move each kind of byte at its own measured rate (None: a rate missing)."""
-        if self.peer_read is None:
+        if self.peer is None:
             return None
-        return (moved.local / self.copy + moved.peer / self.peer_read
-                + moved.fresh / self.fresh_write)
+        return (moved.local / self.copy + moved.shared / self.peer.shared_write
+                + moved.peer / self.peer.read + moved.fresh / self.fresh_write)
 
 
 def copy_bandwidth(size: int, repeats: int = 64) -> float:
@@ -354,19 +365,44 @@ def copy_bandwidth(size: int, repeats: int = 64) -> float:
     return 2 * size / (statistics.median(times) * 1e-9)
 
 
-def _read_part_rate(size: int, copy_s: float, copy_rate: float) -> float:
-    """The rate of one side of a copy of ``size`` bytes that took ``copy_s``, the other side
-    counted at the local copy rate (each byte read or written costs ``1 / copy_rate`` there)."""
+def _one_side_rate(size: int, copy_s: float, copy_rate: float) -> float:
+    """The rate of one side (its read or its write) of a copy of ``size`` bytes that took
+    ``copy_s``, the other side counted at the local copy rate (each byte read or written costs
+    ``1 / copy_rate`` there)."""
     other_s = size / copy_rate
     return size / max(copy_s - other_s, other_s * 1e-3)
 
 
-def peer_read_rate(size: int, copy_rate: float, tag: int, repeats: int = 16) -> float | None:
-    """Bytes per second this rank reads from a buffer in shared memory (``ARFUSE_SHM_DIR``)
-    that the next rank has just written (as a rank reads a peer's slot: every line comes from
-    the other core), less the local write of that copy. None, on every rank, when a rank cannot
-    reserve its buffer there (a full or missing directory: logged). Collective: every rank
-    calls it with the same arguments."""
+PEER_SPIN_TIMEOUT_S = 30.0
+
+
+class _Flag:
+    """An int64 in a rank's shared file: what the rank has done; the other spins on it (as the
+    op's ranks do), so neither core idles in a barrier between a write and the read timed."""
+
+    def __init__(self, mine: torch.Tensor, theirs: torch.Tensor) -> None:
+        self.mine, self.theirs = mine, theirs
+        self.mine.zero_()
+
+    def post(self, value: int) -> None:
+        self.mine[0] = value
+
+    def wait(self, value: int) -> None:
+        deadline = time.monotonic() + PEER_SPIN_TIMEOUT_S
+        while int(self.theirs[0]) < value:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bench: the peer did not reach step {value} of the "
+                                   f"peer-rate measurement in {PEER_SPIN_TIMEOUT_S:.0f} s")
+            os.sched_yield()  # returns at once on a core of its own
+
+
+def peer_rates(size: int, copy_rate: float, tag: int, repeats: int = 16) -> PeerRates | None:
+    """This rank's rates with the next rank's core, through buffers in ``ARFUSE_SHM_DIR``:
+    ``read``, a copy of the buffer the next rank has just written (as a rank reads a peer's
+    slot), less its local write; ``shared_write``, rewriting its own buffer after the previous
+    rank has read it (as a rank refills its slot), less the local read. None, on every rank,
+    when a rank cannot reserve its buffer there (a full or missing directory: logged).
+    Collective: every rank calls it with the same arguments."""
     import torch.distributed as dist
 
     from ..backends.shm.workspace import SHM_DIR
@@ -374,7 +410,8 @@ def peer_read_rate(size: int, copy_rate: float, tag: int, repeats: int = 16) -> 
     rank, world = dist.get_rank(), dist.get_world_size()
     size = max(size, 4096)
     if world < 2:
-        return copy_rate
+        return PeerRates(read=copy_rate, shared_write=copy_rate)
+    flag_bytes = 4096  # the flag's own page, ahead of the buffer
 
     def path(r: int) -> Path:
         return SHM_DIR / f"arfuse-bench-{tag}-{r}-{size}"
@@ -383,34 +420,45 @@ def peer_read_rate(size: int, copy_rate: float, tag: int, repeats: int = 16) -> 
     try:  # reserved, not sparse: a full directory is an error here, not a SIGBUS at a store
         fd = os.open(path(rank), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.posix_fallocate(fd, 0, size)
+            os.posix_fallocate(fd, 0, flag_bytes + size)
         finally:
             os.close(fd)
     except OSError as exc:
         reserved = 0
-        logger.warning("bench: no peer-read rate for %d bytes: %s (%s)", size, exc.strerror,
-                    path(rank))
+        logger.warning("bench: no peer rates for %d bytes: %s (%s)", size, exc.strerror,
+                       path(rank))
     agreed = torch.tensor([reserved], dtype=torch.int64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     try:
         if not agreed.item():
             return None
-        mine = torch.from_file(str(path(rank)), shared=True, size=size, dtype=torch.uint8)
-        theirs = torch.from_file(str(path((rank + 1) % world)), shared=True, size=size,
-                                 dtype=torch.uint8)
+        mine = torch.from_file(str(path(rank)), shared=True, size=flag_bytes + size,
+                               dtype=torch.uint8)
+        theirs = torch.from_file(str(path((rank + 1) % world)), shared=True,
+                                 size=flag_bytes + size, dtype=torch.uint8)
+        reader = torch.from_file(str(path((rank - 1) % world)), shared=True,
+                                 size=flag_bytes, dtype=torch.uint8)
+        # this rank waits for the next (its data) and for the previous (done reading ours)
+        ahead = _Flag(mine[:8].view(torch.int64), theirs[:8].view(torch.int64))
+        behind = _Flag(mine[:8].view(torch.int64), reader[:8].view(torch.int64))
+        dist.barrier()  # every flag zeroed before any is waited on
         src = torch.ones(size, dtype=torch.uint8)
         dst = torch.empty_like(src)
-        times = []
-        for i in range(repeats + 2):
-            mine.copy_(src)  # this core now holds the lines, written
-            dist.barrier()
+        writes, reads = [], []
+        for i in range(1, repeats + 3):
             start = time.perf_counter_ns()
-            dst.copy_(theirs)
-            took = time.perf_counter_ns() - start
-            dist.barrier()
-            if i >= 2:
-                times.append(took)
-        return _read_part_rate(size, statistics.median(times) * 1e-9, copy_rate)
+            mine[flag_bytes:].copy_(src)  # lines the previous rank read last time
+            writes.append(time.perf_counter_ns() - start)
+            ahead.post(2 * i - 1)
+            ahead.wait(2 * i - 1)
+            start = time.perf_counter_ns()
+            dst.copy_(theirs[flag_bytes:])
+            reads.append(time.perf_counter_ns() - start)
+            ahead.post(2 * i)
+            behind.wait(2 * i)  # the previous rank is done with our buffer
+        return PeerRates(
+            read=_one_side_rate(size, statistics.median(reads[2:]) * 1e-9, copy_rate),
+            shared_write=_one_side_rate(size, statistics.median(writes[3:]) * 1e-9, copy_rate))
     finally:
         dist.barrier()  # every rank is done with every file before any is unlinked
         if reserved:
@@ -435,13 +483,13 @@ def fresh_write_rate(size: int, copy_rate: float, repeats: int = 16) -> float:
         took = time.perf_counter_ns() - start
         if i >= 2:
             times.append(took)
-    return _read_part_rate(size, statistics.median(times) * 1e-9, copy_rate)
+    return _one_side_rate(size, statistics.median(times) * 1e-9, copy_rate)
 
 
 def measure_rates(size: int, tag: int) -> Rates:
     """Every rate of the floors for a working set of ``size`` bytes. Collective."""
     copy = copy_bandwidth(size)
-    return Rates(copy=copy, peer_read=peer_read_rate(size, copy, tag),
+    return Rates(copy=copy, peer=peer_rates(size, copy, tag),
                  fresh_write=fresh_write_rate(size, copy))
 
 
@@ -629,7 +677,7 @@ def _versus_floor(rows: list[dict[str, Any]], tokens: list[int]) -> list[str]:
                if any(r["backend"] == b and "x_floor" in r for r in rows)]
     if not floored:
         return []
-    lines = [f"{'':>7} {'GiB/s: copy':>11} {'peer':>5} {'fresh':>5}"
+    lines = [f"{'':>7} {'GiB/s: copy':>11} {'shared':>6} {'peer':>5} {'fresh':>5}"
              + "".join(f" {b + ' / floor, measured':>30}" for b in floored)]
     for n in tokens:
         by = {r["backend"]: r for r in rows if r["tokens"] == n and "x_floor" in r}
@@ -638,14 +686,19 @@ def _versus_floor(rows: list[dict[str, Any]], tokens: list[int]) -> list[str]:
         any_row = next(iter(by.values()))
         cells = [f" {by[b]['x_floor']:>21.2f}x, {_ratio(by[b].get('x_measured_floor'))}"
                  if b in by else f" {'-':>30}" for b in floored]
-        peer = any_row.get("peer_read_gib_s")
         lines.append(f"{n:>7} {any_row['copy_gib_s']:>11.1f} "
-                     f"{'-' if peer is None else f'{peer:.1f}':>5}"
+                     f"{_rate(any_row.get('shared_write_gib_s')):>6} "
+                     f"{_rate(any_row.get('peer_read_gib_s')):>5}"
                      f" {any_row['fresh_write_gib_s']:>5.1f}" + "".join(cells))
     lines.append("(floor: every byte the row must move at the copy rate; measured: its own "
-                 "lines at the copy rate, lines from the peer's core at the peer rate, new "
+                 "lines at the copy rate, its input into shared memory at the shared rate "
+                 "(lines the peer read last), lines from the peer's core at the peer rate, new "
                  "output tensors at the fresh rate; each rate measured in this run)")
     return lines
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _ratio(value: float | None) -> str:
