@@ -19,7 +19,7 @@ place is restored), so every row starts from the same cache state:
 Also measured: arfuse's Python overhead per call on top of the kernel (see ``_overhead``),
 negotiation time, page faults per timed call, and each row's memory floor: the bytes it must
 move (``traffic``) at one core's copy rate, and each kind of byte at its own rate measured in
-the same run (``Rates``: lines a peer's core has just written; new output tensors).
+the same run (``Rates``: lines shared with a peer's core, both ways; new output tensors).
 """
 
 from __future__ import annotations
