@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from arfuse.backends.shm import build as shm_build
 
@@ -200,3 +201,22 @@ def test_bench_peer_rates_are_measured_or_skipped_on_every_rank(tmp_path: Path,
     else:  # one rank could not reserve its buffer: no rank measures, none waits for it
         assert all(g["rate"] is None for g in got)
     assert all(g["left"] == [] for g in got)  # every rate file is gone
+
+
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_exchange_copy_moves_every_byte_and_refuses_mismatched_buffers(read_ahead: bool) -> None:
+    """The kernel's copy the bench's shared rates are measured with: exact at any length
+    (a tail shorter than a line included), and a clear refusal for buffers it cannot copy."""
+    module = shm_build.load()
+    if module is None:
+        pytest.skip(f"no compiled kernel here: {shm_build.why_not()}")
+    for n in (0, 1, 63, 64, 65, 4096 + 17):
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        dst = torch.zeros(n, dtype=torch.uint8)
+        module.exchange_copy(dst, src, read_ahead)
+        assert torch.equal(dst, src)
+    with pytest.raises(ValueError, match="one size"):
+        module.exchange_copy(torch.empty(3, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8),
+                             read_ahead)
+    with pytest.raises(ValueError, match="uint8"):
+        module.exchange_copy(torch.empty(4), torch.empty(4), read_ahead)

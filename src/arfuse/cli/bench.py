@@ -376,6 +376,18 @@ def _one_side_rate(size: int, copy_s: float, copy_rate: float) -> float:
 PEER_SPIN_TIMEOUT_S = 30.0
 
 
+def _exchange_copy() -> Any:
+    """copy(dst, src, read_ahead): the shm kernel's own way of moving lines between cores
+    (``exchange_copy``: software prefetch ahead of the reads or of the stores), so that the
+    shared rates are those the kernel can reach; ``Tensor.copy_`` without a compiled kernel."""
+    from ..backends.shm import build as shm_build
+
+    module = shm_build.load()
+    if module is not None:
+        return module.exchange_copy
+    return lambda dst, src, read_ahead: dst.copy_(src)
+
+
 class _Flag:
     """An int64 in a rank's shared file: what the rank has done; the other spins on it (as the
     op's ranks do), so neither core idles in a barrier between a write and the read timed."""
@@ -397,10 +409,11 @@ class _Flag:
 
 
 def peer_rates(size: int, copy_rate: float, tag: int, repeats: int = 16) -> PeerRates | None:
-    """This rank's rates with the next rank's core, through buffers in ``ARFUSE_SHM_DIR``:
-    ``read``, a copy of the buffer the next rank has just written (as a rank reads a peer's
-    slot), less its local write; ``shared_write``, rewriting its own buffer after the previous
-    rank has read it (as a rank refills its slot), less the local read. None, on every rank,
+    """This rank's rates with the next rank's core, through buffers in ``ARFUSE_SHM_DIR``, each
+    moved as the kernel moves it (``_exchange_copy``): ``read``, a copy of the buffer the next
+    rank has just written (as a rank reads a peer's slot), less its local write;
+    ``shared_write``, rewriting its own buffer after the previous rank has read it (as a rank
+    refills its slot), less the local read. None, on every rank,
     when a rank cannot reserve its buffer there (a full or missing directory: logged).
     Collective: every rank calls it with the same arguments."""
     import torch.distributed as dist
@@ -444,15 +457,17 @@ def peer_rates(size: int, copy_rate: float, tag: int, repeats: int = 16) -> Peer
         dist.barrier()  # every flag zeroed before any is waited on
         src = torch.ones(size, dtype=torch.uint8)
         dst = torch.empty_like(src)
+        buffer, peer_buffer = mine[flag_bytes:], theirs[flag_bytes:]
+        copy = _exchange_copy()
         writes, reads = [], []
         for i in range(1, repeats + 3):
             start = time.perf_counter_ns()
-            mine[flag_bytes:].copy_(src)  # lines the previous rank read last time
+            copy(buffer, src, False)  # lines the previous rank read last time
             writes.append(time.perf_counter_ns() - start)
             ahead.post(2 * i - 1)
             ahead.wait(2 * i - 1)
             start = time.perf_counter_ns()
-            dst.copy_(theirs[flag_bytes:])
+            copy(dst, peer_buffer, True)
             reads.append(time.perf_counter_ns() - start)
             ahead.post(2 * i)
             behind.wait(2 * i)  # the previous rank is done with our buffer

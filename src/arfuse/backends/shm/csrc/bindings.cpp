@@ -240,6 +240,20 @@ at::Tensor round_to(const at::Tensor& x, int64_t dtype, bool vector) {
   return out;
 }
 
+// dst = src by the exchange's own memory access: the slot copy (each destination line taken
+// for writing ahead) or, with read_ahead, the row passes' way of reading a peer's lines. Lets
+// arfuse bench measure the rates of lines shared between cores as the kernel moves them.
+void exchange_copy(at::Tensor& dst, const at::Tensor& src, bool read_ahead) {
+  TORCH_CHECK_VALUE(dst.is_cpu() && src.is_cpu() && dst.is_contiguous() &&
+                        src.is_contiguous() && dst.scalar_type() == at::kByte &&
+                        src.scalar_type() == at::kByte && dst.numel() == src.numel(),
+                    "exchange_copy: dst and src must be contiguous CPU uint8 tensors of one size");
+  char* to = reinterpret_cast<char*>(dst.data_ptr());
+  const char* from = reinterpret_cast<const char*>(src.data_ptr());
+  if (read_ahead) copy_reading_ahead(to, from, size_t(src.numel()));
+  else copy_prefetching(to, from, size_t(src.numel()));
+}
+
 void bind_comm(py::module_& m) {
   py::class_<ShmComm, std::shared_ptr<ShmComm>>(m, "ShmComm")
       .def(py::init(&ShmComm::create))
@@ -296,5 +310,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mismatch_message", &mismatch_message);
   m.def("nvfp4_quantize", &nvfp4_quantize);
   m.def("round_to", &round_to);
+  m.def("exchange_copy", &exchange_copy);
   bind_comm(m);
 }

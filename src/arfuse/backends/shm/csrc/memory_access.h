@@ -47,6 +47,17 @@ inline void copy_prefetching(char* dst, const char* src, std::size_t n) {
   std::memcpy(dst + i, src + i, n - i);
 }
 
+// dst = src, n bytes, each source line asked for ahead of its load (as the row passes read a
+// peer's lines). For arfuse bench's peer-read rate; the exchange itself reads in its row loops.
+inline void copy_reading_ahead(char* dst, const char* src, std::size_t n) {
+  std::size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    prefetch_read(src + i);
+    std::memcpy(dst + i, src + i, 64);
+  }
+  std::memcpy(dst + i, src + i, n - i);
+}
+
 // dst = src, n bytes, with streaming (non-temporal) stores for the aligned body where the CPU
 // has them (the write-combining buffers fill whole lines from 16-byte stores as from wider
 // ones); ends with a store fence, so a later release store of the arrival flag orders after
