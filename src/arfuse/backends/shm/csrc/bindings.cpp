@@ -250,7 +250,7 @@ void exchange_copy(at::Tensor& dst, const at::Tensor& src, bool read_ahead) {
                     "exchange_copy: dst and src must be contiguous CPU uint8 tensors of one size");
   char* to = reinterpret_cast<char*>(dst.data_ptr());
   const char* from = reinterpret_cast<const char*>(src.data_ptr());
-  if (read_ahead) copy_reading_ahead(to, from, size_t(src.numel()));
+  if (read_ahead) copy_prefetching<true>(to, from, size_t(src.numel()));
   else copy_prefetching(to, from, size_t(src.numel()));
 }
 

@@ -37,22 +37,15 @@ inline void prefetch_step(const T* const* rows, int ranks, std::int64_t h, T* su
   if (sum_dst != nullptr) prefetch_write(sum_dst + h);
 }
 
-// dst = src, n bytes, each destination line taken for writing ahead of its store.
+// dst = src, n bytes, each destination line taken for writing ahead of its store (the slot
+// copy); with kReadAhead, each source line asked for ahead of its load instead (as the row
+// passes read a peer's lines: arfuse bench's peer-read rate, through exchange_copy).
+template <bool kReadAhead = false>
 inline void copy_prefetching(char* dst, const char* src, std::size_t n) {
   std::size_t i = 0;
   for (; i + 64 <= n; i += 64) {
-    prefetch_write(dst + i);
-    std::memcpy(dst + i, src + i, 64);
-  }
-  std::memcpy(dst + i, src + i, n - i);
-}
-
-// dst = src, n bytes, each source line asked for ahead of its load (as the row passes read a
-// peer's lines). For arfuse bench's peer-read rate; the exchange itself reads in its row loops.
-inline void copy_reading_ahead(char* dst, const char* src, std::size_t n) {
-  std::size_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    prefetch_read(src + i);
+    if constexpr (kReadAhead) prefetch_read(src + i);
+    else prefetch_write(dst + i);
     std::memcpy(dst + i, src + i, 64);
   }
   std::memcpy(dst + i, src + i, n - i);
