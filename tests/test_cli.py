@@ -197,7 +197,8 @@ def test_bench_peer_rates_are_measured_or_skipped_on_every_rank(tmp_path: Path,
 
     got = values(run_ranks(peer_rates, 2, blocked, str(tmp_path), timeout=60))
     if blocked is None:
-        assert all(g["rate"] is not None and min(g["rate"]) > 0 for g in got)
+        # rates of real copies (the worker counts a local side at 1 TB/s): not the clamp
+        assert all(g["rate"] is not None and all(1e8 < r < 1e13 for r in g["rate"]) for g in got)
     else:  # one rank could not reserve its buffer: no rank measures, none waits for it
         assert all(g["rate"] is None for g in got)
     assert all(g["left"] == [] for g in got)  # every rate file is gone

@@ -553,7 +553,7 @@ def peer_rates(rank: int, world: int, blocked: int | None, directory: str) -> di
     from arfuse.cli import bench
 
     workspace.SHM_DIR = Path(directory) / ("missing" if rank == blocked else "")
-    rates = bench.peer_rates(1 << 16, copy_rate=1e10, tag=4242)
+    rates = bench.peer_rates(1 << 16, copy_rate=1e12, tag=4242)
     torch.distributed.barrier()
     return {"rate": None if rates is None else (rates.read, rates.shared_write),
             "left": sorted(p.name for p in Path(directory).iterdir())}

@@ -388,22 +388,25 @@ def _exchange_copy() -> Any:
     return lambda dst, src, read_ahead: dst.copy_(src)
 
 
-class _Flag:
-    """An int64 in a rank's shared file: what the rank has done; the other spins on it (as the
-    op's ranks do), so neither core idles in a barrier between a write and the read timed."""
+class _Flags:
+    """Each rank's progress, an int64 at the head of its shared file; a rank spins on its
+    neighbours' (as the op's ranks do), so no core idles in a barrier between a write and the
+    read timed."""
 
-    def __init__(self, mine: torch.Tensor, theirs: torch.Tensor) -> None:
-        self.mine, self.theirs = mine, theirs
+    def __init__(self, mine: torch.Tensor, following: torch.Tensor,
+                 preceding: torch.Tensor) -> None:
+        self.mine, self.following, self.preceding = mine, following, preceding
         self.mine.zero_()
 
     def post(self, value: int) -> None:
         self.mine[0] = value
 
-    def wait(self, value: int) -> None:
+    @staticmethod
+    def wait(flag: torch.Tensor, value: int) -> None:
         deadline = time.monotonic() + PEER_SPIN_TIMEOUT_S
-        while int(self.theirs[0]) < value:
+        while int(flag[0]) < value:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"bench: the peer did not reach step {value} of the "
+                raise TimeoutError(f"bench: a peer did not reach step {value} of the "
                                    f"peer-rate measurement in {PEER_SPIN_TIMEOUT_S:.0f} s")
             os.sched_yield()  # returns at once on a core of its own
 
@@ -452,8 +455,8 @@ def peer_rates(size: int, copy_rate: float, tag: int, repeats: int = 16) -> Peer
         reader = torch.from_file(str(path((rank - 1) % world)), shared=True,
                                  size=flag_bytes, dtype=torch.uint8)
         # this rank waits for the next (its data) and for the previous (done reading ours)
-        ahead = _Flag(mine[:8].view(torch.int64), theirs[:8].view(torch.int64))
-        behind = _Flag(mine[:8].view(torch.int64), reader[:8].view(torch.int64))
+        flags = _Flags(mine[:8].view(torch.int64), theirs[:8].view(torch.int64),
+                       reader[:8].view(torch.int64))
         dist.barrier()  # every flag zeroed before any is waited on
         src = torch.ones(size, dtype=torch.uint8)
         dst = torch.empty_like(src)
@@ -464,13 +467,13 @@ def peer_rates(size: int, copy_rate: float, tag: int, repeats: int = 16) -> Peer
             start = time.perf_counter_ns()
             copy(buffer, src, False)  # lines the previous rank read last time
             writes.append(time.perf_counter_ns() - start)
-            ahead.post(2 * i - 1)
-            ahead.wait(2 * i - 1)
+            flags.post(2 * i - 1)
+            flags.wait(flags.following, 2 * i - 1)
             start = time.perf_counter_ns()
             copy(dst, peer_buffer, True)
             reads.append(time.perf_counter_ns() - start)
-            ahead.post(2 * i)
-            behind.wait(2 * i)  # the previous rank is done with our buffer
+            flags.post(2 * i)
+            flags.wait(flags.preceding, 2 * i)  # the previous rank is done with our buffer
         return PeerRates(
             read=_one_side_rate(size, statistics.median(reads[2:]) * 1e-9, copy_rate),
             shared_write=_one_side_rate(size, statistics.median(writes[3:]) * 1e-9, copy_rate))
