@@ -58,17 +58,29 @@ def documented_out(residual_out: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("hidden", [37, 88, 208, 1040])
-def test_out_is_the_documented_formula_bit_for_bit(dtype: torch.dtype, hidden: int) -> None:
+@pytest.mark.parametrize("hidden", [37, 88, 208, 1040, 1100])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_out_is_the_documented_formula_bit_for_bit(dtype: torch.dtype, hidden: int,
+                                                   in_place: bool) -> None:
+    """New outputs and in place (out=x, residual_out=residual) take the two orders of the
+    passes in finish_rows (fp32: one after the other with a new residual_out, else overlapped
+    in segments, several rows per step); hidden 1040 and 1100 span several segments."""
     tokens, eps, weight_bias = 64, 1e-6, 0.5
     gen = torch.Generator().manual_seed(hidden)
     x = (torch.randn(tokens, hidden, generator=gen) * 4).to(dtype)
     residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
     comm, _memory = kernel_on_private_memory(tokens, hidden, dtype)
-    out, residual_out, _, _ = comm.run(x, residual, weight, eps, weight_bias, 0, 0.0, True,
-                                       None, None)
     summed = x.float().to(dtype)  # one rank: the sum is x
+    if in_place:
+        x_work, residual_in = x.clone(), residual.clone()
+        out, residual_out, _, _ = comm.run(x_work, residual_in, weight, eps, weight_bias, 0,
+                                           0.0, True, x_work, residual_in)
+        assert out.data_ptr() == x_work.data_ptr()
+        assert residual_out.data_ptr() == residual_in.data_ptr()
+    else:
+        out, residual_out, _, _ = comm.run(x, residual, weight, eps, weight_bias, 0, 0.0, True,
+                                           None, None)
     assert torch.equal(residual_out, (summed.float() + residual.float()).to(dtype))
     expected = documented_out(residual_out, weight, eps, weight_bias)
     assert torch.equal(out.view(torch.int16) if dtype != torch.float32 else out.view(torch.int32),

@@ -43,6 +43,7 @@ struct Call {  // one call's arguments, resolved to raw pointers
   uint8_t* quant_out = nullptr;
   uint8_t* scale_out = nullptr;
   const float* gain = nullptr;  // weight_bias + f32(w), see compute_gain
+  bool overlap_passes = true;   // see finish_rows
 };
 
 // gain = weight_bias + f32(w), once per call instead of once per row.
@@ -112,21 +113,6 @@ inline float combine_lanes(float* lanes) {
   return lanes[0];
 }
 
-// The norm tail of a row: the lanes combined, then out from residual_out (exact: it holds r
-// in T) and the gain.
-template <int D>
-void norm_row(const Call& c, float* lanes, typename Elem<D>::T* out,
-              const typename Elem<D>::T* residual_out) {
-  const int64_t H = c.hidden;
-  const float ss = combine_lanes(lanes);
-  const float inv = 1.0f / std::sqrt(ss / float(H) + c.eps);
-  int64_t k = isa::row_scale<D>(residual_out, c.gain, H, inv, out);
-  for (; k < H; ++k) {
-    float scaled = mul_o(Elem<D>::load(residual_out[k]), inv);
-    out[k] = Elem<D>::store(mul_o(scaled, c.gain[k]));
-  }
-}
-
 // The first pass of a row by the vector form, as many elements as it takes.
 template <int D>
 int64_t vector_sum(const typename Elem<D>::T* const* rows, int ranks, int64_t H,
@@ -149,25 +135,25 @@ int64_t vector_sum(const typename Elem<D>::T* const* rows, int ranks, int64_t H,
                                              nullptr);
 }
 
-// Reduce row `in_row` of `ranks` inputs (rank order) and run the whole epilogue on it, with
-// row `row` of the residual and of the quantised outputs. sum_out (may be null): where the
-// rounded sum T(acc) goes too (two-shot: the owner's result slot, which the others finish
-// their rows from).
+// Pass 1 over [begin, end) of one row (begin a multiple of kSumLanes): the sum of the ranks'
+// rows (rank order), rounded to T; plain: into out; norm: plus the residual, rounded, into
+// residual_out, the squares going on into lanes. sum_out (may be null): the rounded sum there
+// too (two-shot: the owner's result slot, which the others finish their rows from). The
+// vector form takes the whole multiples of kSumLanes, the scalar loop the rest, with the same
+// operations in the same order (NaN rule: add_o, mul_o).
 template <int D>
-void finish_row(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_row,
-                int64_t row, const Call& c, typename Elem<D>::T* out,
-                typename Elem<D>::T* residual_out, typename Elem<D>::T* sum_out = nullptr) {
+void first_pass(const typename Elem<D>::T* const* rows, int ranks,
+                const typename Elem<D>::T* res, bool norm, typename Elem<D>::T* out,
+                typename Elem<D>::T* residual_out, typename Elem<D>::T* sum_out, float* lanes,
+                int64_t begin, int64_t end) {
   using E = Elem<D>;
   using T = typename E::T;
-  const int64_t H = c.hidden;
-  const int64_t off = in_row * H;
-  const T* res = c.residual ? static_cast<const T*>(c.residual) + row * H : nullptr;
-  const bool norm = c.weight != nullptr;
-  float lanes[kSumLanes] = {};
-  const T* rows[layout::kMaxWorld];
-  for (int j = 0; j < ranks; ++j) rows[j] = inputs[j] + off;
-  int64_t h = vector_sum<D>(rows, ranks, H, res, norm, out, residual_out, lanes, sum_out);
-  for (; h < H; ++h) {  // the same operations in the same order (NaN rule: add_o, mul_o)
+  const T* from[layout::kMaxWorld];
+  for (int j = 0; j < ranks; ++j) from[j] = rows[j] + begin;
+  int64_t h = begin + vector_sum<D>(from, ranks, end - begin, res ? res + begin : nullptr, norm,
+                                    out + begin, norm ? residual_out + begin : nullptr, lanes,
+                                    sum_out ? sum_out + begin : nullptr);
+  for (; h < end; ++h) {
     float a = E::load(rows[0][h]);
     for (int j = 1; j < ranks; ++j) a = add_o(a, E::load(rows[j][h]));
     const T sum = E::store(a);
@@ -184,8 +170,79 @@ void finish_row(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_
     float sq = r * r;
     lanes[h % kSumLanes] = add_o(lanes[h % kSumLanes], sq);
   }
-  if (norm) norm_row<D>(c, lanes, out, residual_out);
-  quantize_row<D>(out, c, row);
+}
+
+// The RMSNorm factor of a row from its lane sums: 1 / sqrt(ss / H + eps).
+inline float row_inv(const Call& c, float* lanes) {
+  const float ss = combine_lanes(lanes);
+  return 1.0f / std::sqrt(ss / float(c.hidden) + c.eps);
+}
+
+// Pass 2 over [begin, end) of one row (begin a multiple of kSumLanes): out from residual_out
+// (exact: it holds r in T) and the gain.
+template <int D>
+void second_pass(const Call& c, float inv, const typename Elem<D>::T* residual_out,
+                 typename Elem<D>::T* out, int64_t begin, int64_t end) {
+  int64_t k = begin + isa::row_scale<D>(residual_out + begin, c.gain + begin, end - begin, inv,
+                                        out + begin);
+  for (; k < end; ++k) {
+    float scaled = mul_o(Elem<D>::load(residual_out[k]), inv);
+    out[k] = Elem<D>::store(mul_o(scaled, c.gain[k]));
+  }
+}
+
+// Elements per segment of a row in finish_rows (256-1024 measured alike).
+constexpr int64_t kSegment = 512;
+static_assert(kSegment % kSumLanes == 0, "segments start on a whole step of lanes");
+
+// Reduce rows [in_row, in_row + n) of `ranks` inputs (rank order) and run the whole epilogue
+// on them, with rows [row, row + n) of the residual and of the quantised outputs; out,
+// residual_out and sum_out (may be null) point at the first row's. With RMSNorm a row takes two
+// passes (the second needs the first's sum of squares). With c.overlap_passes, pass 1 of each
+// row runs in segments, each followed by the same segment of pass 2 of the row before, so
+// that the second pass runs while the first pass's loads from other cores are in flight;
+// otherwise (fp32 with a new residual_out, where both passes wait on lines from beyond this
+// core's caches: overlapping them measured slower) each row's passes run one after the other.
+template <int D>
+void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_row,
+                 int64_t row, int64_t n, const Call& c, typename Elem<D>::T* out,
+                 typename Elem<D>::T* residual_out, typename Elem<D>::T* sum_out = nullptr) {
+  using T = typename Elem<D>::T;
+  const int64_t H = c.hidden;
+  const bool norm = c.weight != nullptr;
+  const T* residual = c.residual ? static_cast<const T*>(c.residual) + row * H : nullptr;
+  const T* rows[layout::kMaxWorld];
+  if (!norm || !c.overlap_passes) {
+    for (int64_t i = 0; i < n; ++i) {
+      float lanes[kSumLanes] = {};
+      for (int j = 0; j < ranks; ++j) rows[j] = inputs[j] + (in_row + i) * H;
+      T* row_out = out + i * H;
+      T* row_residual_out = norm ? residual_out + i * H : nullptr;
+      first_pass<D>(rows, ranks, residual ? residual + i * H : nullptr, norm, row_out,
+                    row_residual_out, sum_out ? sum_out + i * H : nullptr, lanes, 0, H);
+      if (norm) second_pass<D>(c, row_inv(c, lanes), row_residual_out, row_out, 0, H);
+      quantize_row<D>(row_out, c, row + i);
+    }
+    return;
+  }
+  float inv_before = 0.0f;  // the row before's
+  for (int64_t i = 0; i <= n; ++i) {
+    const bool now = i < n, before = i > 0;
+    float lanes[kSumLanes] = {};
+    for (int j = 0; j < ranks; ++j) rows[j] = inputs[j] + (in_row + i) * H;
+    for (int64_t s = 0; s < H; s += kSegment) {
+      const int64_t e = std::min(H, s + kSegment);
+      if (now) {
+        first_pass<D>(rows, ranks, residual ? residual + i * H : nullptr, true, out + i * H,
+                      residual_out + i * H, sum_out ? sum_out + i * H : nullptr, lanes, s, e);
+      }
+      if (before) {
+        second_pass<D>(c, inv_before, residual_out + (i - 1) * H, out + (i - 1) * H, s, e);
+      }
+    }
+    if (before) quantize_row<D>(out + (i - 1) * H, c, row + i - 1);
+    if (now) inv_before = row_inv(c, lanes);
+  }
 }
 
 }  // namespace arfuse

@@ -393,11 +393,10 @@ void run_oneshot(const Exchange& e) {
       check_descriptors(s, e.seq, e.word0, e.word1);
       if (e.decide >= 0) e.tuner.decide(e.decide, s);
     }
-    const int64_t end = std::min<int64_t>(c.tokens, (b + 1) * block_rows);
-    for (int64_t row = b * block_rows; row < end; ++row) {
-      finish_row<D>(inputs, s.world, row, row, c, out + row * H,
-                    residual_out ? residual_out + row * H : nullptr);
-    }
+    const int64_t first = b * block_rows;
+    const int64_t end = std::min<int64_t>(c.tokens, first + block_rows);
+    finish_rows<D>(inputs, s.world, first, first, end - first, c, out + first * H,
+                   residual_out ? residual_out + first * H : nullptr);
   }
 }
 
@@ -442,7 +441,7 @@ inline void twoshot_copy_step(const Exchange& e, const TwoShotGeometry& g, int64
 }
 
 // Sum step k of my rows into my result slot once every copier has them, and finish those
-// rows in the same pass (finish_row's sum_out: the sum goes to the slot and on into the
+// rows in the same pass (finish_rows' sum_out: the sum goes to the slot and on into the
 // epilogue while it is in registers).
 template <int D>
 void twoshot_own_step(const Exchange& e, const TwoShotGeometry& g,
@@ -461,10 +460,8 @@ void twoshot_own_step(const Exchange& e, const TwoShotGeometry& g,
   T* mine = reinterpret_cast<T*>(s.result_slot(s.rank, e.seq & 1));
   T* out = static_cast<T*>(c.out);
   T* residual_out = static_cast<T*>(c.residual_out);
-  for (int64_t row = r0; row < r1; ++row) {
-    finish_row<D>(inputs, s.world, row, row, c, out + row * H,
-                  residual_out ? residual_out + row * H : nullptr, mine + (row - begin) * H);
-  }
+  finish_rows<D>(inputs, s.world, r0, r0, r1 - r0, c, out + r0 * H,
+                 residual_out ? residual_out + r0 * H : nullptr, mine + (r0 - begin) * H);
   s.post(1, e.call_base() + k + 1);
 }
 
@@ -483,10 +480,8 @@ void twoshot_others_step(const Exchange& e, const TwoShotGeometry& g, int64_t k)
     if (r1 <= r0) continue;
     e.waiter.wait_rank(1, j, e.call_base() + k + 1, j);
     const T* theirs[1] = {reinterpret_cast<const T*>(s.result_slot(j, e.seq & 1))};
-    for (int64_t row = r0; row < r1; ++row) {
-      finish_row<D>(theirs, 1, row - g.begin(j), row, c, out + row * H,
-                    residual_out ? residual_out + row * H : nullptr);
-    }
+    finish_rows<D>(theirs, 1, r0 - g.begin(j), r0, r1 - r0, c, out + r0 * H,
+                   residual_out ? residual_out + r0 * H : nullptr);
   }
 }
 

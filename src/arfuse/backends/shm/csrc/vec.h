@@ -6,7 +6,8 @@
 //   row_sum<D, NORM, RES, SUM>(rows, ranks, n, res, dst, lanes, sum_dst)
 //                                        first pass over one row (SUM: the rounded sum also
 //                                        into sum_dst, the two-shot result slot); lanes: the
-//                                        kSumLanes sums of squares, lane = h % kSumLanes
+//                                        kSumLanes sums of squares, lane = h % kSumLanes,
+//                                        continued (a row may be passed in segments)
 //   row_scale<D>(r, gain, n, inv, out)                           second pass (RMSNorm)
 //   gain_row<D>(w, weight_bias, n, gain)                          weight_bias + f32(w)
 //   fp8_row<D>(out, inv_scale, n, dst)                            e4m3 codes

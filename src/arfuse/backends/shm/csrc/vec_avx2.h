@@ -202,15 +202,27 @@ inline void pass1_step(const typename Elem<D>::T* const* rows, int world, int64_
   }
 }
 
-// The first pass over [0, n32) of a row (n32 a multiple of 32), the lane sums into lanes:
-// acc[q] holds lanes 8q..8q+7 (bf16: the even and the odd lanes of 0-15, then of 16-31).
+// The first pass over [0, n32) of a row or of a segment of one (n32 a multiple of 32): the
+// squares go on into the lane sums in lanes (the caller zeroes them for a new row). acc[q]
+// holds lanes 8q..8q+7 (bf16: the even and the odd lanes of 0-15, then of 16-31).
 template <int D, int W, bool NORM, bool RES, bool SUM>
 void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
            const typename Elem<D>::T* res, typename Elem<D>::T* dst,
            typename Elem<D>::T* sum_dst, float* lanes) {
   static_assert(kSumLanes == 4 * kWide, "four accumulators of 8 lanes");
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
+  __m256 acc[4];
+  if constexpr (D == kBF16) {
+    alignas(32) float held[4][kWide];
+    for (int half = 0; half < 2; ++half) {
+      for (int i = 0; i < kWide; ++i) {
+        held[2 * half][i] = lanes[16 * half + 2 * i];
+        held[2 * half + 1][i] = lanes[16 * half + 2 * i + 1];
+      }
+    }
+    for (int q = 0; q < 4; ++q) acc[q] = _mm256_load_ps(held[q]);
+  } else {
+    for (int q = 0; q < 4; ++q) acc[q] = _mm256_loadu_ps(lanes + q * kWide);
+  }
   if constexpr (D == kBF16) {
     for (int64_t h = 0; h < n32; h += 32) {
       bf16_pass1_step<W, NORM, RES, SUM>(rows, world, h, res, dst, sum_dst, acc[0], acc[1]);

@@ -241,13 +241,26 @@ inline void bf16_pass1_step(const uint16_t* const* rows, int world, int64_t h,
   }
 }
 
-// The first pass over [0, n32) of a row (n32 a multiple of 32), the lane sums into lanes.
+// The first pass over [0, n32) of a row or of a segment of one (n32 a multiple of 32): the
+// squares go on into the lane sums in lanes (the caller zeroes them for a new row).
 template <int D, int W, bool NORM, bool RES, bool SUM>
 void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
            const typename Elem<D>::T* res, typename Elem<D>::T* dst,
            typename Elem<D>::T* sum_dst, float* lanes) {
   static_assert(kSumLanes == 2 * kWide, "two accumulators of 16 lanes");
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  __m512 acc0, acc1;
+  if constexpr (D == kBF16) {  // acc0: lanes 0, 2, ..., 30; acc1: lanes 1, 3, ..., 31
+    alignas(64) float even[kWide], odd[kWide];
+    for (int i = 0; i < kWide; ++i) {
+      even[i] = lanes[2 * i];
+      odd[i] = lanes[2 * i + 1];
+    }
+    acc0 = _mm512_load_ps(even);
+    acc1 = _mm512_load_ps(odd);
+  } else {
+    acc0 = _mm512_loadu_ps(lanes);
+    acc1 = _mm512_loadu_ps(lanes + kWide);
+  }
   if constexpr (D == kBF16) {
     for (int64_t h = 0; h < n32; h += 32) {
       bf16_pass1_step<W, NORM, RES, SUM>(rows, world, h, res, dst, sum_dst, acc0, acc1);
