@@ -195,6 +195,18 @@ void second_pass(const Call& c, float inv, const typename Elem<D>::T* residual_o
 constexpr int64_t kSegment = 512;
 static_assert(kSegment % kSumLanes == 0, "segments start on a whole step of lanes");
 
+// Whether finish_rows overlaps the two passes of its rows (see there).
+inline bool overlapped(const Call& c) { return c.weight != nullptr && c.overlap_passes; }
+
+// How many times finish_rows of n rows calls its `between` hook.
+inline int64_t between_calls(const Call& c, int64_t n) {
+  return overlapped(c) ? (n + 1) * ((c.hidden + kSegment - 1) / kSegment) : n;
+}
+
+struct NothingBetween {
+  void operator()() const {}
+};
+
 // Reduce rows [in_row, in_row + n) of `ranks` inputs (rank order) and run the whole epilogue
 // on them, with rows [row, row + n) of the residual and of the quantised outputs; out,
 // residual_out and sum_out (may be null) point at the first row's. With RMSNorm a row takes two
@@ -203,16 +215,19 @@ static_assert(kSegment % kSumLanes == 0, "segments start on a whole step of lane
 // that the second pass runs while the first pass's loads from other cores are in flight;
 // otherwise (fp32 with a new residual_out, where both passes wait on lines from beyond this
 // core's caches: overlapping them measured slower) each row's passes run one after the other.
-template <int D>
+// between() runs after each segment (overlapped) or row (otherwise): other work that stores
+// while these rows load (two-shot: the copy of the next step into the slot).
+template <int D, class Between = NothingBetween>
 void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_row,
                  int64_t row, int64_t n, const Call& c, typename Elem<D>::T* out,
-                 typename Elem<D>::T* residual_out, typename Elem<D>::T* sum_out = nullptr) {
+                 typename Elem<D>::T* residual_out, typename Elem<D>::T* sum_out = nullptr,
+                 Between&& between = Between{}) {
   using T = typename Elem<D>::T;
   const int64_t H = c.hidden;
   const bool norm = c.weight != nullptr;
   const T* residual = c.residual ? static_cast<const T*>(c.residual) + row * H : nullptr;
   const T* rows[layout::kMaxWorld];
-  if (!norm || !c.overlap_passes) {
+  if (!overlapped(c)) {
     for (int64_t i = 0; i < n; ++i) {
       float lanes[kSumLanes] = {};
       for (int j = 0; j < ranks; ++j) rows[j] = inputs[j] + (in_row + i) * H;
@@ -222,6 +237,7 @@ void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in
                     row_residual_out, sum_out ? sum_out + i * H : nullptr, lanes, 0, H);
       if (norm) second_pass<D>(c, row_inv(c, lanes), row_residual_out, row_out, 0, H);
       quantize_row<D>(row_out, c, row + i);
+      between();
     }
     return;
   }
@@ -239,6 +255,7 @@ void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in
       if (before) {
         second_pass<D>(c, inv_before, residual_out + (i - 1) * H, out + (i - 1) * H, s, e);
       }
+      between();
     }
     if (before) quantize_row<D>(out + (i - 1) * H, c, row + i - 1);
     if (now) inv_before = row_inv(c, lanes);

@@ -41,6 +41,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -404,11 +405,12 @@ void run_oneshot(const Exchange& e) {
 // sum) into its result slot and finishes those rows at once; each then finishes the other
 // blocks from their owners' sums. Only inputs and sums cross between ranks, and every rank
 // runs the same epilogue on the same sums (bit-identical ranks). Pipelined in steps of rows:
-// at step k a rank copies step k + 1 of every other owner's rows (rank + 1 first), sums and
-// finishes step k of its own rows, and finishes step k - 1 of the others' rows from their
-// sums; so the rows of x it copied are still in cache when it overwrites them (out = x), and
-// every wait is for a peer at most one step behind. Progress is counted in the flags
-// (arrive: steps copied; done: steps summed).
+// at step k a rank sums and finishes step k of its own rows while it copies step k + 1 of
+// every other owner's rows (rank + 1 first; StepCopy), and then finishes step k - 1 of the
+// others' rows from their sums; so the rows of x it copied are still in cache when it
+// overwrites them (out = x), and every wait is for a peer at most one step behind (step 0 is
+// copied on entry). Progress is counted in the flags (arrive: steps copied; done: steps
+// summed).
 struct TwoShotGeometry {
   int64_t tokens, chunk, block_rows, steps;
   int world;
@@ -425,32 +427,78 @@ struct TwoShotGeometry {
   int position(int owner, int copier) const { return (owner - copier - 1 + world) % world; }
 };
 
-// Copy step k of every other owner's rows into my slot, announcing each.
-inline void twoshot_copy_step(const Exchange& e, const TwoShotGeometry& g, int64_t k) {
-  const Segment& s = e.seg;
-  char* slot = s.input_slot(s.rank, e.seq & 1);
-  const char* x = static_cast<const char*>(e.x);
-  for (int p = 0; p + 1 < s.world; ++p) {
-    const auto [r0, r1] = g.rows((s.rank + 1 + p) % s.world, k);
-    if (r1 > r0) {
-      copy_in(slot + r0 * e.row_bytes, x + r0 * e.row_bytes, size_t((r1 - r0) * e.row_bytes),
-              e.streaming);
+// The copy of step k of every other owner's rows of x into my slot (rank + 1's first), each
+// owner's rows announced in the arrival flag as soon as they are in. Taken whole (finish), or
+// a slice at a time between the segments of the rows this rank finishes meanwhile (step, after
+// spread_over): those rows wait on loads from other cores, the copy on stores to lines other
+// cores read, and each goes on while the other waits.
+class StepCopy {
+ public:
+  StepCopy(const Exchange& e, const TwoShotGeometry& g, int64_t k) : e_(e) {
+    const Segment& s = e.seg;
+    char* slot = s.input_slot(s.rank, e.seq & 1);
+    const char* x = static_cast<const char*>(e.x);
+    for (int p = 0; p + 1 < s.world; ++p) {
+      const auto [r0, r1] = g.rows((s.rank + 1 + p) % s.world, k);
+      pieces_[p] = Piece{slot + r0 * e.row_bytes, x + r0 * e.row_bytes,
+                         size_t(std::max<int64_t>(0, r1 - r0) * e.row_bytes),
+                         e.call_base() + g.copied(k, p)};
+      left_ += pieces_[p].bytes;
     }
-    s.post(0, e.call_base() + g.copied(k, p));
+    count_ = s.world - 1;
   }
-}
+  // Slices for `calls` calls of step(), whole cache lines each.
+  void spread_over(int64_t calls) {
+    const size_t per = left_ / size_t(std::max<int64_t>(calls, 1)) + 1;
+    slice_ = (per + layout::kCacheLine - 1) / size_t(layout::kCacheLine) * layout::kCacheLine;
+  }
+  void step() { advance(slice_); }
+  void finish() { advance(SIZE_MAX); }
+  void operator()() { step(); }
+
+ private:
+  struct Piece {
+    char* dst;
+    const char* src;
+    size_t bytes;
+    int64_t progress;  // the arrival flag once this piece is in
+  };
+  void advance(size_t budget) {
+    while (next_ < count_) {
+      Piece& piece = pieces_[next_];
+      const size_t n = std::min(budget, piece.bytes - done_);
+      if (n > 0) {
+        copy_in(piece.dst + done_, piece.src + done_, n, e_.streaming);
+        done_ += n;
+        budget -= n;
+        left_ -= n;
+      }
+      if (done_ < piece.bytes) return;  // the budget is spent
+      e_.seg.post(0, piece.progress);
+      ++next_;
+      done_ = 0;
+    }
+  }
+  const Exchange& e_;
+  Piece pieces_[layout::kMaxWorld - 1] = {};
+  int count_ = 0, next_ = 0;
+  size_t done_ = 0, left_ = 0, slice_ = SIZE_MAX;
+};
 
 // Sum step k of my rows into my result slot once every copier has them, and finish those
 // rows in the same pass (finish_rows' sum_out: the sum goes to the slot and on into the
 // epilogue while it is in registers).
 template <int D>
 void twoshot_own_step(const Exchange& e, const TwoShotGeometry& g,
-                      const typename Elem<D>::T* const* inputs, int64_t k) {
+                      const typename Elem<D>::T* const* inputs, int64_t k, StepCopy* next) {
   using T = typename Elem<D>::T;
   const Segment& s = e.seg;
   const Call& c = e.c;
   const auto [r0, r1] = g.rows(s.rank, k);
-  if (r1 <= r0) return;
+  if (r1 <= r0) {
+    if (next) next->finish();
+    return;
+  }
   for (int j = 0; j < s.world; ++j) {
     if (j != s.rank) {
       e.waiter.wait_rank(0, j, e.call_base() + g.copied(k, g.position(s.rank, j)), j);
@@ -460,8 +508,16 @@ void twoshot_own_step(const Exchange& e, const TwoShotGeometry& g,
   T* mine = reinterpret_cast<T*>(s.result_slot(s.rank, e.seq & 1));
   T* out = static_cast<T*>(c.out);
   T* residual_out = static_cast<T*>(c.residual_out);
-  finish_rows<D>(inputs, s.world, r0, r0, r1 - r0, c, out + r0 * H,
-                 residual_out ? residual_out + r0 * H : nullptr, mine + (r0 - begin) * H);
+  T* row_residual_out = residual_out ? residual_out + r0 * H : nullptr;
+  if (next) {
+    next->spread_over(between_calls(c, r1 - r0));
+    finish_rows<D>(inputs, s.world, r0, r0, r1 - r0, c, out + r0 * H, row_residual_out,
+                   mine + (r0 - begin) * H, *next);
+    next->finish();
+  } else {
+    finish_rows<D>(inputs, s.world, r0, r0, r1 - r0, c, out + r0 * H, row_residual_out,
+                   mine + (r0 - begin) * H);
+  }
   s.post(1, e.call_base() + k + 1);
 }
 
@@ -501,7 +557,7 @@ void run_twoshot(const Exchange& e) {
   }
   if (e.copy) {
     inputs[s.rank] = static_cast<const T*>(e.x);  // my own rows: read from x
-    twoshot_copy_step(e, g, 0);
+    StepCopy(e, g, 0).finish();
   } else {
     s.post(0, e.call_base() + layout::kProgressUnits - 1);  // all in the slot already
   }
@@ -510,8 +566,9 @@ void run_twoshot(const Exchange& e) {
   e.waiter.wait_all(0, e.call_base() + 1);
   check_descriptors(s, e.seq, e.word0, e.word1);
   for (int64_t k = 0; k < g.steps; ++k) {
-    if (e.copy && k + 1 < g.steps) twoshot_copy_step(e, g, k + 1);
-    twoshot_own_step<D>(e, g, inputs, k);
+    std::optional<StepCopy> next;  // step k + 1's copy, done during my rows of step k
+    if (e.copy && k + 1 < g.steps) next.emplace(e, g, k + 1);
+    twoshot_own_step<D>(e, g, inputs, k, next ? &*next : nullptr);
     if (k > 0) twoshot_others_step<D>(e, g, k - 1);
   }
   twoshot_others_step<D>(e, g, g.steps - 1);
