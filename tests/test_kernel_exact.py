@@ -62,9 +62,9 @@ def documented_out(residual_out: torch.Tensor, weight: torch.Tensor, eps: float,
 @pytest.mark.parametrize("in_place", [False, True])
 def test_out_is_the_documented_formula_bit_for_bit(dtype: torch.dtype, hidden: int,
                                                    in_place: bool) -> None:
-    """New outputs and in place (out=x, residual_out=residual) take the two orders of the
-    passes in finish_rows (fp32: one after the other with a new residual_out, else overlapped
-    in segments, several rows per step); hidden 1040 and 1100 span several segments."""
+    """New outputs and in place (out=x, residual_out=residual), several rows per step, so a
+    row's second pass runs between the segments of the next row's first (finish_rows); hidden
+    1040 and 1100 span several segments, the last of 1100 both vector and scalar elements."""
     tokens, eps, weight_bias = 64, 1e-6, 0.5
     gen = torch.Generator().manual_seed(hidden)
     x = (torch.randn(tokens, hidden, generator=gen) * 4).to(dtype)

@@ -421,8 +421,6 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
   if (t.weight) {
     residual_out = t.residual_out ? *t.residual_out : output({tokens, hidden_}, x.options());
     c.residual_out = residual_out.data_ptr();
-    const void* residual_in = t.residual ? t.residual->data_ptr() : x.data_ptr();
-    c.overlap_passes = dtype_ != kFP32 || c.residual_out == residual_in;  // finish_rows
   }
   if (n.quant == kFP8 || n.quant == kFP8Dynamic) {
     quant_out = output({tokens, hidden_}, x.options().dtype(at::kFloat8_e4m3fn));

@@ -43,7 +43,6 @@ struct Call {  // one call's arguments, resolved to raw pointers
   uint8_t* quant_out = nullptr;
   uint8_t* scale_out = nullptr;
   const float* gain = nullptr;  // weight_bias + f32(w), see compute_gain
-  bool overlap_passes = true;   // see finish_rows
 };
 
 // gain = weight_bias + f32(w), once per call instead of once per row.
@@ -195,12 +194,9 @@ void second_pass(const Call& c, float inv, const typename Elem<D>::T* residual_o
 constexpr int64_t kSegment = 512;
 static_assert(kSegment % kSumLanes == 0, "segments start on a whole step of lanes");
 
-// Whether finish_rows overlaps the two passes of its rows (see there).
-inline bool overlapped(const Call& c) { return c.weight != nullptr && c.overlap_passes; }
-
 // How many times finish_rows of n rows calls its `between` hook.
 inline int64_t between_calls(const Call& c, int64_t n) {
-  return overlapped(c) ? (n + 1) * ((c.hidden + kSegment - 1) / kSegment) : n;
+  return c.weight != nullptr ? (n + 1) * ((c.hidden + kSegment - 1) / kSegment) : n;
 }
 
 struct NothingBetween {
@@ -210,13 +206,11 @@ struct NothingBetween {
 // Reduce rows [in_row, in_row + n) of `ranks` inputs (rank order) and run the whole epilogue
 // on them, with rows [row, row + n) of the residual and of the quantised outputs; out,
 // residual_out and sum_out (may be null) point at the first row's. With RMSNorm a row takes two
-// passes (the second needs the first's sum of squares). With c.overlap_passes, pass 1 of each
-// row runs in segments, each followed by the same segment of pass 2 of the row before, so
-// that the second pass runs while the first pass's loads from other cores are in flight;
-// otherwise (fp32 with a new residual_out, where both passes wait on lines from beyond this
-// core's caches: overlapping them measured slower) each row's passes run one after the other.
-// between() runs after each segment (overlapped) or row (otherwise): other work that stores
-// while these rows load (two-shot: the copy of the next step into the slot).
+// passes (the second needs the first's sum of squares): pass 1 of each row runs in segments,
+// each followed by the same segment of pass 2 of the row before, so that the second pass runs
+// while the first pass's loads from other cores are in flight. between() runs after each
+// segment (RMSNorm) or row (plain all-reduce, one pass): other work that stores while these
+// rows load (two-shot: the copy of the next step into the slot).
 template <int D, class Between = NothingBetween>
 void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_row,
                  int64_t row, int64_t n, const Call& c, typename Elem<D>::T* out,
@@ -227,16 +221,13 @@ void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in
   const bool norm = c.weight != nullptr;
   const T* residual = c.residual ? static_cast<const T*>(c.residual) + row * H : nullptr;
   const T* rows[layout::kMaxWorld];
-  if (!overlapped(c)) {
+  if (!norm) {  // the plain all-reduce: one pass (the sum into out)
     for (int64_t i = 0; i < n; ++i) {
-      float lanes[kSumLanes] = {};
+      float lanes[kSumLanes] = {};  // unused without RMSNorm
       for (int j = 0; j < ranks; ++j) rows[j] = inputs[j] + (in_row + i) * H;
-      T* row_out = out + i * H;
-      T* row_residual_out = norm ? residual_out + i * H : nullptr;
-      first_pass<D>(rows, ranks, residual ? residual + i * H : nullptr, norm, row_out,
-                    row_residual_out, sum_out ? sum_out + i * H : nullptr, lanes, 0, H);
-      if (norm) second_pass<D>(c, row_inv(c, lanes), row_residual_out, row_out, 0, H);
-      quantize_row<D>(row_out, c, row + i);
+      first_pass<D>(rows, ranks, nullptr, false, out + i * H, nullptr,
+                    sum_out ? sum_out + i * H : nullptr, lanes, 0, H);
+      quantize_row<D>(out + i * H, c, row + i);
       between();
     }
     return;
