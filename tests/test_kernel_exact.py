@@ -9,6 +9,8 @@ a private buffer."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -86,6 +88,39 @@ def test_out_is_the_documented_formula_bit_for_bit(dtype: torch.dtype, hidden: i
     assert torch.equal(out.view(torch.int16) if dtype != torch.float32 else out.view(torch.int32),
                        expected.view(torch.int16) if dtype != torch.float32
                        else expected.view(torch.int32))
+
+
+def test_two_builds_load_into_one_process_and_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/ab_kernels.py loads two builds into one process (ShmComm is module-local in
+    each); here the host's best ISA and the scalar build, one call each on private memory: two
+    distinct modules, the same bytes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import ab_kernels
+
+    if shm_build.load() is None:
+        pytest.skip(f"no compiled kernel here: {shm_build.why_not()}")
+    src = str(Path(shm_build.__file__).resolve().parents[3])
+    paths = [ab_kernels.build(src)]
+    monkeypatch.setenv("ARFUSE_SHM_ISA", "scalar")
+    paths.append(ab_kernels.build(src))
+    assert paths[0] != paths[1]
+    modules = [ab_kernels.load(p) for p in paths]
+    assert modules[1].isa == "scalar" and modules[0] is not modules[1]
+    tokens, hidden, dtype = 9, 1100, torch.bfloat16
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(tokens, hidden, generator=gen) * 4).to(dtype)
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    layout = shm_layout.ShmLayout(1, tokens, hidden, 2)
+    results = []
+    for module in modules:
+        memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+        comm = module.ShmComm(memory.data_ptr(), 1, 0, tokens, hidden, DTYPE_CODE[dtype],
+                              shm_layout.HEADER_BYTES, layout.slot_bytes, layout.input_bytes,
+                              10.0, 1 << 40)
+        results.append(comm.run(x, residual, weight, 1e-6, 0.0, 0, 0.0, True, None, None))
+    for got, want in zip(results[0][:2], results[1][:2], strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 # --- NVFP4 with NaN and infinities: FlashInfer's rule, the same bytes on every path ------------

@@ -254,8 +254,10 @@ void exchange_copy(at::Tensor& dst, const at::Tensor& src, bool read_ahead) {
   else copy_prefetching(to, from, size_t(src.numel()));
 }
 
+// Module-local: two builds of the kernel (two source trees, see benchmarks/ab_kernels.py) can
+// be loaded into one process; the type is only ever used through the module that made it.
 void bind_comm(py::module_& m) {
-  py::class_<ShmComm, std::shared_ptr<ShmComm>>(m, "ShmComm")
+  py::class_<ShmComm, std::shared_ptr<ShmComm>>(m, "ShmComm", py::module_local())
       .def(py::init(&ShmComm::create))
       .def_property_readonly("handle", &ShmComm::handle)
       .def("set_peers", &ShmComm::set_peers)

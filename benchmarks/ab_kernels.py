@@ -1,0 +1,201 @@
+"""Two builds of the shm kernel in the same two ranks: calls alternate between them in blocks,
+so drift of a shared machine (10-20% between runs on a 2-core VM) hits both alike.
+
+    python benchmarks/ab_kernels.py --a /tmp/old/src --b src --tokens 64,512 --dtype bf16,fp32
+
+Each source tree is built by its own ``arfuse`` package (``python -c 'build.load()'`` with the
+tree first on PYTHONPATH; the kernel cache keys builds by source hash), and both compiled
+modules are loaded into each rank, each over a shared segment of its own. Per dtype, token
+count and form (``inplace``: ``out=x, residual_out=residual``, as vLLM calls it; ``new``: new
+output tensors; ``plain``: the all-reduce alone, in place), every round runs a block of calls
+of each build (the first calls of a block untimed), the builds' order rotating from round to
+round, after warm-up rounds; the table gives each build's median and the ratio B / A.
+Both trees need a module-local ``ShmComm`` (bindings.cpp), i.e. a tree from the commit that
+introduced this script on. The inputs are rewritten before every call, untimed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from shm_common import DTYPES
+
+from arfuse.backends.shm import layout as shm_layout
+from arfuse.cli.launch import init_from_env, launch, pin_to_core
+
+DTYPE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
+FORMS = ("inplace", "new", "plain")
+EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Options:
+    modules: tuple[str, str]
+    tokens: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    forms: tuple[str, ...]
+    hidden: int
+    rounds: int
+    warm_rounds: int
+    block: int
+    out: str
+
+
+def build(tree: str) -> str:
+    """Compile (or find in the cache) the kernel of source tree ``tree``; its .so path."""
+    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
+    code = ("from arfuse.backends.shm import build; m = build.load(); "
+            "print(m.__file__ if m else 'none: ' + str(build.why_not()))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, check=True, text=True,
+                          capture_output=True)
+    path = done.stdout.strip().splitlines()[-1]
+    if path.startswith("none"):
+        raise SystemExit(f"{tree}: no compiled kernel ({path})")
+    return path
+
+
+def load(path: str) -> ModuleType:
+    name = Path(path).name.split(".")[0]  # PyInit_<name>: the module name is the file's
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def make_comms(modules: list[ModuleType], rank: int, world: int, opts: Options,
+               keep: list[Any]) -> dict[tuple[str, int], Any]:
+    """One ShmComm per (dtype, build), each over a segment file both ranks map."""
+    comms = {}
+    max_tokens = max(opts.tokens)
+    for dname in opts.dtypes:
+        element = torch.tensor([], dtype=DTYPES[dname]).element_size()
+        layout = shm_layout.ShmLayout(world, max_tokens, opts.hidden, element)
+        for i, module in enumerate(modules):
+            path = Path(f"/dev/shm/arfuse-ab-{os.environ['MASTER_PORT']}-{dname}-{i}")
+            if rank == 0:
+                with open(path, "wb") as f:
+                    f.truncate(layout.total_bytes)
+            dist.barrier()
+            f = open(path, "r+b")  # noqa: SIM115 - kept open while the mapping lives
+            mapped = mmap.mmap(f.fileno(), layout.total_bytes)
+            memory = torch.frombuffer(mapped, dtype=torch.uint8)
+            keep.extend((f, mapped, memory))
+            comms[(dname, i)] = module.ShmComm(
+                memory.data_ptr(), world, rank, max_tokens, opts.hidden, DTYPE_CODE[dname],
+                shm_layout.HEADER_BYTES, layout.slot_bytes, layout.input_bytes, 30.0, 8 * 1024)
+            dist.barrier()
+            if rank == 0:
+                path.unlink()
+    return comms
+
+
+def body(rank: int, world: int, opts: Options) -> int:
+    torch.set_num_threads(1)
+    init_from_env("cpu")
+    pin_to_core(rank, world)
+    modules = [load(p) for p in opts.modules]
+    keep: list[Any] = []
+    comms = make_comms(modules, rank, world, opts, keep)
+    gen = torch.Generator().manual_seed(7 + rank)
+    rows = []
+    for dname in opts.dtypes:
+        dtype = DTYPES[dname]
+        weight = (torch.rand(opts.hidden, generator=gen) + 0.5).to(dtype)
+        for tokens in opts.tokens:
+            x0 = torch.randn(tokens, opts.hidden, generator=gen).to(dtype)
+            r0 = torch.randn(tokens, opts.hidden, generator=gen).to(dtype)
+            x, residual = x0.clone(), r0.clone()
+            for form in opts.forms:
+                times: list[list[float]] = [[], []]
+                for round_ in range(opts.warm_rounds + opts.rounds):
+                    for turn in range(2):
+                        i = (round_ + turn) % 2  # A first in even rounds, B first in odd
+                        comm = comms[(dname, i)]
+                        for k in range(2 + opts.block):
+                            x.copy_(x0)
+                            residual.copy_(r0)
+                            t0 = time.perf_counter_ns()
+                            if form == "inplace":
+                                comm.run(x, residual, weight, EPS, 0.0, 0, 0.0, False, x,
+                                         residual)
+                            elif form == "new":
+                                comm.run(x, residual, weight, EPS, 0.0, 0, 0.0, False, None,
+                                         None)
+                            else:
+                                comm.run(x, None, None, EPS, 0.0, 0, 0.0, False, x, None)
+                            took = (time.perf_counter_ns() - t0) / 1e3
+                            if k >= 2 and round_ >= opts.warm_rounds:
+                                times[i].append(took)
+                a, b = (statistics.median(t) for t in times)
+                rows.append({"dtype": dname, "tokens": tokens, "form": form, "a_us": a,
+                             "b_us": b, "b_over_a": b / a, "calls": len(times[0])})
+    if rank == 0:
+        report(rows, opts, modules)
+    dist.barrier()
+    return 0
+
+
+def report(rows: list[dict[str, Any]], opts: Options, modules: list[ModuleType]) -> None:
+    from arfuse.machine import cpu_model
+
+    isa = sorted({str(m.isa) for m in modules})
+    print(f"{cpu_model()}, kernel {' / '.join(isa)}, hidden {opts.hidden}, world size 2, "
+          f"median us of {rows[0]['calls']} calls per build and row")
+    print(f"{'dtype':>5} {'tokens':>6} {'form':>8} {'A':>10} {'B':>10} {'B/A':>7}")
+    for r in rows:
+        print(f"{r['dtype']:>5} {r['tokens']:>6} {r['form']:>8} {r['a_us']:>10.1f} "
+              f"{r['b_us']:>10.1f} {r['b_over_a']:>7.3f}")
+    if opts.out:
+        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.out).write_text(json.dumps(
+            {"cpu": cpu_model(), "kernel_isa": isa, "modules": list(opts.modules),
+             "hidden": opts.hidden, "rounds": opts.rounds, "block": opts.block,
+             "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}, indent=2))
+        print(f"wrote {opts.out}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--a", required=True, help="source tree A (the baseline)")
+    parser.add_argument("--b", required=True, help="source tree B")
+    parser.add_argument("--tokens", default="1,8,64,512,2048")
+    parser.add_argument("--dtype", default="bf16,fp32")
+    parser.add_argument("--forms", default="inplace,new,plain")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--warm-rounds", type=int, default=3)
+    parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    forms = tuple(args.forms.split(","))
+    if not set(forms) <= set(FORMS):
+        parser.error(f"--forms: use some of {', '.join(FORMS)}")
+    dtypes = tuple(args.dtype.split(","))
+    if not set(dtypes) <= set(DTYPE_CODE):
+        parser.error(f"--dtype: use some of {', '.join(DTYPE_CODE)}")
+    modules = (build(args.a), build(args.b))
+    opts = Options(modules, tuple(int(t) for t in args.tokens.split(",")), dtypes, forms,
+                   args.hidden, args.rounds, args.warm_rounds, args.block, args.out)
+    env = {"OMP_NUM_THREADS": "1", "ARFUSE_LOG": "warning"}
+    return launch(body, 2, opts, env=env)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
