@@ -212,14 +212,17 @@ void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
   static_assert(kSumLanes == 4 * kWide, "four accumulators of 8 lanes");
   __m256 acc[4];
   if constexpr (D == kBF16) {
-    alignas(32) float held[4][kWide];
-    for (int half = 0; half < 2; ++half) {
-      for (int i = 0; i < kWide; ++i) {
-        held[2 * half][i] = lanes[16 * half + 2 * i];
-        held[2 * half + 1][i] = lanes[16 * half + 2 * i + 1];
-      }
+    for (int half = 0; half < 2; ++half) {  // lanes 16 * half + 0..15 -> even, odd
+      const __m256 a = _mm256_loadu_ps(lanes + 16 * half);
+      const __m256 b = _mm256_loadu_ps(lanes + 16 * half + kWide);
+      // per 128 bits: 0 2 8 10 | 4 6 12 14 (and 1 3 9 11 | 5 7 13 15); then 64-bit pairs in order
+      const __m256 even = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+      const __m256 odd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+      acc[2 * half] = _mm256_castpd_ps(
+          _mm256_permute4x64_pd(_mm256_castps_pd(even), _MM_SHUFFLE(3, 1, 2, 0)));
+      acc[2 * half + 1] = _mm256_castpd_ps(
+          _mm256_permute4x64_pd(_mm256_castps_pd(odd), _MM_SHUFFLE(3, 1, 2, 0)));
     }
-    for (int q = 0; q < 4; ++q) acc[q] = _mm256_load_ps(held[q]);
   } else {
     for (int q = 0; q < 4; ++q) acc[q] = _mm256_loadu_ps(lanes + q * kWide);
   }
@@ -229,13 +232,12 @@ void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
       bf16_pass1_step<W, NORM, RES, SUM>(rows, world, h + 16, res, dst, sum_dst, acc[2],
                                          acc[3]);
     }
-    alignas(32) float held[4][kWide];
-    for (int q = 0; q < 4; ++q) _mm256_store_ps(held[q], acc[q]);
     for (int half = 0; half < 2; ++half) {  // the 16 at 16 * half: even = acc[2 * half]
-      for (int i = 0; i < kWide; ++i) {
-        lanes[16 * half + 2 * i] = held[2 * half][i];
-        lanes[16 * half + 2 * i + 1] = held[2 * half + 1][i];
-      }
+      // e0 o0 e1 o1 | e4 o4 e5 o5 and e2 o2 e3 o3 | e6 o6 e7 o7, then 128-bit halves in order
+      const __m256 low = _mm256_unpacklo_ps(acc[2 * half], acc[2 * half + 1]);
+      const __m256 high = _mm256_unpackhi_ps(acc[2 * half], acc[2 * half + 1]);
+      _mm256_storeu_ps(lanes + 16 * half, _mm256_permute2f128_ps(low, high, 0x20));
+      _mm256_storeu_ps(lanes + 16 * half + kWide, _mm256_permute2f128_ps(low, high, 0x31));
     }
   } else {
     for (int64_t h = 0; h < n32; h += 32) {

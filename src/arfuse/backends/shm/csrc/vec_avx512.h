@@ -250,13 +250,11 @@ void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
   static_assert(kSumLanes == 2 * kWide, "two accumulators of 16 lanes");
   __m512 acc0, acc1;
   if constexpr (D == kBF16) {  // acc0: lanes 0, 2, ..., 30; acc1: lanes 1, 3, ..., 31
-    alignas(64) float even[kWide], odd[kWide];
-    for (int i = 0; i < kWide; ++i) {
-      even[i] = lanes[2 * i];
-      odd[i] = lanes[2 * i + 1];
-    }
-    acc0 = _mm512_load_ps(even);
-    acc1 = _mm512_load_ps(odd);
+    const __m512 low = _mm512_loadu_ps(lanes), high = _mm512_loadu_ps(lanes + kWide);
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4,
+                                          2, 0);
+    acc0 = _mm512_permutex2var_ps(low, even, high);
+    acc1 = _mm512_permutex2var_ps(low, _mm512_add_epi32(even, splat(1)), high);
   } else {
     acc0 = _mm512_loadu_ps(lanes);
     acc1 = _mm512_loadu_ps(lanes + kWide);
@@ -265,13 +263,11 @@ void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
     for (int64_t h = 0; h < n32; h += 32) {
       bf16_pass1_step<W, NORM, RES, SUM>(rows, world, h, res, dst, sum_dst, acc0, acc1);
     }
-    alignas(64) float even[kWide], odd[kWide];
-    _mm512_store_ps(even, acc0);
-    _mm512_store_ps(odd, acc1);
-    for (int i = 0; i < kWide; ++i) {
-      lanes[2 * i] = even[i];
-      lanes[2 * i + 1] = odd[i];
-    }
+    const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16,
+                                         0);  // even i at 2i, odd i (index 16 + i) at 2i + 1
+    _mm512_storeu_ps(lanes, _mm512_permutex2var_ps(acc0, low, acc1));
+    _mm512_storeu_ps(lanes + kWide,
+                     _mm512_permutex2var_ps(acc0, _mm512_add_epi32(low, splat(8)), acc1));
   } else {
     for (int64_t h = 0; h < n32; h += 32) {
       pass1_step<D, W, NORM, RES, SUM>(rows, world, h, res, dst, sum_dst, acc0);
