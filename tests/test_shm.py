@@ -36,7 +36,10 @@ def test_shm_numerics(world: int, mode: str) -> None:
     # 9 tokens: uneven two-shot blocks on 2 and 4 ranks; 130 more than one swizzle tile
     cases = [*shm_cases(9), Case("bf16", 130, 48, "nvfp4_swizzled"),
              Case("fp16", 130, 48, "nvfp4_linear"),
-             Case("bf16", 100, 1040, "norm")]  # 4 one-shot blocks: copying runs ahead
+             Case("bf16", 100, 1040, "norm"),  # 4 one-shot blocks: copying runs ahead
+             # two-shot in several steps (the next step's copy taken between rows or segments)
+             Case("fp32", 100, 1040, "plain"), Case("fp16", 100, 1040, "fp8"),
+             Case("bf16", 100, 1040, "nvfp4_linear")]
     results = values(run_ranks(workers.numerics, world, "shm", cases, 256, mode))
     for case in cases:
         entries = [r[case] for r in results]
