@@ -60,14 +60,10 @@ PREFIX = "arfuse-"
 # to this many bytes per rank; two-shot (each rank sums a block of rows and finishes it in the
 # same pass, every rank finishes the other blocks from their owners' sums) above. One-shot makes
 # every rank read every peer's whole input across cores and run the epilogue on every row;
-# two-shot halves both (two ranks) for one more meeting. Measured (benchmarks/shm_threshold.py,
-# two ranks, hidden 4096) on the 2-core dev machine (Zen 3, AVX2) with the older two-shot, which
-# summed in a pass of its own: up to 32 KiB the two were even (within +-10%, either way), from
-# 64 KiB to 1 MiB two-shot took 0.73-0.98x the time, above 0.90-1.17x. With the fused two-shot,
-# on a 2-core Xeon (AVX-512; avx512 and avx2 builds): two-shot takes 0.45-0.91x the time of
-# one-shot from 2 tokens (16 KiB bf16, 32 KiB fp32) up, hence 8 KiB: one-shot for single rows
-# of the usual hidden sizes and for calls too small for the extra meeting to pay. With more
-# ranks the crossover can only move down; the two-rank value is used for them too.
+# two-shot halves both (two ranks) for one more meeting, which pays from the second row of the
+# usual hidden sizes on (benchmarks/shm_threshold.py; figures in benchmarks/RESULTS.md), hence
+# one-shot for single rows only. With more ranks the crossover can only move down; the two-rank
+# value is used for them too.
 ONESHOT_MAX_BYTES = 8 * 1024
 
 
