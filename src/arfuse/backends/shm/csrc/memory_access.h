@@ -6,8 +6,11 @@
 // waits on that core, and the hardware keeps too few such requests in flight for one core to
 // stream them. Asking for them kPrefetchBytes ahead keeps more in flight; PREFETCHW (built
 // with -mprfchw where the CPU has it, an ordinary prefetch otherwise) also takes the line for
-// writing, so the store does not wait for the peer's copy to be invalidated. A prefetch never
-// faults, so it may reach past the end of a buffer.
+// writing, so the store does not wait for the peer's copy to be invalidated. The outputs' lines
+// are taken for writing ahead too: a new output tensor's lines come from beyond this core's
+// caches, and a store to such a line waits for it to be read first (in place they are in cache
+// already and the prefetch finds them there). A prefetch never faults, so it may reach past
+// the end of a buffer.
 #pragma once
 
 #if defined(__SSE2__)
@@ -29,11 +32,13 @@ inline const char* ahead(const void* p) {
 inline void prefetch_read(const void* p) { __builtin_prefetch(ahead(p), 0, 3); }
 inline void prefetch_write(const void* p) { __builtin_prefetch(ahead(p), 1, 3); }
 
-// The lines that step h of a row pass reaches a little later: every input row's, and the
-// result slot's for writing (sum_dst; null when the pass stores no sums).
+// The lines that step h of a row pass reaches a little later: every input row's, and for
+// writing the destination row's (dst) and the result slot's (sum_dst; null when the pass
+// stores no sums).
 template <class T>
-inline void prefetch_step(const T* const* rows, int ranks, std::int64_t h, T* sum_dst) {
+inline void prefetch_step(const T* const* rows, int ranks, std::int64_t h, T* dst, T* sum_dst) {
   for (int j = 0; j < ranks; ++j) prefetch_read(rows[j] + h);
+  prefetch_write(dst + h);
   if (sum_dst != nullptr) prefetch_write(sum_dst + h);
 }
 

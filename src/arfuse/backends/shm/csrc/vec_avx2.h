@@ -135,7 +135,7 @@ inline void bf16_pass1_step(const uint16_t* const* rows, int world, int64_t h,
                             const uint16_t* res, uint16_t* dst, uint16_t* sum_dst,
                             __m256& acc_even, __m256& acc_odd) {
   const int ranks = W > 0 ? W : world;
-  prefetch_step(rows, ranks, h, SUM ? sum_dst : nullptr);
+  prefetch_step(rows, ranks, h, dst, SUM ? sum_dst : nullptr);
   BF16x16 a = BF16x16::load(rows[0] + h);
   for (int j = 1; j < ranks; ++j) {
     const BF16x16 b = BF16x16::load(rows[j] + h);
@@ -174,7 +174,7 @@ inline void pass1_step(const typename Elem<D>::T* const* rows, int world, int64_
   // res and dst may be the same row (residual updated in place): each lane reads res[h]
   // before it writes dst[h], and no other lane's store touches res.
   using V = Vec<D>;
-  prefetch_step(rows, W > 0 ? W : world, h, SUM ? sum_dst : nullptr);
+  prefetch_step(rows, W > 0 ? W : world, h, dst, SUM ? sum_dst : nullptr);
   __m256 a;
   if constexpr (W == 1) {
     a = V::load(rows[0] + h);
@@ -262,6 +262,7 @@ int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, in
     int64_t k = 0;
     if constexpr (D == kBF16) {  // gain holds [0, n / 16 * 16) in BF16x16 order
       for (; k + 16 <= n; k += 16) {
+        prefetch_write(out + k);  // see memory_access.h
         const BF16x16 v = BF16x16::load(r + k);
         const __m256 even = mul_o(mul_o(v.even, vinv), _mm256_loadu_ps(gain + k));
         const __m256 odd = mul_o(mul_o(v.odd, vinv), _mm256_loadu_ps(gain + k + 8));
@@ -269,6 +270,7 @@ int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, in
       }
     }
     for (; k + kWide <= n; k += kWide) {
+      prefetch_write(out + k);
       __m256 scaled = mul_o(V::load(r + k), vinv);
       V::put(out + k, V::pack(mul_o(scaled, _mm256_loadu_ps(gain + k))));
     }

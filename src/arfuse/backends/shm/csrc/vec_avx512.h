@@ -181,7 +181,7 @@ inline void pass1_step(const typename Elem<D>::T* const* rows, int world, int64_
   // res and dst may be the same row (residual updated in place): each lane reads res[h]
   // before it writes dst[h], and no other lane's store touches res.
   using V = Vec<D>;
-  prefetch_step(rows, W > 0 ? W : world, h, SUM ? sum_dst : nullptr);
+  prefetch_step(rows, W > 0 ? W : world, h, dst, SUM ? sum_dst : nullptr);
   const __m512 a = rank_sum<D, W>(rows, world, h);
   if constexpr (!NORM) {
     const typename V::B s = V::pack(a);
@@ -210,7 +210,7 @@ template <int W, bool NORM, bool RES, bool SUM>
 inline void bf16_pass1_step(const uint16_t* const* rows, int world, int64_t h,
                             const uint16_t* res, uint16_t* dst, uint16_t* sum_dst,
                             __m512& acc_even, __m512& acc_odd) {
-  prefetch_step(rows, W > 0 ? W : world, h, SUM ? sum_dst : nullptr);
+  prefetch_step(rows, W > 0 ? W : world, h, dst, SUM ? sum_dst : nullptr);
   BF16x32 a = BF16x32::load(rows[0] + h);
   for (int j = 1; j < (W > 0 ? W : world); ++j) {
     const BF16x32 b = BF16x32::load(rows[j] + h);
@@ -288,6 +288,7 @@ int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, in
   int64_t k = 0;
   if constexpr (D == kBF16) {  // gain holds [0, n / 32 * 32) in BF16x32 order
     for (; k + 32 <= n; k += 32) {
+      prefetch_write(out + k);  // see memory_access.h
       BF16x32 v = BF16x32::load(r + k);
       v.even = mul_o(mul_o(v.even, vinv), _mm512_loadu_ps(gain + k));
       v.odd = mul_o(mul_o(v.odd, vinv), _mm512_loadu_ps(gain + k + kWide));
@@ -296,6 +297,7 @@ int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, in
     return k;
   }
   for (; k + kWide <= n; k += kWide) {
+    prefetch_write(out + k);
     const __m512 scaled = mul_o(V::load(r + k), vinv);
     V::put(out + k, V::pack(mul_o(scaled, _mm512_loadu_ps(gain + k))));
   }
