@@ -123,6 +123,34 @@ def test_two_builds_load_into_one_process_and_agree(monkeypatch: pytest.MonkeyPa
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+def test_new_outputs_share_buffers_across_nearby_token_counts() -> None:
+    """Output buffers come in size classes (comm.cpp, OutputPool): a call a few tokens larger
+    takes the buffers the last call returned (no new memory to fault in), its tensors exactly
+    its own shape and values; a call far larger takes others."""
+    tokens, hidden, dtype = 64, 4096, torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    comm, _memory = kernel_on_private_memory(tokens, hidden, dtype)
+
+    def call(n: int) -> Any:
+        return comm.run(x[:n], residual[:n], weight, 1e-6, 0.0, 0, 0.0, True, None, None)
+
+    first = call(33)
+    pooled = {first[0].data_ptr(), first[1].data_ptr()}
+    del first
+    second = call(34)  # 272 KiB per output: the same class as 264 KiB (320 KiB)
+    assert {second[0].data_ptr(), second[1].data_ptr()} == pooled
+    assert second[0].shape == (34, hidden) and second[1].shape == (34, hidden)
+    out, residual_out = x[:34].clone(), residual[:34].clone()
+    comm.run(out, residual_out, weight, 1e-6, 0.0, 0, 0.0, True, out, residual_out)
+    assert torch.equal(second[0], out) and torch.equal(second[1], residual_out)
+    del second
+    third = call(64)  # 512 KiB: another class
+    assert not {third[0].data_ptr(), third[1].data_ptr()} & pooled
+
+
 # --- NVFP4 with NaN and infinities: FlashInfer's rule, the same bytes on every path ------------
 # The block amax ignores NaN (__hmax2/__hmax return the other operand), so a NaN takes no part
 # in the block scale unless all 16 values are NaN (scale 0x7f, the e4m3 NaN); an infinity

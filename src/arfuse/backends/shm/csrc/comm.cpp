@@ -477,7 +477,20 @@ OutputPool::~OutputPool() {
   for (auto& entry : free_) std::free(entry.second);
 }
 
+// Buffers come in size classes: 5, 6, 7 or 8 eighths of a power of two (4 KiB at least), so
+// calls whose token counts differ a little (continuous batching) share buffers instead of
+// each allocating, and faulting in, memory of its own; a buffer is at most 25% larger than
+// asked for.
+size_t OutputPool::size_class(size_t bytes) {
+  const size_t at_least = std::max<size_t>(bytes, 4096);
+  size_t power = 4096;
+  while (power < at_least) power *= 2;
+  const size_t step = power / 8;  // at_least is in (power / 2, power]
+  return (at_least + step - 1) / step * step;
+}
+
 void* OutputPool::take(size_t bytes) {
+  bytes = size_class(bytes);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (size_t i = free_.size(); i-- > 0;) {  // the most recently freed: still in cache
@@ -494,6 +507,7 @@ void* OutputPool::take(size_t bytes) {
 }
 
 void OutputPool::give(void* p, size_t bytes) {
+  bytes = size_class(bytes);
   std::lock_guard<std::mutex> lock(mutex_);
   if (free_.size() >= kKeep) {
     std::free(free_.front().second);

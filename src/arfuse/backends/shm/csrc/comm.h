@@ -29,8 +29,9 @@ class OutputPool {
  public:
   static constexpr size_t kKeep = 16;
   ~OutputPool();
-  void* take(size_t bytes);
-  void give(void* p, size_t bytes);
+  void* take(size_t bytes);  // at least `bytes`, 64-byte aligned
+  void give(void* p, size_t bytes);  // `bytes`: as asked of take
+  static size_t size_class(size_t bytes);
 
  private:
   std::mutex mutex_;
