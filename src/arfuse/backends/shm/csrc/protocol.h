@@ -454,7 +454,6 @@ class StepCopy {
   }
   void step() { advance(slice_); }
   void finish() { advance(SIZE_MAX); }
-  void operator()() { step(); }
 
  private:
   struct Piece {
@@ -508,16 +507,13 @@ void twoshot_own_step(const Exchange& e, const TwoShotGeometry& g,
   T* mine = reinterpret_cast<T*>(s.result_slot(s.rank, e.seq & 1));
   T* out = static_cast<T*>(c.out);
   T* residual_out = static_cast<T*>(c.residual_out);
-  T* row_residual_out = residual_out ? residual_out + r0 * H : nullptr;
-  if (next) {
-    next->spread_over(between_calls(c, r1 - r0));
-    finish_rows<D>(inputs, s.world, r0, r0, r1 - r0, c, out + r0 * H, row_residual_out,
-                   mine + (r0 - begin) * H, *next);
-    next->finish();
-  } else {
-    finish_rows<D>(inputs, s.world, r0, r0, r1 - r0, c, out + r0 * H, row_residual_out,
-                   mine + (r0 - begin) * H);
-  }
+  if (next) next->spread_over(between_calls(c, r1 - r0));
+  finish_rows<D>(inputs, s.world, r0, r0, r1 - r0, c, out + r0 * H,
+                 residual_out ? residual_out + r0 * H : nullptr, mine + (r0 - begin) * H,
+                 [next] {
+                   if (next) next->step();
+                 });
+  if (next) next->finish();
   s.post(1, e.call_base() + k + 1);
 }
 
