@@ -7,8 +7,10 @@ Each source tree is built by its own ``arfuse`` package (``python -c 'build.load
 tree first on PYTHONPATH; the kernel cache keys builds by source hash), and both compiled
 modules are loaded into each rank, each over a shared segment of its own. Per dtype, token
 count and form (``inplace``: ``out=x, residual_out=residual``, as vLLM calls it; ``new``: new
-output tensors; ``plain``: the all-reduce alone, in place; ``plain-new``: the all-reduce alone
-into a new tensor, as vLLM's out-of-place all-reduce), every round runs a block of calls
+output tensors; ``new-read``: new output tensors, then one read of both, timed with the call,
+as the next op's first pass over them; ``plain``: the all-reduce alone, in place;
+``plain-new``: the all-reduce alone into a new tensor, as vLLM's out-of-place all-reduce),
+every round runs a block of calls
 of each build (the first calls of a block untimed), the builds' order rotating from round to
 round, after warm-up rounds that outlast the kernel's copy-mode trial; the table gives each
 build's median and the ratio B / A.
@@ -41,7 +43,7 @@ from arfuse.backends.shm import layout as shm_layout
 from arfuse.cli.launch import init_from_env, launch, pin_to_core
 
 DTYPE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
-FORMS = ("inplace", "new", "plain", "plain-new")
+FORMS = ("inplace", "new", "new-read", "plain", "plain-new")
 EPS = 1e-6
 
 
@@ -62,13 +64,13 @@ def build(tree: str) -> str:
     """Compile (or find in the cache) the kernel of source tree ``tree``; its .so path."""
     env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
     code = ("from arfuse.backends.shm import build; m = build.load(); "
-            "print(m.__file__ if m else 'none: ' + str(build.why_not()))")
+            "print('kernel: ' + m.__file__ if m else 'no kernel: ' + str(build.why_not()))")
     done = subprocess.run([sys.executable, "-c", code], env=env, check=True, text=True,
                           capture_output=True)
-    path = done.stdout.strip().splitlines()[-1]
-    if path.startswith("none"):
-        raise SystemExit(f"{tree}: no compiled kernel ({path})")
-    return path
+    out = done.stdout
+    if "kernel: " not in out or "no kernel: " in out:
+        raise SystemExit(f"{tree}: no compiled kernel:\n{out}{done.stderr}")
+    return out.rsplit("kernel: ", 1)[1].strip()
 
 
 def load(path: str) -> ModuleType:
@@ -144,6 +146,11 @@ def body(rank: int, world: int, opts: Options) -> int:
                             elif form == "new":
                                 comm.run(x, residual, weight, EPS, 0.0, 0, 0.0, False, None,
                                          None)
+                            elif form == "new-read":
+                                outs = comm.run(x, residual, weight, EPS, 0.0, 0, 0.0, False,
+                                                None, None)
+                                for t in outs[:2]:
+                                    t.view(torch.int64).sum()
                             elif form == "plain":
                                 comm.run(x, None, None, EPS, 0.0, 0, 0.0, False, x, None)
                             else:

@@ -33,6 +33,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INT_VIEW = {"bf16": torch.int16, "fp16": torch.int16, "fp32": torch.int32}
 TOKENS = 7
 HIDDENS = (37, 88, 208, 1040)
+# streaming output stores: out streams where its rows are whole cache lines (1056: every dtype)
+STREAMING_HIDDENS = (1040, 1056)
 EPS = 1e-5
 FP8_SCALE = 0.0625
 NVFP4_SCALE = 84.0
@@ -154,19 +156,21 @@ def conversions(rank: int, world: int) -> dict[str, Any]:
     return report
 
 
-def matrix(rank: int, world: int, mode: str) -> dict[str, Any]:
-    """Every case of the matrix on this rank: the raw bytes of every output."""
+def matrix(rank: int, world: int, mode: str, stores: str = "auto") -> dict[str, Any]:
+    """Every case of the matrix on this rank: the raw bytes of every output (``stores``: how
+    the kernel stores new outputs, see ShmWorkspace.set_output_stores)."""
     import arfuse
 
     module = shm_build.load()
     report: dict[str, Any] = {"isa": "pure-torch" if module is None else str(module.isa)}
     for dtype in DTYPES:
-        for hidden in HIDDENS:
+        for hidden in STREAMING_HIDDENS if stores == "streaming" else HIDDENS:
             data = case_inputs(dtype, hidden, world)
             comm = arfuse.FusedAllReduce(max_token_num=TOKENS, hidden_dim=hidden,
                                          dtype=DTYPES[dtype], backend="shm", strict=True,
                                          timeout_s=30)
             comm.workspace.set_mode(mode)  # type: ignore[attr-defined]
+            comm.workspace.set_output_stores(stores)  # type: ignore[attr-defined]
             report["path"] = comm.workspace.path  # type: ignore[attr-defined]
             for pattern in patterns(dtype, hidden):
                 res = comm(data["xs"][rank], **call_kwargs(pattern, data))
@@ -309,18 +313,23 @@ def test_conversions_and_nvfp4_blocks_are_the_same_on_every_isa() -> None:
                 assert torch.equal(got[1], scales), (isa, dtype, vector)
 
 
-@pytest.mark.parametrize(("world", "mode"), [(2, "oneshot"), (2, "twoshot"), (3, "twoshot"),
-                                             (4, "oneshot")])
-def test_numerics_matrix_gives_the_same_bytes_on_every_isa(world: int, mode: str) -> None:
+@pytest.mark.parametrize(("world", "mode", "stores"),
+                         [(2, "oneshot", "auto"), (2, "twoshot", "auto"), (3, "twoshot", "auto"),
+                          (4, "oneshot", "auto"), (2, "twoshot", "streaming")])
+def test_numerics_matrix_gives_the_same_bytes_on_every_isa(world: int, mode: str,
+                                                           stores: str) -> None:
+    """stores=streaming: new outputs with streaming stores (auto mode streams only from 8 MiB
+    per output, beyond the matrix's sizes)."""
     reports: dict[str, list[dict[str, Any]]] = {}
     for isa in ISAS:
-        reports[isa] = values(run_ranks(matrix, world, mode, timeout=240,
+        reports[isa] = values(run_ranks(matrix, world, mode, stores, timeout=240,
                                         env={"ARFUSE_SHM_ISA": isa}))
         for report in reports[isa]:
             assert built_for(isa, report["isa"]) and report["path"] == "c++", report["isa"]
     first = reports[ISAS[0]][0]
     cases = [key for key in first if isinstance(key, tuple)]
-    assert len(cases) == sum(len(patterns(d, h)) for d in DTYPES for h in HIDDENS)
+    hiddens = STREAMING_HIDDENS if stores == "streaming" else HIDDENS
+    assert len(cases) == sum(len(patterns(d, h)) for d in DTYPES for h in hiddens)
     for key in cases:
         for isa, ranks in reports.items():
             for rank, report in enumerate(ranks):

@@ -151,6 +151,73 @@ def test_new_outputs_share_buffers_across_nearby_token_counts() -> None:
     assert not {third[0].data_ptr(), third[1].data_ptr()} & pooled
 
 
+def int_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hidden", [1040, 1056, 1100])
+def test_streaming_output_stores_give_the_same_bytes(dtype: torch.dtype, hidden: int) -> None:
+    """Outputs of their own stored with streaming stores (forced here; auto mode from 8 MiB per
+    output): out through the streaming second pass where its rows are whole cache lines (1056
+    in every dtype, 1040 in fp32), residual_out through the staging rows (any row size: heads
+    and tails of lines stored as usual). The same bytes as cached stores, equal to the
+    documented formula: new outputs, outputs the caller gives, and a quantised call (there
+    only residual_out streams: quantisation reads out back)."""
+    tokens, eps = 64, 1e-6
+    gen = torch.Generator().manual_seed(hidden + 1)
+    x = (torch.randn(tokens, hidden, generator=gen) * 4).to(dtype)
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    comm, _memory = kernel_on_private_memory(tokens, hidden, dtype)
+    assert not comm.streams_outputs(tokens)  # auto: far below the threshold
+
+    def call(out: Any = None, residual_out: Any = None, quant: int = 0) -> Any:
+        return comm.run(x, residual, weight, eps, 0.0, quant, 0.25, True, out, residual_out)
+
+    cached = call()
+    cached_fp8 = call(quant=1) if dtype != torch.float32 else None
+    comm.set_output_stores(2)
+    assert comm.streams_outputs(tokens)
+    given = (torch.empty_like(x), torch.empty_like(residual))
+    for got in (call(), call(*given)):
+        assert torch.equal(int_bits(got[0]), int_bits(cached[0]))
+        assert torch.equal(int_bits(got[1]), int_bits(cached[1]))
+    assert torch.equal(int_bits(cached[0]),
+                       int_bits(documented_out(cached[1], weight, eps, 0.0)))
+    if cached_fp8 is not None:
+        got = call(quant=1)
+        for a, b in zip(got[:3], cached_fp8[:3], strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_auto_mode_streams_outputs_from_the_builds_threshold() -> None:
+    """Auto mode streams from the build's size per output (fp32: 8 MiB on the vector builds,
+    hidden 1024: 2048 tokens; never on the scalar build) and gives the bytes cached stores give
+    there, as in place (out=x, residual_out=residual) does."""
+    tokens, hidden, dtype = 2048, 1024, torch.float32
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(tokens, hidden, generator=gen)
+    residual = torch.randn(tokens, hidden, generator=gen)
+    weight = torch.rand(hidden, generator=gen) + 0.5
+    comm, _memory = kernel_on_private_memory(tokens, hidden, dtype)
+    module = shm_build.load()
+    if module.isa == "scalar":  # type: ignore[union-attr]
+        assert not comm.streams_outputs(tokens)
+    else:
+        assert module.stream_output_min_bytes(2) == 8 << 20  # type: ignore[union-attr]
+        assert comm.streams_outputs(tokens) and not comm.streams_outputs(tokens - 1)
+    auto = comm.run(x, residual, weight, 1e-6, 0.0, 0, 0.0, True, None, None)
+    comm.set_output_stores(1)
+    assert not comm.streams_outputs(tokens)
+    cached = comm.run(x, residual, weight, 1e-6, 0.0, 0, 0.0, True, None, None)
+    assert torch.equal(auto[0], cached[0]) and torch.equal(auto[1], cached[1])
+    comm.set_output_stores(0)
+    x_work, residual_work = x.clone(), residual.clone()
+    comm.run(x_work, residual_work, weight, 1e-6, 0.0, 0, 0.0, True, x_work, residual_work)
+    assert torch.equal(x_work, cached[0]) and torch.equal(residual_work, cached[1])
+
+
 # --- NVFP4 with NaN and infinities: FlashInfer's rule, the same bytes on every path ------------
 # The block amax ignores NaN (__hmax2/__hmax return the other operand), so a NaN takes no part
 # in the block scale unless all 16 values are NaN (scale 0x7f, the e4m3 NaN); an infinity

@@ -67,7 +67,15 @@ PREFIX = "arfuse-"
 ONESHOT_MAX_BYTES = 8 * 1024
 
 
-COPY_MODES = ("auto", "cached", "streaming")  # the kernel's codes are the indices
+# How the copy into the slot and a call's own outputs are stored; the kernel's codes are the
+# indices.
+STORE_MODES = ("auto", "cached", "streaming")
+
+
+def _store_mode_code(mode: str) -> int:
+    if mode not in STORE_MODES:
+        raise ValueError(f"mode={mode!r} is not valid; use one of {', '.join(STORE_MODES)}")
+    return STORE_MODES.index(mode)
 
 
 # the kernel's quant codes (3: a quantisation it does not run, in an announced call)
@@ -213,10 +221,22 @@ class ShmWorkspace(Workspace):
         """How the copy into the shared slot stores: ``auto`` (measured per size by the group,
         the default), ``cached`` or ``streaming`` (tests, benchmarks). Results are the same in
         every mode. The pure-torch path has one way to copy and ignores this."""
-        if mode not in COPY_MODES:
-            raise ValueError(f"mode={mode!r} is not valid; use one of {', '.join(COPY_MODES)}")
+        code = _store_mode_code(mode)
         if self._comm is not None:
-            self._comm.set_copy_mode(COPY_MODES.index(mode))
+            self._comm.set_copy_mode(code)
+
+    def set_output_stores(self, mode: str) -> None:
+        """How a call's own outputs (``out`` other than x, ``residual_out`` other than the
+        residual) are stored: ``auto`` (streaming stores from the size the kernel's build
+        names per dtype, ``stream_output_min_bytes``: 8 MiB per output on AVX-512 and for
+        fp32/fp16 on AVX2, 32 MiB for bf16 on AVX2, never on the scalar build; cached below,
+        where the next op finds the outputs in cache), ``cached`` or ``streaming`` (tests,
+        benchmarks). Results are the same in every mode;
+        in place (out=x, residual_out=residual) always stores cached. The pure-torch path
+        ignores this."""
+        code = _store_mode_code(mode)
+        if self._comm is not None:
+            self._comm.set_output_stores(code)
 
     @property
     def copy_trial_calls(self) -> int:

@@ -282,6 +282,8 @@ void bind_comm(py::module_& m) {
       .def("set_timing", &ShmComm::set_timing)
       .def("last_call_seconds", &ShmComm::last_call_seconds)
       .def("set_copy_mode", &ShmComm::set_copy_mode)
+      .def("set_output_stores", &ShmComm::set_output_stores)
+      .def("streams_outputs", &ShmComm::streams_outputs)
       .def("copy_modes", &ShmComm::copy_modes);
 }
 
@@ -305,6 +307,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // calls of one size until auto mode has decided its copy mode (warm-up, trial, deciding call)
   m.attr("copy_trial_calls") = py::int_(kTuneWarm + 2 * kTunePairs + 1);
   m.attr("isa") = py::str(isa::kIsa);
+  m.def("stream_output_min_bytes", [](int64_t dtype) {
+    return isa::stream_output_min_bytes(int(dtype));
+  });
   m.def("set_error_types", &set_error_types);
   m.def("layout_constants", &layout_constants);
   m.def("slot_geometry", &slot_geometry);

@@ -119,6 +119,7 @@ ShmComm::ShmComm(int64_t base, int64_t world, int64_t rank, int64_t max_tokens, 
   waiter_.pids.assign(size_t(world), 0);
   waiter_.starts.assign(size_t(world), 0);
   scratch_.resize(size_t(hidden_));
+  staging_.resize(size_t(2 * hidden_ * elem_ / 4 + 16));
 }
 
 ShmComm::~ShmComm() {
@@ -147,9 +148,15 @@ void ShmComm::invalidate(const std::string& why) {
 }
 
 void ShmComm::set_copy_mode(int64_t mode) {
-  TORCH_CHECK(mode >= kCopyAuto && mode <= kCopyStreaming,
+  TORCH_CHECK(mode >= kStoresAuto && mode <= kStoresStreaming,
               "arfuse shm: copy mode must be 0 (auto), 1 (cached) or 2 (streaming)");
   copy_mode_ = int(mode);
+}
+
+void ShmComm::set_output_stores(int64_t mode) {
+  TORCH_CHECK(mode >= kStoresAuto && mode <= kStoresStreaming,
+              "arfuse shm: output stores must be 0 (auto), 1 (cached) or 2 (streaming)");
+  output_stores_ = int(mode);
 }
 
 // ---- checks (call_checks.check_call, rule for rule) --------------------------------------------
@@ -421,6 +428,14 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
   if (t.weight) {
     residual_out = t.residual_out ? *t.residual_out : output({tokens, hidden_}, x.options());
     c.residual_out = residual_out.data_ptr();
+    const bool stream = streams_outputs(tokens);
+    const bool whole_lines = reinterpret_cast<uintptr_t>(c.out) % 64 == 0 &&
+                             hidden_ * elem_ % 64 == 0;  // every vector store aligned
+    c.stream_out = stream && n.quant == kNone && c.out != x.data_ptr() && whole_lines;
+    c.stream_residual_out =
+        stream && c.residual_out != c.residual && c.residual_out != x.data_ptr();
+    c.staging = reinterpret_cast<void*>(
+        (reinterpret_cast<uintptr_t>(staging_.data()) + 63) / 64 * 64);
   }
   if (n.quant == kFP8 || n.quant == kFP8Dynamic) {
     quant_out = output({tokens, hidden_}, x.options().dtype(at::kFloat8_e4m3fn));

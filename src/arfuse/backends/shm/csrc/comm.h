@@ -109,6 +109,20 @@ class ShmComm {
   void invalidate(const std::string& why);
   // 0 auto (measured per size, see CopyTuner), 1 cached, 2 streaming.
   void set_copy_mode(int64_t mode);
+  // How outputs of their own (not x or residual) are stored: 0 auto, 1 cached, 2 streaming.
+  // The same values in every mode.
+  void set_output_stores(int64_t mode);
+  // Whether a call of `tokens` with RMSNorm stores its own outputs with streaming stores (out
+  // only where its rows are whole lines and it is not quantised; see make_call). Auto: from
+  // the build's isa::stream_output_min_bytes per output. Streaming stores send the lines to
+  // memory without first reading them into this core's cache (a read for ownership of lines
+  // the op only overwrites); at that size they could not all stay in cache until the next op
+  // reads them anyway. Smaller outputs stay cached for that reader.
+  bool streams_outputs(int64_t tokens) const {
+    return output_stores_ == kStoresStreaming ||
+           (output_stores_ == kStoresAuto &&
+            tokens * hidden_ * elem_ >= isa::stream_output_min_bytes(dtype_));
+  }
   std::vector<std::tuple<int64_t, bool, bool, int64_t, int64_t>> copy_modes() const {
     return tuner_.modes();
   }
@@ -143,10 +157,12 @@ class ShmComm {
   int dtype_, elem_ = 2;
   int64_t oneshot_max_bytes_;
   int64_t seq_ = 0;
-  int copy_mode_ = kCopyAuto;
+  int copy_mode_ = kStoresAuto;
+  int output_stores_ = kStoresAuto;
   double last_call_s_ = 0.0;
   bool timing_ = false;
   std::vector<float> scratch_;  // the gain of the current call
+  std::vector<float> staging_;  // Call::staging, two rows (and room to align them to 64 bytes)
   std::shared_ptr<OutputPool> pool_ = std::make_shared<OutputPool>();
   py::object result_type_;
   std::string broken_;

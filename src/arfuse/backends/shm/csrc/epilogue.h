@@ -25,6 +25,7 @@
 
 #include "conversions.h"
 #include "layout.h"
+#include "memory_access.h"
 #include "vec.h"
 
 namespace arfuse {
@@ -43,6 +44,12 @@ struct Call {  // one call's arguments, resolved to raw pointers
   uint8_t* quant_out = nullptr;
   uint8_t* scale_out = nullptr;
   const float* gain = nullptr;  // weight_bias + f32(w), see compute_gain
+  // With RMSNorm: streaming stores for out (64-byte aligned rows; not when quantising, which
+  // reads out back) and residual_out (through staging: two rows of T, 64-byte aligned, since
+  // the second pass reads the row back). See ShmComm::make_call for when.
+  bool stream_out = false;
+  bool stream_residual_out = false;
+  void* staging = nullptr;
 };
 
 // gain = weight_bias + f32(w), once per call instead of once per row.
@@ -182,8 +189,11 @@ inline float row_inv(const Call& c, float* lanes) {
 template <int D>
 void second_pass(const Call& c, float inv, const typename Elem<D>::T* residual_out,
                  typename Elem<D>::T* out, int64_t begin, int64_t end) {
-  int64_t k = begin + isa::row_scale<D>(residual_out + begin, c.gain + begin, end - begin, inv,
-                                        out + begin);
+  const typename Elem<D>::T* r = residual_out + begin;
+  const float* gain = c.gain + begin;
+  const int64_t n = end - begin;
+  int64_t k = begin + (c.stream_out ? isa::row_scale<D, true>(r, gain, n, inv, out + begin)
+                                    : isa::row_scale<D>(r, gain, n, inv, out + begin));
   for (; k < end; ++k) {
     float scaled = mul_o(Elem<D>::load(residual_out[k]), inv);
     out[k] = Elem<D>::store(mul_o(scaled, c.gain[k]));
@@ -232,25 +242,36 @@ void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in
     }
     return;
   }
+  // Where pass 1 puts a row's residual_out and pass 2 reads it: residual_out itself, or with
+  // streaming stores one of two staging rows (row i in i % 2), stored out by pass 2.
+  T* const staging = static_cast<T*>(c.staging);
   float inv_before = 0.0f;  // the row before's
   for (int64_t i = 0; i <= n; ++i) {
     const bool now = i < n, before = i > 0;
     float lanes[kSumLanes] = {};
     for (int j = 0; j < ranks; ++j) rows[j] = inputs[j] + (in_row + i) * H;
+    T* const kept_now = c.stream_residual_out ? staging + (i & 1) * H : residual_out + i * H;
+    T* const kept_before =
+        c.stream_residual_out ? staging + ((i - 1) & 1) * H : residual_out + (i - 1) * H;
     for (int64_t s = 0; s < H; s += kSegment) {
       const int64_t e = std::min(H, s + kSegment);
       if (now) {
         first_pass<D>(rows, ranks, residual ? residual + i * H : nullptr, true, out + i * H,
-                      residual_out + i * H, sum_out ? sum_out + i * H : nullptr, lanes, s, e);
+                      kept_now, sum_out ? sum_out + i * H : nullptr, lanes, s, e);
       }
       if (before) {
-        second_pass<D>(c, inv_before, residual_out + (i - 1) * H, out + (i - 1) * H, s, e);
+        second_pass<D>(c, inv_before, kept_before, out + (i - 1) * H, s, e);
+        if (c.stream_residual_out) {
+          stream_store(reinterpret_cast<char*>(residual_out + (i - 1) * H + s),
+                       reinterpret_cast<const char*>(kept_before + s), size_t(e - s) * sizeof(T));
+        }
       }
       between();
     }
     if (before) quantize_row<D>(out + (i - 1) * H, c, row + i - 1);
     if (now) inv_before = row_inv(c, lanes);
   }
+  if (c.stream_out || c.stream_residual_out) stream_fence();
 }
 
 }  // namespace arfuse

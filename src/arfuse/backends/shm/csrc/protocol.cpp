@@ -196,8 +196,8 @@ void Waiter::check_alive(int which, int64_t target, int only) const {
 
 CopyTuner::Plan CopyTuner::plan(int64_t bytes, int mode) {
   Plan p;
-  if (mode != kCopyAuto) {
-    p.streaming = mode == kCopyStreaming;
+  if (mode != kStoresAuto) {
+    p.streaming = mode == kStoresStreaming;
     return p;
   }
   const int bucket = bucket_of(bytes);

@@ -70,7 +70,8 @@ constexpr int64_t kLeadBlocks = 2;
 constexpr int64_t kTuneWarm = 8;       // calls of a size before its first trial
 constexpr int64_t kTunePairs = 16;     // trial: this many (cached, streaming) call pairs
 constexpr int64_t kTuneEpoch = 2048;   // calls of a size between trials (the machine drifts)
-enum CopyMode { kCopyAuto = 0, kCopyCached = 1, kCopyStreaming = 2 };
+// How the copy into the slot (copy mode) or a call's own outputs (output stores) are stored.
+enum StoreMode { kStoresAuto = 0, kStoresCached = 1, kStoresStreaming = 2 };
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)

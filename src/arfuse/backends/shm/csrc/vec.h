@@ -2,13 +2,15 @@
 // same interface in namespace arfuse::isa, and everything else calls only that interface:
 //
 //   kIsa                                 name of the instruction set (for doctor / logs)
+//   stream_output_min_bytes(dtype)       auto mode's smallest output to stream (bytes)
 //   Has<D>::value                        whether dtype D has vector forms here
 //   row_sum<D, NORM, RES, SUM>(rows, ranks, n, res, dst, lanes, sum_dst)
 //                                        first pass over one row (SUM: the rounded sum also
 //                                        into sum_dst, the two-shot result slot); lanes: the
 //                                        kSumLanes sums of squares, lane = h % kSumLanes,
 //                                        continued (a row may be passed in segments)
-//   row_scale<D>(r, gain, n, inv, out)                           second pass (RMSNorm)
+//   row_scale<D, kStream>(r, gain, n, inv, out)                  second pass (RMSNorm);
+//                                        kStream: streaming stores (out aligned to 64)
 //   gain_row<D>(w, weight_bias, n, gain)                          weight_bias + f32(w)
 //   fp8_row<D>(out, inv_scale, n, dst)                            e4m3 codes
 //   amax_row<D>(out, n, amax)                                     max |out|, NaN ignored

@@ -24,6 +24,14 @@ namespace isa {
 
 constexpr int kWide = 8;  // fp32 lanes per vector
 
+// Auto mode's smallest output (bytes) to store with streaming stores (see ShmComm::
+// streams_outputs): where this build's op turned faster with them, the next op's first read
+// included (benchmarks/RESULTS.md). bf16, rounded in integer arithmetic 8 lanes at a time, keeps
+// the core busy enough that a read for ownership costs little until far larger sizes.
+constexpr int64_t stream_output_min_bytes(int dtype) {
+  return dtype == kBF16 ? int64_t(32) << 20 : int64_t(8) << 20;
+}
+
 #if defined(__F16C__)
 constexpr const char* kIsa = "avx2+f16c";
 #else
@@ -121,10 +129,12 @@ struct BF16x16 {
             _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))))};
   }
   // the bf16 bits of even, odd (already bf16 values: their low 16 bits are zero)
-  static void put(uint16_t* p, __m256 even, __m256 odd) {
+  static __m256i bits(__m256 even, __m256 odd) {
     const __m256i low = _mm256_srli_epi32(_mm256_castps_si256(even), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm256_or_si256(low, _mm256_castps_si256(odd)));
+    return _mm256_or_si256(low, _mm256_castps_si256(odd));
+  }
+  static void put(uint16_t* p, __m256 even, __m256 odd) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits(even, odd));
   }
 };
 
@@ -251,7 +261,7 @@ void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
 
 // Second pass: out = T((r * inv) * gain), r read back from residual_out (exact: it holds r
 // in T), gain as gain_row laid it out.
-template <int D>
+template <int D, bool kStream = false>
 int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, int64_t n,
                   float inv, typename Elem<D>::T* out) {
   if constexpr (!Vec<D>::ok) {
@@ -262,17 +272,17 @@ int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, in
     int64_t k = 0;
     if constexpr (D == kBF16) {  // gain holds [0, n / 16 * 16) in BF16x16 order
       for (; k + 16 <= n; k += 16) {
-        prefetch_write(out + k);  // see memory_access.h
+        if constexpr (!kStream) prefetch_write(out + k);  // see memory_access.h
         const BF16x16 v = BF16x16::load(r + k);
         const __m256 even = mul_o(mul_o(v.even, vinv), _mm256_loadu_ps(gain + k));
         const __m256 odd = mul_o(mul_o(v.odd, vinv), _mm256_loadu_ps(gain + k + 8));
-        BF16x16::put(out + k, bf16x8_round32(even), bf16x8_round32(odd));
+        put_bits<kStream>(out + k, BF16x16::bits(bf16x8_round32(even), bf16x8_round32(odd)));
       }
     }
     for (; k + kWide <= n; k += kWide) {
-      prefetch_write(out + k);
+      if constexpr (!kStream) prefetch_write(out + k);
       __m256 scaled = mul_o(V::load(r + k), vinv);
-      V::put(out + k, V::pack(mul_o(scaled, _mm256_loadu_ps(gain + k))));
+      put_bits<kStream>(out + k, V::pack(mul_o(scaled, _mm256_loadu_ps(gain + k))));
     }
     return k;
   }

@@ -39,6 +39,11 @@ constexpr const char* kIsa = "avx512";
 
 constexpr int kWide = 16;  // fp32 lanes per vector
 
+// Auto mode's smallest output (bytes) to store with streaming stores (see ShmComm::
+// streams_outputs): where this build's op turned faster with them, the next op's first read
+// included (benchmarks/RESULTS.md).
+constexpr int64_t stream_output_min_bytes(int /*dtype*/) { return int64_t(8) << 20; }
+
 inline __m512i splat(int v) { return _mm512_set1_epi32(v); }
 
 // a + b and a * b with a as the instruction's first source: a NaN result is a's NaN if a is
@@ -280,7 +285,7 @@ void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
 
 // Second pass: out = T((r * inv) * gain), r read back from residual_out (exact: it holds r
 // in T), gain as gain_row laid it out (element order).
-template <int D>
+template <int D, bool kStream = false>
 int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, int64_t n,
                   float inv, typename Elem<D>::T* out) {
   using V = Vec<D>;
@@ -288,18 +293,18 @@ int64_t row_scale(const typename Elem<D>::T* r, const float* __restrict gain, in
   int64_t k = 0;
   if constexpr (D == kBF16) {  // gain holds [0, n / 32 * 32) in BF16x32 order
     for (; k + 32 <= n; k += 32) {
-      prefetch_write(out + k);  // see memory_access.h
+      if constexpr (!kStream) prefetch_write(out + k);  // see memory_access.h
       BF16x32 v = BF16x32::load(r + k);
       v.even = mul_o(mul_o(v.even, vinv), _mm512_loadu_ps(gain + k));
       v.odd = mul_o(mul_o(v.odd, vinv), _mm512_loadu_ps(gain + k + kWide));
-      BF16x32::put(out + k, v.pack());
+      put_bits<kStream>(out + k, v.pack());
     }
     return k;
   }
   for (; k + kWide <= n; k += kWide) {
-    prefetch_write(out + k);
+    if constexpr (!kStream) prefetch_write(out + k);
     const __m512 scaled = mul_o(V::load(r + k), vinv);
-    V::put(out + k, V::pack(mul_o(scaled, _mm512_loadu_ps(gain + k))));
+    put_bits<kStream>(out + k, V::pack(mul_o(scaled, _mm512_loadu_ps(gain + k))));
   }
   return k;
 }

@@ -13,6 +13,10 @@ namespace isa {
 
 constexpr const char* kIsa = "scalar";
 
+// Auto mode never streams outputs here: the scalar op is bound by its arithmetic, and streaming
+// stores measured alike (see ShmComm::streams_outputs).
+constexpr int64_t stream_output_min_bytes(int /*dtype*/) { return INT64_MAX; }
+
 template <int D> struct Has { static constexpr bool value = false; };
 
 template <int D, bool NORM, bool RES, bool SUM>
@@ -21,7 +25,7 @@ inline int64_t row_sum(const typename Elem<D>::T* const*, int, int64_t,
                        typename Elem<D>::T*) {
   return 0;
 }
-template <int D>
+template <int D, bool kStream = false>
 inline int64_t row_scale(const typename Elem<D>::T*, const float*, int64_t, float,
                          typename Elem<D>::T*) {
   return 0;
