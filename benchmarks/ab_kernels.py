@@ -10,10 +10,11 @@ count and form (``inplace``: ``out=x, residual_out=residual``, as vLLM calls it;
 output tensors; ``new-read``: new output tensors, then one read of both, timed with the call,
 as the next op's first pass over them; ``plain``: the all-reduce alone, in place;
 ``plain-new``: the all-reduce alone into a new tensor, as vLLM's out-of-place all-reduce),
-every round runs a block of calls
-of each build (the first calls of a block untimed), the builds' order rotating from round to
-round, after warm-up rounds that outlast the kernel's copy-mode trial; the table gives each
-build's median and the ratio B / A.
+every round runs a block of calls of each build (the first calls of a block untimed), the
+builds' order rotating from round to round, after warm-up rounds that outlast the kernel's
+copy-mode trial; the table gives each build's median and the ratio B / A.
+``--a-stores``/``--b-stores`` set how each build stores a call's own outputs (auto, cached,
+streaming; trees that have ``set_output_stores``): one tree as A and B compares the modes.
 Both trees need a module-local ``ShmComm`` (bindings.cpp), i.e. a tree from the commit that
 introduced this script on. The inputs are rewritten before every call, untimed.
 """
@@ -44,6 +45,7 @@ from arfuse.cli.launch import init_from_env, launch, pin_to_core
 
 DTYPE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
 FORMS = ("inplace", "new", "new-read", "plain", "plain-new")
+STORES = ("auto", "cached", "streaming")  # the kernel's output-store codes are the indices
 EPS = 1e-6
 
 
@@ -58,6 +60,7 @@ class Options:
     warm_rounds: int
     block: int
     out: str
+    stores: tuple[str, str] = ("auto", "auto")
 
 
 def build(tree: str) -> str:
@@ -104,6 +107,8 @@ def make_comms(modules: list[ModuleType], rank: int, world: int, opts: Options,
             comms[(dname, i)] = module.ShmComm(
                 memory.data_ptr(), world, rank, max_tokens, opts.hidden, DTYPE_CODE[dname],
                 shm_layout.HEADER_BYTES, layout.slot_bytes, layout.input_bytes, 30.0, 8 * 1024)
+            if opts.stores[i] != "auto":
+                comms[(dname, i)].set_output_stores(STORES.index(opts.stores[i]))
             dist.barrier()
             if rank == 0:
                 path.unlink()
@@ -172,6 +177,7 @@ def report(rows: list[dict[str, Any]], opts: Options, modules: list[ModuleType])
 
     isa = sorted({str(m.isa) for m in modules})
     print(f"{cpu_model()}, kernel {' / '.join(isa)}, hidden {opts.hidden}, world size 2, "
+          f"output stores A {opts.stores[0]}, B {opts.stores[1]}, "
           f"median us of {rows[0]['calls']} calls per build and row")
     print(f"{'dtype':>5} {'tokens':>6} {'form':>8} {'A':>10} {'B':>10} {'B/A':>7}")
     for r in rows:
@@ -181,6 +187,7 @@ def report(rows: list[dict[str, Any]], opts: Options, modules: list[ModuleType])
         Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.out).write_text(json.dumps(
             {"cpu": cpu_model(), "kernel_isa": isa, "modules": list(opts.modules),
+             "output_stores": list(opts.stores),
              "hidden": opts.hidden, "rounds": opts.rounds, "block": opts.block,
              "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}, indent=2))
         print(f"wrote {opts.out}")
@@ -198,6 +205,10 @@ def main() -> int:
     parser.add_argument("--warm-rounds", type=int, default=3)
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--out", default="")
+    parser.add_argument("--a-stores", default="auto", choices=STORES,
+                        help="how build A stores a call's own outputs (set_output_stores; "
+                             "the same tree for A and B compares the modes)")
+    parser.add_argument("--b-stores", default="auto", choices=STORES)
     args = parser.parse_args()
     forms = tuple(args.forms.split(","))
     if not set(forms) <= set(FORMS):
@@ -207,7 +218,8 @@ def main() -> int:
         parser.error(f"--dtype: use some of {', '.join(DTYPE_CODE)}")
     modules = (build(args.a), build(args.b))
     opts = Options(modules, tuple(int(t) for t in args.tokens.split(",")), dtypes, forms,
-                   args.hidden, args.rounds, args.warm_rounds, args.block, args.out)
+                   args.hidden, args.rounds, args.warm_rounds, args.block, args.out,
+                   (args.a_stores, args.b_stores))
     env = {"OMP_NUM_THREADS": "1", "ARFUSE_LOG": "warning"}
     return launch(body, 2, opts, env=env)
 

@@ -163,14 +163,15 @@ def test_streaming_output_stores_give_the_same_bytes(dtype: torch.dtype, hidden:
     in every dtype, 1040 in fp32), residual_out through the staging rows (any row size: heads
     and tails of lines stored as usual). The same bytes as cached stores, equal to the
     documented formula: new outputs, outputs the caller gives, and a quantised call (there
-    only residual_out streams: quantisation reads out back)."""
+    only residual_out streams: quantisation reads out back); and the plain all-reduce, whose
+    out streams through a staging row (one rank: out is x)."""
     tokens, eps = 64, 1e-6
     gen = torch.Generator().manual_seed(hidden + 1)
     x = (torch.randn(tokens, hidden, generator=gen) * 4).to(dtype)
     residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
     comm, _memory = kernel_on_private_memory(tokens, hidden, dtype)
-    assert not comm.streams_outputs(tokens)  # auto: far below the threshold
+    assert not comm.streams_outputs(2 * x.nbytes)  # auto: far below the threshold
 
     def call(out: Any = None, residual_out: Any = None, quant: int = 0) -> Any:
         return comm.run(x, residual, weight, eps, 0.0, quant, 0.25, True, out, residual_out)
@@ -178,7 +179,7 @@ def test_streaming_output_stores_give_the_same_bytes(dtype: torch.dtype, hidden:
     cached = call()
     cached_fp8 = call(quant=1) if dtype != torch.float32 else None
     comm.set_output_stores(2)
-    assert comm.streams_outputs(tokens)
+    assert comm.streams_outputs(2 * x.nbytes)
     given = (torch.empty_like(x), torch.empty_like(residual))
     for got in (call(), call(*given)):
         assert torch.equal(int_bits(got[0]), int_bits(cached[0]))
@@ -189,12 +190,17 @@ def test_streaming_output_stores_give_the_same_bytes(dtype: torch.dtype, hidden:
         got = call(quant=1)
         for a, b in zip(got[:3], cached_fp8[:3], strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    given_out = torch.empty_like(x)
+    for out in (None, given_out):
+        plain = comm.run(x, None, None, eps, 0.0, 0, 0.0, True, out, None)[0]
+        assert torch.equal(int_bits(plain), int_bits(x))
 
 
 def test_auto_mode_streams_outputs_from_the_builds_threshold() -> None:
-    """Auto mode streams from the build's size per output (fp32: 8 MiB on the vector builds,
-    hidden 1024: 2048 tokens; never on the scalar build) and gives the bytes cached stores give
-    there, as in place (out=x, residual_out=residual) does."""
+    """Auto mode streams once a call's own outputs come to the build's size in all (fp32: 16
+    MiB on the vector builds, here out and residual_out of 8 MiB each; never on the scalar
+    build) and gives the bytes cached stores give there, as in place (out=x,
+    residual_out=residual) does."""
     tokens, hidden, dtype = 2048, 1024, torch.float32
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(tokens, hidden, generator=gen)
@@ -202,14 +208,16 @@ def test_auto_mode_streams_outputs_from_the_builds_threshold() -> None:
     weight = torch.rand(hidden, generator=gen) + 0.5
     comm, _memory = kernel_on_private_memory(tokens, hidden, dtype)
     module = shm_build.load()
+    both = 2 * tokens * hidden * 4  # out and residual_out
+    assert not comm.streams_outputs(0)
     if module.isa == "scalar":  # type: ignore[union-attr]
-        assert not comm.streams_outputs(tokens)
+        assert not comm.streams_outputs(both)
     else:
-        assert module.stream_output_min_bytes(2) == 8 << 20  # type: ignore[union-attr]
-        assert comm.streams_outputs(tokens) and not comm.streams_outputs(tokens - 1)
+        assert module.stream_output_min_bytes(2) == both  # type: ignore[union-attr]
+        assert comm.streams_outputs(both) and not comm.streams_outputs(both - 1)
     auto = comm.run(x, residual, weight, 1e-6, 0.0, 0, 0.0, True, None, None)
     comm.set_output_stores(1)
-    assert not comm.streams_outputs(tokens)
+    assert not comm.streams_outputs(both)
     cached = comm.run(x, residual, weight, 1e-6, 0.0, 0, 0.0, True, None, None)
     assert torch.equal(auto[0], cached[0]) and torch.equal(auto[1], cached[1])
     comm.set_output_stores(0)

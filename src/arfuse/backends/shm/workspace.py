@@ -227,13 +227,13 @@ class ShmWorkspace(Workspace):
 
     def set_output_stores(self, mode: str) -> None:
         """How a call's own outputs (``out`` other than x, ``residual_out`` other than the
-        residual) are stored: ``auto`` (streaming stores from the size the kernel's build
-        names per dtype, ``stream_output_min_bytes``: 8 MiB per output on AVX-512 and for
-        fp32/fp16 on AVX2, 32 MiB for bf16 on AVX2, never on the scalar build; cached below,
-        where the next op finds the outputs in cache), ``cached`` or ``streaming`` (tests,
-        benchmarks). Results are the same in every mode;
-        in place (out=x, residual_out=residual) always stores cached. The pure-torch path
-        ignores this."""
+        residual) are stored: ``auto`` (streaming stores once a call's own outputs come to
+        the kernel build's ``stream_output_min_bytes`` in all: 16 MiB on AVX-512 and for
+        fp32/fp16 on AVX2, e.g. ``out`` and ``residual_out`` of 8 MiB each; 64 MiB for bf16
+        on AVX2; never on the scalar build; cached below, where the next op finds the
+        outputs in cache), ``cached`` or ``streaming`` (tests, benchmarks). Results are the
+        same in every mode; in place (out=x, residual_out=residual) always stores cached. The
+        pure-torch path ignores this."""
         code = _store_mode_code(mode)
         if self._comm is not None:
             self._comm.set_output_stores(code)

@@ -428,15 +428,20 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
   if (t.weight) {
     residual_out = t.residual_out ? *t.residual_out : output({tokens, hidden_}, x.options());
     c.residual_out = residual_out.data_ptr();
-    const bool stream = streams_outputs(tokens);
-    const bool whole_lines = reinterpret_cast<uintptr_t>(c.out) % 64 == 0 &&
-                             hidden_ * elem_ % 64 == 0;  // every vector store aligned
-    c.stream_out = stream && n.quant == kNone && c.out != x.data_ptr() && whole_lines;
-    c.stream_residual_out =
-        stream && c.residual_out != c.residual && c.residual_out != x.data_ptr();
-    c.staging = reinterpret_cast<void*>(
-        (reinterpret_cast<uintptr_t>(staging_.data()) + 63) / 64 * 64);
   }
+  const bool own_out = c.out != x.data_ptr();
+  const bool own_residual_out =
+      t.weight && c.residual_out != c.residual && c.residual_out != x.data_ptr();
+  const bool stream =
+      streams_outputs(tokens * hidden_ * elem_ * (int64_t(own_out) + int64_t(own_residual_out)));
+  c.staging = reinterpret_cast<void*>(
+      (reinterpret_cast<uintptr_t>(staging_.data()) + 63) / 64 * 64);
+  // Not quantised: quantisation reads out back. With RMSNorm, out streams from the second
+  // pass's vector stores, which need rows of whole lines; without, through a staging row.
+  const bool whole_lines = reinterpret_cast<uintptr_t>(c.out) % 64 == 0 &&
+                           hidden_ * elem_ % 64 == 0;
+  c.stream_out = stream && own_out && n.quant == kNone && (whole_lines || !t.weight);
+  c.stream_residual_out = stream && own_residual_out;
   if (n.quant == kFP8 || n.quant == kFP8Dynamic) {
     quant_out = output({tokens, hidden_}, x.options().dtype(at::kFloat8_e4m3fn));
     c.quant_out = reinterpret_cast<uint8_t*>(quant_out.data_ptr());

@@ -112,16 +112,17 @@ class ShmComm {
   // How outputs of their own (not x or residual) are stored: 0 auto, 1 cached, 2 streaming.
   // The same values in every mode.
   void set_output_stores(int64_t mode);
-  // Whether a call of `tokens` with RMSNorm stores its own outputs with streaming stores (out
-  // only where its rows are whole lines and it is not quantised; see make_call). Auto: from
-  // the build's isa::stream_output_min_bytes per output. Streaming stores send the lines to
-  // memory without first reading them into this core's cache (a read for ownership of lines
-  // the op only overwrites); at that size they could not all stay in cache until the next op
-  // reads them anyway. Smaller outputs stay cached for that reader.
-  bool streams_outputs(int64_t tokens) const {
-    return output_stores_ == kStoresStreaming ||
-           (output_stores_ == kStoresAuto &&
-            tokens * hidden_ * elem_ >= isa::stream_output_min_bytes(dtype_));
+  // Whether a call whose own outputs (out not x, residual_out not the residual) come to
+  // `bytes` in all stores them with streaming stores (out only when it is not quantised, and
+  // with RMSNorm where its rows are whole lines; see make_call). Auto: from the build's
+  // isa::stream_output_min_bytes. Streaming stores send the lines to memory without first
+  // reading them into this core's cache (a read for ownership of lines the op only
+  // overwrites); a call that writes that many fresh lines could not keep them in cache until
+  // the next op reads them anyway. Smaller outputs stay cached for that reader.
+  bool streams_outputs(int64_t bytes) const {
+    return bytes > 0 && (output_stores_ == kStoresStreaming ||
+                         (output_stores_ == kStoresAuto &&
+                          bytes >= isa::stream_output_min_bytes(dtype_)));
   }
   std::vector<std::tuple<int64_t, bool, bool, int64_t, int64_t>> copy_modes() const {
     return tuner_.modes();

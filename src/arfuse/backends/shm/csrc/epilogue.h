@@ -44,9 +44,10 @@ struct Call {  // one call's arguments, resolved to raw pointers
   uint8_t* quant_out = nullptr;
   uint8_t* scale_out = nullptr;
   const float* gain = nullptr;  // weight_bias + f32(w), see compute_gain
-  // With RMSNorm: streaming stores for out (64-byte aligned rows; not when quantising, which
-  // reads out back) and residual_out (through staging: two rows of T, 64-byte aligned, since
-  // the second pass reads the row back). See ShmComm::make_call for when.
+  // Streaming stores for out (not when quantising, which reads out back; with RMSNorm from the
+  // second pass, rows of whole lines; without, through a staging row) and residual_out
+  // (through staging, since the second pass reads the row back). staging: two rows of T,
+  // 64-byte aligned. See ShmComm::make_call for when.
   bool stream_out = false;
   bool stream_residual_out = false;
   void* staging = nullptr;
@@ -231,20 +232,25 @@ void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in
   const bool norm = c.weight != nullptr;
   const T* residual = c.residual ? static_cast<const T*>(c.residual) + row * H : nullptr;
   const T* rows[layout::kMaxWorld];
+  T* const staging = static_cast<T*>(c.staging);
   if (!norm) {  // the plain all-reduce: one pass (the sum into out)
     for (int64_t i = 0; i < n; ++i) {
       float lanes[kSumLanes] = {};  // unused without RMSNorm
       for (int j = 0; j < ranks; ++j) rows[j] = inputs[j] + (in_row + i) * H;
-      first_pass<D>(rows, ranks, nullptr, false, out + i * H, nullptr,
+      first_pass<D>(rows, ranks, nullptr, false, c.stream_out ? staging : out + i * H, nullptr,
                     sum_out ? sum_out + i * H : nullptr, lanes, 0, H);
+      if (c.stream_out) {
+        stream_store(reinterpret_cast<char*>(out + i * H),
+                     reinterpret_cast<const char*>(staging), size_t(H) * sizeof(T));
+      }
       quantize_row<D>(out + i * H, c, row + i);
       between();
     }
+    if (c.stream_out) stream_fence();
     return;
   }
   // Where pass 1 puts a row's residual_out and pass 2 reads it: residual_out itself, or with
   // streaming stores one of two staging rows (row i in i % 2), stored out by pass 2.
-  T* const staging = static_cast<T*>(c.staging);
   float inv_before = 0.0f;  // the row before's
   for (int64_t i = 0; i <= n; ++i) {
     const bool now = i < n, before = i > 0;

@@ -2,7 +2,8 @@
 // same interface in namespace arfuse::isa, and everything else calls only that interface:
 //
 //   kIsa                                 name of the instruction set (for doctor / logs)
-//   stream_output_min_bytes(dtype)       auto mode's smallest output to stream (bytes)
+//   stream_output_min_bytes(dtype)       auto mode's smallest total of own outputs to
+//                                        store with streaming stores (bytes)
 //   Has<D>::value                        whether dtype D has vector forms here
 //   row_sum<D, NORM, RES, SUM>(rows, ranks, n, res, dst, lanes, sum_dst)
 //                                        first pass over one row (SUM: the rounded sum also

@@ -24,12 +24,13 @@ namespace isa {
 
 constexpr int kWide = 8;  // fp32 lanes per vector
 
-// Auto mode's smallest output (bytes) to store with streaming stores (see ShmComm::
-// streams_outputs): where this build's op turned faster with them, the next op's first read
-// included (benchmarks/RESULTS.md). bf16, rounded in integer arithmetic 8 lanes at a time, keeps
-// the core busy enough that a read for ownership costs little until far larger sizes.
+// Auto mode's smallest total of a call's own outputs (bytes) to store with streaming stores
+// (see ShmComm::streams_outputs): where this build's op turned faster with them, the next op's
+// first read included (benchmarks/RESULTS.md). bf16, rounded in integer arithmetic 8 lanes at
+// a time, keeps the core busy enough that a read for ownership costs little until far larger
+// sizes.
 constexpr int64_t stream_output_min_bytes(int dtype) {
-  return dtype == kBF16 ? int64_t(32) << 20 : int64_t(8) << 20;
+  return dtype == kBF16 ? int64_t(64) << 20 : int64_t(16) << 20;
 }
 
 #if defined(__F16C__)

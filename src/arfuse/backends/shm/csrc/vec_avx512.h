@@ -39,10 +39,10 @@ constexpr const char* kIsa = "avx512";
 
 constexpr int kWide = 16;  // fp32 lanes per vector
 
-// Auto mode's smallest output (bytes) to store with streaming stores (see ShmComm::
-// streams_outputs): where this build's op turned faster with them, the next op's first read
-// included (benchmarks/RESULTS.md).
-constexpr int64_t stream_output_min_bytes(int /*dtype*/) { return int64_t(8) << 20; }
+// Auto mode's smallest total of a call's own outputs (bytes) to store with streaming stores
+// (see ShmComm::streams_outputs): where this build's op turned faster with them, the next op's
+// first read included (benchmarks/RESULTS.md).
+constexpr int64_t stream_output_min_bytes(int /*dtype*/) { return int64_t(16) << 20; }
 
 inline __m512i splat(int v) { return _mm512_set1_epi32(v); }
 
