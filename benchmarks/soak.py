@@ -87,6 +87,10 @@ def rank_body(rank: int, world: int, port: int, opts: dict[str, Any], results: A
         comm = arfuse.FusedAllReduce(max_token_num=CAPACITY, hidden_dim=HIDDEN,
                                      dtype=torch.bfloat16, timeout_s=30)
         report.update(backend=comm.backend, path=getattr(comm.workspace, "path", ""))
+        if opts["output_stores"] != "auto":  # the kernel's streaming output stores at any size
+            set_output_stores = getattr(comm.workspace, "set_output_stores", None)
+            if set_output_stores is not None:
+                set_output_stores(opts["output_stores"])
         rng = random.Random(opts["seed"])
         calls, every, every_sample = opts["calls"], opts["check_every"], opts["sample_every"]
         samples = [dict(sample(), call=0)]
@@ -134,8 +138,11 @@ def rank_body(rank: int, world: int, port: int, opts: dict[str, Any], results: A
 
 
 def run_soak(calls: int = 100_000, check_every: int = 50, sample_every: int = 1000,
-             seed: int = 20261201, limit_s: float = 1800.0) -> dict[str, Any]:
-    """Two ranks; returns the figures, with ``ok`` and ``problems`` (what failed, if any)."""
+             seed: int = 20261201, limit_s: float = 1800.0,
+             output_stores: str = "auto") -> dict[str, Any]:
+    """Two ranks; returns the figures, with ``ok`` and ``problems`` (what failed, if any).
+    ``output_stores``: how the shm kernel stores a call's own outputs (auto streams only far
+    above this soak's sizes; ``streaming`` runs every call with own outputs through it)."""
     import socket
 
     import torch  # noqa: F401  (loaded once, shared by the forked ranks)
@@ -151,7 +158,7 @@ def run_soak(calls: int = 100_000, check_every: int = 50, sample_every: int = 10
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     opts = {"calls": calls, "check_every": check_every, "sample_every": sample_every,
-            "seed": seed}
+            "seed": seed, "output_stores": output_stores}
     procs = [ctx.Process(target=rank_body, args=(r, 2, port, opts, results)) for r in range(2)]
     started = time.monotonic()
     for p in procs:
@@ -219,6 +226,7 @@ def run_soak(calls: int = 100_000, check_every: int = 50, sample_every: int = 10
     return {"ok": not problems, "problems": problems, "calls": calls,
             "check_every": check_every, "sample_every": sample_every, "seed": seed,
             "hidden": HIDDEN, "dtype": "bf16", "capacity": CAPACITY,
+            "output_stores": output_stores,
             "oneshot_max_tokens": ONESHOT_TOKENS, "max_tokens_drawn": OVER,
             "rss_bound_mib": RSS_BOUND_MIB, "warm_up_calls": int(WARM_FRACTION * calls),
             "segments_left": left, "wall_seconds": wall, "cores": os.cpu_count(),
@@ -250,9 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-every", type=int, default=1000)
     p.add_argument("--seed", type=int, default=20261201)
     p.add_argument("--limit-s", type=float, default=1800.0)
+    p.add_argument("--output-stores", default="auto", choices=("auto", "cached", "streaming"),
+                   help="how the shm kernel stores a call's own outputs")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
-    result = run_soak(args.calls, args.check_every, args.sample_every, args.seed, args.limit_s)
+    result = run_soak(args.calls, args.check_every, args.sample_every, args.seed, args.limit_s,
+                      args.output_stores)
     print(summary(result))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

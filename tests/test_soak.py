@@ -7,14 +7,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import soak  # noqa: E402  (benchmarks/ is not a package)
 
 
-def test_short_soak() -> None:
-    result = soak.run_soak(calls=2000, check_every=20, sample_every=200, limit_s=240)
+@pytest.mark.parametrize("output_stores", ["auto", "streaming"])
+def test_short_soak(output_stores: str) -> None:
+    """output_stores=streaming: every call with outputs of its own stores them with streaming
+    stores (auto mode does so only far above these sizes)."""
+    result = soak.run_soak(calls=2000, check_every=20, sample_every=200, limit_s=240,
+                           output_stores=output_stores)
     print(soak.summary(result))
     assert result["ok"], result["problems"]
     assert result["segments_left"] == []
