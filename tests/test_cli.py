@@ -100,6 +100,9 @@ def test_doctor() -> None:
     assert result.returncode == 0, result.stderr
     for word in ("mnnvl", "trtllm", "shm", "torch", "auto picks", "shm kernel"):
         assert word in result.stdout
+    if "shm kernel: compiled for" in result.stdout:
+        assert "own outputs: " in result.stdout and ("MiB (" in result.stdout
+                                                     or "never streams" in result.stdout)
 
 
 def test_run_main_job_checks_and_times() -> None:

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from .. import catalog, policy, settings, topology
+from ..dtypes import DTYPES
 from ..spec import Spec
 from . import args as cli_args
 from .explain import installation_blockers
@@ -70,9 +71,11 @@ def run(args: argparse.Namespace) -> int:
             print(line)
     print(f"  C++ compiler: {shm_build.compiler() or 'none'}")
     module = shm_build.load()
-    kernel = (f"compiled ({module.__file__})" if module
+    kernel = (f"compiled for {module.isa} ({module.__file__})" if module
               else f"pure-torch path: {shm_build.why_not()}")
     print(f"  shm kernel: {kernel}")
+    if module is not None:
+        print(f"  own outputs: {_output_stores(module)}")
     try:
         stat = os.statvfs(shm.SHM_DIR)
         print(f"  {shm.SHM_DIR}: {stat.f_bavail * stat.f_frsize / 2**30:.1f} GiB free")
@@ -89,3 +92,18 @@ def run(args: argparse.Namespace) -> int:
     removed = shm.clean_stale_segments()
     print(f"  stale shm segments of dead jobs removed: {len(removed)}")
     return 0
+
+
+def _output_stores(module: Any) -> str:
+    """When the kernel build stores a call's own outputs with streaming stores
+    (stream_output_min_bytes per dtype, counted over all of a call's own outputs)."""
+    by_size: dict[str, list[str]] = {}
+    for dtype in DTYPES.values():
+        size = int(module.stream_output_min_bytes(dtype.code))
+        by_size.setdefault("never" if size >= 2**62 else f"{size / 2**20:g} MiB",
+                           []).append(dtype.name)
+    if list(by_size) == ["never"]:
+        return "cached stores at every size (this build never streams them)"
+    return ("streaming stores once a call's come to "
+            + ", ".join(f"{text} ({', '.join(names)})" for text, names in by_size.items())
+            + "; smaller calls, and in place: cached")
