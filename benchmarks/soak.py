@@ -11,12 +11,19 @@ last call: destroy_all, then nothing of arfuse may be left (segments, descriptor
 children).
 
     python benchmarks/soak.py [--calls 100000] [--check-every 50] [--out FILE]
+    python benchmarks/soak.py --hidden 4096 --capacity 2048 --rss-bound-mib 512  # prefill sizes
+
+At the default sizes (hidden 128, bf16) every call is small; at hidden 4096 and a capacity of
+2048 tokens two-shot runs in many steps and calls with outputs of their own reach the
+kernel's streaming output stores. Resident memory then also holds the float64 reference of
+the checked calls and the output pool (two calls at capacity), hence a larger bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import datetime
 import json
 import multiprocessing as mp
@@ -25,42 +32,73 @@ import random
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from arfuse.backends.shm.workspace import ONESHOT_MAX_BYTES
 
-HIDDEN = 128                      # bf16: 256 bytes a row
-CAPACITY = 256                    # tokens the workspace holds
-ONESHOT_TOKENS = ONESHOT_MAX_BYTES // (HIDDEN * 2)  # shm's one-/two-shot switch per rank
-OVER = 320                        # the largest call, over capacity (runs unfused)
-EDGES = (1, 2, ONESHOT_TOKENS - 1, ONESHOT_TOKENS, ONESHOT_TOKENS + 1, CAPACITY - 1, CAPACITY,
-         CAPACITY + 1)
+DEFAULT_HIDDEN = 128              # bf16: 256 bytes a row
+DEFAULT_CAPACITY = 256            # tokens the workspace holds
 PATTERNS = ("plain", "norm", "norm_residual", "fp8", "nvfp4", "in_place", "slot")
-POOL = 512                        # rows of random input per rank; calls take windows of it
-RSS_BOUND_MIB = 16.0              # allowed growth of resident memory after warm-up
+RSS_BOUND_MIB = 16.0              # allowed growth of resident memory after warm-up (default)
 WARM_FRACTION = 0.1               # samples before this fraction of the calls are warm-up
 
 
-def draw(rng: random.Random) -> tuple[int, str, int]:
+@dataclass(frozen=True)
+class Sizes:
+    """The token counts a soak draws from, for one hidden size and capacity."""
+
+    hidden: int = DEFAULT_HIDDEN
+    capacity: int = DEFAULT_CAPACITY
+
+    @property
+    def oneshot_tokens(self) -> int:  # shm's one-/two-shot switch per rank
+        return max(1, ONESHOT_MAX_BYTES // (self.hidden * 2))
+
+    @property
+    def over(self) -> int:  # the largest call, over capacity (runs unfused)
+        return self.capacity + self.capacity // 4
+
+    @property
+    def pool(self) -> int:  # rows of random input per rank; calls take windows of it
+        return 2 * self.capacity
+
+    @property
+    def edges(self) -> tuple[int, ...]:
+        one, cap = self.oneshot_tokens, self.capacity
+        return tuple(sorted({t for t in (1, 2, one - 1, one, one + 1, cap - 1, cap, cap + 1)
+                             if t >= 1}))
+
+
+def draw(rng: random.Random, sizes: Sizes) -> tuple[int, str, int]:
     """(tokens, pattern, offset) of one call: the same on every rank (same seed)."""
     roll = rng.random()
     if roll < 0.10:
-        tokens = rng.choice(EDGES)
+        tokens = rng.choice(sizes.edges)
     elif roll < 0.50:
-        tokens = rng.randint(1, ONESHOT_TOKENS)
+        tokens = rng.randint(1, sizes.oneshot_tokens)
     elif roll < 0.92:
-        tokens = rng.randint(ONESHOT_TOKENS + 1, CAPACITY)
+        tokens = rng.randint(min(sizes.oneshot_tokens + 1, sizes.capacity), sizes.capacity)
     else:
-        tokens = rng.randint(CAPACITY + 1, OVER)
-    return tokens, rng.choice(PATTERNS), rng.randint(0, POOL - OVER)
+        tokens = rng.randint(sizes.capacity + 1, sizes.over)
+    return tokens, rng.choice(PATTERNS), rng.randint(0, sizes.pool - sizes.over)
+
+
+def resident_mib() -> float:
+    page = os.sysconf("SC_PAGE_SIZE")
+    return int(Path("/proc/self/statm").read_text().split()[1]) * page / 2**20
 
 
 def sample() -> dict[str, float]:
-    page = os.sysconf("SC_PAGE_SIZE")
-    resident = int(Path("/proc/self/statm").read_text().split()[1]) * page
-    return {"rss_mib": resident / 2**20, "fds": len(os.listdir("/proc/self/fd")),
-            "threads": len(os.listdir("/proc/self/task"))}
+    """RSS as it is, and after glibc returned the free memory of its heaps (malloc_trim): the
+    bound is on the second, so that memory the allocator keeps after large temporaries (the
+    float64 reference, the unfused path) does not read as a leak, while a leak still does."""
+    rss = resident_mib()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return {"rss_mib": resident_mib(), "rss_untrimmed_mib": rss,
+            "fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task"))}
 
 
 def rank_body(rank: int, world: int, port: int, opts: dict[str, Any], results: Any) -> None:
@@ -78,13 +116,14 @@ def rank_body(rank: int, world: int, port: int, opts: dict[str, Any], results: A
                                 world_size=world, timeout=datetime.timedelta(seconds=60))
         dist.barrier()
         baseline = LeakBaseline()
+        sizes: Sizes = opts["sizes"]
         gens = [torch.Generator().manual_seed(7000 + r) for r in range(world)]
-        xs = [(torch.randn(POOL, HIDDEN, generator=g) * (0.5 + 0.25 * r)).to(torch.bfloat16)
-              for r, g in enumerate(gens)]
+        xs = [(torch.randn(sizes.pool, sizes.hidden, generator=g) * (0.5 + 0.25 * r))
+              .to(torch.bfloat16) for r, g in enumerate(gens)]
         gen = torch.Generator().manual_seed(99)
-        residual_pool = torch.randn(POOL, HIDDEN, generator=gen).to(torch.bfloat16)
-        weight = (torch.rand(HIDDEN, generator=gen) + 0.5).to(torch.bfloat16)
-        comm = arfuse.FusedAllReduce(max_token_num=CAPACITY, hidden_dim=HIDDEN,
+        residual_pool = torch.randn(sizes.pool, sizes.hidden, generator=gen).to(torch.bfloat16)
+        weight = (torch.rand(sizes.hidden, generator=gen) + 0.5).to(torch.bfloat16)
+        comm = arfuse.FusedAllReduce(max_token_num=sizes.capacity, hidden_dim=sizes.hidden,
                                      dtype=torch.bfloat16, timeout_s=30)
         report.update(backend=comm.backend, path=getattr(comm.workspace, "path", ""))
         if opts["output_stores"] != "auto":  # the kernel's streaming output stores at any size
@@ -100,10 +139,10 @@ def rank_body(rank: int, world: int, port: int, opts: dict[str, Any], results: A
         ws = comm.workspace
         started = time.perf_counter()
         for i in range(1, calls + 1):
-            tokens, pattern, offset = draw(rng)
+            tokens, pattern, offset = draw(rng, sizes)
             x = xs[rank][offset:offset + tokens]
             residual = residual_pool[offset:offset + tokens]
-            if tokens > CAPACITY:
+            if tokens > sizes.capacity:
                 kind = "unfused"
             else:
                 mode = getattr(ws, "mode", None)
@@ -139,7 +178,8 @@ def rank_body(rank: int, world: int, port: int, opts: dict[str, Any], results: A
 
 def run_soak(calls: int = 100_000, check_every: int = 50, sample_every: int = 1000,
              seed: int = 20261201, limit_s: float = 1800.0,
-             output_stores: str = "auto") -> dict[str, Any]:
+             output_stores: str = "auto", sizes: Sizes = Sizes(),
+             rss_bound_mib: float = RSS_BOUND_MIB) -> dict[str, Any]:
     """Two ranks; returns the figures, with ``ok`` and ``problems`` (what failed, if any).
     ``output_stores``: how the shm kernel stores a call's own outputs (auto streams only far
     above this soak's sizes; ``streaming`` runs every call with own outputs through it)."""
@@ -158,7 +198,7 @@ def run_soak(calls: int = 100_000, check_every: int = 50, sample_every: int = 10
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     opts = {"calls": calls, "check_every": check_every, "sample_every": sample_every,
-            "seed": seed, "output_stores": output_stores}
+            "seed": seed, "output_stores": output_stores, "sizes": sizes}
     procs = [ctx.Process(target=rank_body, args=(r, 2, port, opts, results)) for r in range(2)]
     started = time.monotonic()
     for p in procs:
@@ -192,9 +232,9 @@ def run_soak(calls: int = 100_000, check_every: int = 50, sample_every: int = 10
         if warm:
             growth = samples[-1]["rss_mib"] - warm[0]["rss_mib"]
             report["rss_growth_after_warmup_mib"] = growth
-            if growth > RSS_BOUND_MIB:
+            if growth > rss_bound_mib:
                 problems.append(f"rank {rank}: resident memory grew {growth:.1f} MiB after "
-                                f"warm-up (bound {RSS_BOUND_MIB} MiB)")
+                                f"warm-up (bound {rss_bound_mib:g} MiB)")
             if samples[-1]["fds"] != samples[0]["fds"]:
                 problems.append(f"rank {rank}: descriptors {samples[0]['fds']} -> "
                                 f"{samples[-1]['fds']}")
@@ -225,10 +265,10 @@ def run_soak(calls: int = 100_000, check_every: int = 50, sample_every: int = 10
             "leaks_after_destroy_all": report.get("leaks"), "samples": samples}
     return {"ok": not problems, "problems": problems, "calls": calls,
             "check_every": check_every, "sample_every": sample_every, "seed": seed,
-            "hidden": HIDDEN, "dtype": "bf16", "capacity": CAPACITY,
+            "hidden": sizes.hidden, "dtype": "bf16", "capacity": sizes.capacity,
             "output_stores": output_stores,
-            "oneshot_max_tokens": ONESHOT_TOKENS, "max_tokens_drawn": OVER,
-            "rss_bound_mib": RSS_BOUND_MIB, "warm_up_calls": int(WARM_FRACTION * calls),
+            "oneshot_max_tokens": sizes.oneshot_tokens, "max_tokens_drawn": sizes.over,
+            "rss_bound_mib": rss_bound_mib, "warm_up_calls": int(WARM_FRACTION * calls),
             "segments_left": left, "wall_seconds": wall, "cores": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "ranks": digest}
 
@@ -260,10 +300,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit-s", type=float, default=1800.0)
     p.add_argument("--output-stores", default="auto", choices=("auto", "cached", "streaming"),
                    help="how the shm kernel stores a call's own outputs")
+    p.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN)
+    p.add_argument("--capacity", type=int, default=DEFAULT_CAPACITY,
+                   help="tokens the workspace holds (calls draw up to 1.25x of it)")
+    p.add_argument("--rss-bound-mib", type=float, default=RSS_BOUND_MIB,
+                   help="allowed growth of resident memory after warm-up")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
+    if args.hidden < 16 or args.hidden % 16 or args.capacity < 2:
+        p.error("--hidden: a multiple of 16 (nvfp4 blocks); --capacity: at least 2")
     result = run_soak(args.calls, args.check_every, args.sample_every, args.seed, args.limit_s,
-                      args.output_stores)
+                      args.output_stores, Sizes(args.hidden, args.capacity), args.rss_bound_mib)
     print(summary(result))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -226,6 +226,28 @@ def test_auto_mode_streams_outputs_from_the_builds_threshold() -> None:
     assert torch.equal(x_work, cached[0]) and torch.equal(residual_work, cached[1])
 
 
+def test_output_pool_holds_at_most_two_calls_at_capacity() -> None:
+    """Freed output buffers are kept for the next calls, but at most two calls at capacity
+    with out and residual_out (here 4 x 64 x 4096 bf16 = 2 MiB) and 16 buffers: calls of many
+    sizes (many size classes) once kept 16 buffers of any size."""
+    tokens, hidden, dtype = 64, 4096, torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    comm, _memory = kernel_on_private_memory(tokens, hidden, dtype)
+    cap = 4 * tokens * hidden * 2
+    held = []
+    for n in (64, 60, 50, 40, 33, 30, 25, 20, 17, 64, 12, 9, 64):
+        got = comm.run(x[:n], residual[:n], weight, 1e-6, 0.0, 0, 0.0, True, None, None)
+        assert torch.equal(got[0], comm.run(x[:n], residual[:n], weight, 1e-6, 0.0, 0, 0.0,
+                                            True, None, None)[0])
+        del got
+        held.append(comm.pooled_bytes())
+        assert 0 < held[-1] <= cap, held
+    assert max(held) > cap // 2  # it does keep buffers for reuse
+
+
 # --- NVFP4 with NaN and infinities: FlashInfer's rule, the same bytes on every path ------------
 # The block amax ignores NaN (__hmax2/__hmax return the other operand), so a NaN takes no part
 # in the block scale unless all 16 values are NaN (scale 0x7f, the e4m3 NaN); an infinity

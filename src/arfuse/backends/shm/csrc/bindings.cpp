@@ -284,6 +284,7 @@ void bind_comm(py::module_& m) {
       .def("set_copy_mode", &ShmComm::set_copy_mode)
       .def("set_output_stores", &ShmComm::set_output_stores)
       .def("streams_outputs", &ShmComm::streams_outputs)
+      .def("pooled_bytes", &ShmComm::pooled_bytes)
       .def("copy_modes", &ShmComm::copy_modes);
 }
 

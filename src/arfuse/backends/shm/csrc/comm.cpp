@@ -120,6 +120,10 @@ ShmComm::ShmComm(int64_t base, int64_t world, int64_t rank, int64_t max_tokens, 
   waiter_.starts.assign(size_t(world), 0);
   scratch_.resize(size_t(hidden_));
   staging_.resize(size_t(2 * hidden_ * elem_ / 4 + 16));
+  // Free output buffers kept: two calls at capacity with out and residual_out each (the calls
+  // of a step reuse them; quantised outputs are smaller), 1 MiB at least.
+  pool_ = std::make_shared<OutputPool>(
+      std::max<size_t>(size_t(4 * max_tokens * hidden_ * elem_), size_t(1) << 20));
 }
 
 ShmComm::~ShmComm() {
@@ -517,6 +521,7 @@ void* OutputPool::take(size_t bytes) {
       if (free_[i].first == bytes) {
         void* p = free_[i].second;
         free_.erase(free_.begin() + long(i));
+        free_bytes_ -= bytes;
         return p;
       }
     }
@@ -529,11 +534,18 @@ void* OutputPool::take(size_t bytes) {
 void OutputPool::give(void* p, size_t bytes) {
   bytes = size_class(bytes);
   std::lock_guard<std::mutex> lock(mutex_);
-  if (free_.size() >= kKeep) {
+  free_.emplace_back(bytes, p);
+  free_bytes_ += bytes;
+  while (free_.size() > kKeep || free_bytes_ > max_free_bytes_) {
     std::free(free_.front().second);
+    free_bytes_ -= free_.front().first;
     free_.erase(free_.begin());
   }
-  free_.emplace_back(bytes, p);
+}
+
+size_t OutputPool::free_bytes() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return free_bytes_;
 }
 
 // Output tensors come from a small pool of buffers that go back to the pool (not to the OS)

@@ -24,18 +24,24 @@
 
 namespace arfuse {
 
-// Free buffers by size; bounded, thread-safe (tensors may die on any thread).
+// Free buffers by size; bounded, thread-safe (tensors may die on any thread). At most kKeep
+// buffers and max_free_bytes in all (the oldest freed first): the pool saves page faults for
+// the calls of a step, it must not hold many calls' worth of idle memory.
 class OutputPool {
  public:
   static constexpr size_t kKeep = 16;
+  explicit OutputPool(size_t max_free_bytes) : max_free_bytes_(max_free_bytes) {}
   ~OutputPool();
   void* take(size_t bytes);  // at least `bytes`, 64-byte aligned
   void give(void* p, size_t bytes);  // `bytes`: as asked of take
+  size_t free_bytes();
   static size_t size_class(size_t bytes);
 
  private:
   std::mutex mutex_;
   std::vector<std::pair<size_t, void*>> free_;
+  size_t free_bytes_ = 0;
+  const size_t max_free_bytes_;
 };
 
 struct Tensors {  // the tensors of one call (nullptr: not given)
@@ -104,6 +110,8 @@ class ShmComm {
   // measures it). Off by default: two clock reads per call are not free.
   void set_timing(bool on) { timing_ = on; }
   double last_call_seconds() const { return last_call_s_; }
+  // Bytes of free output buffers the pool holds (bounded: see OutputPool).
+  int64_t pooled_bytes() const { return int64_t(pool_->free_bytes()); }
   void set_result_type(py::object cls);
   // After destroy: the mapping is gone; every later call must refuse, not touch it.
   void invalidate(const std::string& why);
@@ -164,7 +172,7 @@ class ShmComm {
   bool timing_ = false;
   std::vector<float> scratch_;  // the gain of the current call
   std::vector<float> staging_;  // Call::staging, two rows (and room to align them to 64 bytes)
-  std::shared_ptr<OutputPool> pool_ = std::make_shared<OutputPool>();
+  std::shared_ptr<OutputPool> pool_;  // see the constructor for its bound
   py::object result_type_;
   std::string broken_;
   int64_t handle_ = 0;
