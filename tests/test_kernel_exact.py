@@ -123,15 +123,22 @@ def test_two_builds_load_into_one_process_and_agree(monkeypatch: pytest.MonkeyPa
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+def norm_inputs(tokens: int, hidden: int, dtype: torch.dtype,
+                seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual and an RMSNorm weight for one call."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    return x, residual, weight
+
+
 def test_new_outputs_share_buffers_across_nearby_token_counts() -> None:
     """Output buffers come in size classes (comm.cpp, OutputPool): a call a few tokens larger
     takes the buffers the last call returned (no new memory to fault in), its tensors exactly
     its own shape and values; a call far larger takes others."""
     tokens, hidden, dtype = 64, 4096, torch.bfloat16
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    x, residual, weight = norm_inputs(tokens, hidden, dtype, seed=3)
     comm, _memory = kernel_on_private_memory(tokens, hidden, dtype)
 
     def call(n: int) -> Any:
@@ -231,10 +238,7 @@ def test_output_pool_holds_at_most_two_calls_at_capacity() -> None:
     with out and residual_out (here 4 x 64 x 4096 bf16 = 2 MiB) and 16 buffers: calls of many
     sizes (many size classes) once kept 16 buffers of any size."""
     tokens, hidden, dtype = 64, 4096, torch.bfloat16
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    x, residual, weight = norm_inputs(tokens, hidden, dtype, seed=4)
     comm, _memory = kernel_on_private_memory(tokens, hidden, dtype)
     cap = 4 * tokens * hidden * 2
     held = []
