@@ -120,6 +120,8 @@ ShmComm::ShmComm(int64_t base, int64_t world, int64_t rank, int64_t max_tokens, 
   waiter_.starts.assign(size_t(world), 0);
   scratch_.resize(size_t(hidden_));
   staging_.resize(size_t(2 * hidden_ * elem_ / 4 + 16));
+  staging_rows_ = reinterpret_cast<void*>(
+      (reinterpret_cast<uintptr_t>(staging_.data()) + 63) / 64 * 64);
   // Free output buffers kept: two calls at capacity with out and residual_out each (the calls
   // of a step reuse them; quantised outputs are smaller), 1 MiB at least.
   pool_ = std::make_shared<OutputPool>(
@@ -438,8 +440,7 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
       t.weight && c.residual_out != c.residual && c.residual_out != x.data_ptr();
   const bool stream =
       streams_outputs(tokens * hidden_ * elem_ * (int64_t(own_out) + int64_t(own_residual_out)));
-  c.staging = reinterpret_cast<void*>(
-      (reinterpret_cast<uintptr_t>(staging_.data()) + 63) / 64 * 64);
+  c.staging = staging_rows_;
   // Not quantised: quantisation reads out back. With RMSNorm, out streams from the second
   // pass's vector stores, which need rows of whole lines; without, through a staging row.
   const bool whole_lines = reinterpret_cast<uintptr_t>(c.out) % 64 == 0 &&

@@ -171,7 +171,8 @@ class ShmComm {
   double last_call_s_ = 0.0;
   bool timing_ = false;
   std::vector<float> scratch_;  // the gain of the current call
-  std::vector<float> staging_;  // Call::staging, two rows (and room to align them to 64 bytes)
+  std::vector<float> staging_;  // two rows of T and room to align them to 64 bytes
+  void* staging_rows_ = nullptr;  // Call::staging: the rows in staging_, 64-byte aligned
   std::shared_ptr<OutputPool> pool_;  // see the constructor for its bound
   py::object result_type_;
   std::string broken_;
