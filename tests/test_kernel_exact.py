@@ -9,6 +9,9 @@ a private buffer."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -160,6 +163,61 @@ def test_new_outputs_share_buffers_across_nearby_token_counts() -> None:
 
 def int_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+# <fenv.h>'s rounding modes on x86 (glibc); other machines name them otherwise
+FE_TONEAREST, FE_UPWARD = 0x000, 0x800
+
+
+def tiny_norm_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """norm_inputs scaled so that (in bf16 and fp32) the sums and residual_out are fp32
+    denormals, which flush-to-zero would change; fp16 stays in its range (its smallest
+    values are normal fp32), where the rounding mode still matters."""
+    x, residual, weight = norm_inputs(8, 1040, dtype, seed=5)
+    if dtype != torch.float16:
+        x, residual = (x.float() * 2.0**-130).to(dtype), (residual.float() * 2.0**-131).to(dtype)
+    return x, residual, weight
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_callers_float_environment_changes_nothing_and_is_given_back(
+        dtype: torch.dtype, in_place: bool) -> None:
+    """A thread with flush-to-zero and denormals-are-zero (torch.set_flush_denormal(True)) or
+    another rounding mode (fesetround) gets the bytes of the default environment, and its own
+    environment back after the call (float_env.h): ranks whose threads differ still agree."""
+    if platform.machine() not in ("x86_64", "AMD64", "i686"):
+        pytest.skip("the rounding-mode constants here are x86's")
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    x, residual, weight = tiny_norm_inputs(dtype)
+    comm, _memory = kernel_on_private_memory(8, 1040, dtype)
+
+    def call() -> list[torch.Tensor]:
+        xw, rw = x.clone(), residual.clone()
+        outs = comm.run(xw, rw, weight, 1e-6, 0.0, 0, 0.0, True,
+                        xw if in_place else None, rw if in_place else None)
+        return [int_bits(t).clone() for t in outs if t is not None]
+
+    expected = call()
+    if dtype != torch.float16:  # the inputs reach the denormals that FTZ/DAZ would change
+        assert any(bool(((t.float().abs() < 2.0**-126) & (t.float() != 0)).any())
+                   for t in (x, residual))
+    torch.set_flush_denormal(True)
+    try:
+        flushed = call()
+        still_flushing = float(torch.tensor([2.0**-140]) * 1.0) == 0.0
+    finally:
+        torch.set_flush_denormal(False)
+    assert still_flushing, "the call did not give the thread its flush-to-zero back"
+    libm.fesetround(FE_UPWARD)
+    try:
+        upward = call()
+        mode_after = libm.fegetround()
+    finally:
+        libm.fesetround(FE_TONEAREST)
+    assert mode_after == FE_UPWARD, "the call did not give the thread its rounding mode back"
+    for got in (flushed, upward):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

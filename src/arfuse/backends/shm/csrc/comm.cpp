@@ -1,5 +1,6 @@
 // ShmComm (comm.h): argument checks, outputs, and one call's exchange.
 #include "comm.h"
+#include "float_env.h"
 
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -393,6 +394,7 @@ std::array<at::Tensor, 4> ShmComm::execute(const Tensors& t, const Numbers& n,
                                            bool release_gil) {
   if (!broken_.empty()) throw_broken();
   const double started = timing_ ? mono_now() : 0.0;
+  const DefaultFloatEnv float_env;  // the documented formula, whatever the caller's thread set
   std::array<at::Tensor, 4> r;
   Call c = make_call(t, n, &r);
   {
