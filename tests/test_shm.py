@@ -273,3 +273,26 @@ def test_ranks_sharing_one_core_take_turns_quickly() -> None:
     for r in results:
         assert r["same"]
         assert r["per_call_s"] < 2e-3, r  # was ~0.05-0.12 ms spinning; a slice is ~3 ms
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_calls_from_two_threads_run_one_at_a_time(pure: bool) -> None:
+    """A workspace runs one call at a time (the kernel's call mutex; a lock on the pure-torch
+    path): calls from two threads of one rank pair up whole with the other rank's calls, in
+    the order each rank made them, instead of mixing two calls' rows in one output."""
+    env = {"ARFUSE_SHM_PURE_TORCH": "1"} if pure else {}
+    results = values(run_ranks(workers.calls_from_two_threads, 2, 8, 300, env=env,
+                               timeout=150))
+    assert results[0]["path"] == ("pure-torch" if pure else "c++")
+    sums = {1.0 + 2.0, 1.0 + 200.0, 100.0 + 2.0, 100.0 + 200.0}
+    for rank, result in enumerate(results):
+        assert result["errors"] == [], (rank, result["errors"])
+        for tag, outputs in result["seen"].items():
+            assert len(outputs) == 300, (rank, tag)
+            for values_of_one_call in outputs:
+                assert len(values_of_one_call) == 1 and values_of_one_call[0] in sums, (
+                    rank, tag, values_of_one_call)
+    # each rank-1 call was paired with exactly one rank-0 call: the same multiset of sums
+    rank0 = sorted(v[0] for o in results[0]["seen"].values() for v in o)
+    rank1 = sorted(v[0] for o in results[1]["seen"].values() for v in o)
+    assert rank0 == rank1

@@ -557,3 +557,40 @@ def peer_rates(rank: int, world: int, blocked: int | None, directory: str) -> di
     torch.distributed.barrier()
     return {"rate": None if rates is None else (rates.read, rates.shared_write),
             "left": sorted(p.name for p in Path(directory).iterdir())}
+
+
+def calls_from_two_threads(rank: int, world: int, tokens: int, calls: int) -> dict[str, Any]:
+    """Rank 0 calls one FusedAllReduce from two threads at once (inputs all 1 in one thread,
+    all 100 in the other), the other ranks from one thread (2, then 200). Each call must pair
+    whole calls across ranks: every output uniform, its value one of the possible sums."""
+    import threading
+
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=64, hidden_dim=1024, dtype=torch.float32,
+                                 backend="shm", strict=True, timeout_s=20.0)
+    weight = torch.ones(1024)
+    seen: dict[str, list[list[float]]] = {"A": [], "B": []}
+    errors: list[str] = []
+
+    def run(tag: str, value: float) -> None:
+        try:
+            x = torch.full((tokens, 1024), value)
+            residual = torch.zeros(tokens, 1024)
+            for _ in range(calls):
+                got = comm(x, residual=residual, weight=weight, eps=1e-6).residual_out
+                seen[tag].append(sorted(set(got.flatten().tolist())))
+        except Exception as exc:
+            errors.append(f"{tag}: {type(exc).__name__}: {exc}")
+
+    if rank == 0:
+        threads = [threading.Thread(target=run, args=("A", 1.0)),
+                   threading.Thread(target=run, args=("B", 100.0))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        run("A", 2.0)
+        run("B", 200.0)
+    return {"seen": seen, "errors": errors, "path": comm.workspace.path}  # type: ignore[attr-defined]

@@ -16,6 +16,7 @@ import contextlib
 import mmap
 import os
 import secrets
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,8 @@ class ShmWorkspace(Workspace):
         self._comm: Any = None
         self._seq = 0
         self._broken = ""  # the pure-torch path's failure, once it had one
+        # the pure-torch path runs one call at a time, as the kernel does (comm.h: call_mutex_)
+        self._call_lock = threading.Lock()
         if self.kernel is not None:
             self._comm = self.kernel.ShmComm(
                 self._base, ctx.world_size, ctx.rank, spec.max_tokens, spec.hidden,
@@ -340,6 +343,10 @@ class ShmWorkspace(Workspace):
         """One-shot in torch: the kernel's protocol (the call descriptor beside the arrival
         flag, compared by every rank before it reads a peer's rows; R11), the reference
         epilogue. Calls of zero tokens meet the others too."""
+        with self._call_lock:
+            return self._run_pure_locked(call)
+
+    def _run_pure_locked(self, call: CallArgs) -> FusedOutput:
         if self._broken:
             raise WorkspaceBroken("arfuse shm: this workspace is unusable after an earlier "
                                   f"failure ({self._broken}); create a new FusedAllReduce")
@@ -370,11 +377,12 @@ class ShmWorkspace(Workspace):
         if self._comm is not None:
             self._comm.announce(call.tokens, pattern, quant, swizzled)
             return
-        if self._broken:
-            raise WorkspaceBroken("arfuse shm: this workspace is unusable after an earlier "
-                                  f"failure ({self._broken}); create a new FusedAllReduce")
-        self._seq += 1
-        self._meet(self._descriptor(call), self._seq)
+        with self._call_lock:
+            if self._broken:
+                raise WorkspaceBroken("arfuse shm: this workspace is unusable after an earlier "
+                                      f"failure ({self._broken}); create a new FusedAllReduce")
+            self._seq += 1
+            self._meet(self._descriptor(call), self._seq)
 
     def _meet(self, mine: tuple[int, int], seq: int) -> None:
         """Publish this rank's descriptor of call ``seq`` beside its arrival flag, wait until

@@ -149,9 +149,23 @@ void ShmComm::set_result_type(py::object cls) {
   result_type_ = std::move(cls);
 }
 
+// Both wait for a call in another thread to end (with the GIL released: that call may be
+// waiting for its peers), so no call runs on memory that is about to go.
 void ShmComm::invalidate(const std::string& why) {
+  py::gil_scoped_release no_gil;
+  const std::lock_guard<std::mutex> one_call(call_mutex_);
+  fail(why);
+}
+
+void ShmComm::set_base(int64_t base) {
+  py::gil_scoped_release no_gil;
+  const std::lock_guard<std::mutex> one_call(call_mutex_);
+  seg_.base = reinterpret_cast<char*>(base);
+}
+
+void ShmComm::fail(const std::string& why) {
   broken_ = why;
-  seg_.base = nullptr;
+  failed_.store(true, std::memory_order_release);
 }
 
 void ShmComm::set_copy_mode(int64_t mode) {
@@ -314,7 +328,7 @@ py::object ShmComm::call(py::handle x_obj, py::handle residual_obj, py::handle w
                          py::handle residual_out_obj) {
   Tensors t;
   Numbers n;
-  if (!broken_.empty() || !THPVariable_Check(x_obj.ptr())) return py::none();
+  if (failed() || !THPVariable_Check(x_obj.ptr())) return py::none();
   t.x = &THPVariable_Unpack(x_obj.ptr());
   if (x_problem(*t.x, true) || !take_tensor(weight_obj, &t.weight) ||
       !take_tensor(residual_obj, &t.residual) || tensors_problem(t)) {
@@ -353,7 +367,7 @@ std::array<at::Tensor, 4> ShmComm::run(const Tensors& t, const Numbers& n, bool 
   const char* why = x_problem(*t.x, false);
   if (!why) why = tensors_problem(t);
   if (!why) why = numbers_problem(t.weight != nullptr, n);
-  if (!why && broken_.empty()) why = memory_problem(t);
+  if (!why && !failed()) why = memory_problem(t);
   TORCH_CHECK_VALUE(why == nullptr, "arfuse shm: ", why);
   return execute(t, n, release_gil);
 }
@@ -369,17 +383,18 @@ void ShmComm::throw_broken() const {
 // is found by every rank at the same point of the same call, before any rank reads a peer's
 // data, so the group stays in step and the next call may go ahead.
 void ShmComm::remember_failure(const ShmError& e) {
-  if (e.kind != ShmError::kMismatch) broken_ = e.what();
+  if (e.kind != ShmError::kMismatch) fail(e.what());
 }
 
 void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t quant, bool swizzled) {
-  if (!broken_.empty()) throw_broken();
   TORCH_CHECK_VALUE(tokens >= 0 && pattern >= layout::kPatternPlain &&
                         pattern <= layout::kPatternNormResidual && quant >= kNone &&
                         quant <= kFP8Dynamic,
                     "arfuse shm: announce needs tokens >= 0, pattern 0..2 and quant 0..4");
   const int64_t word0 = descriptor_word(tokens, pattern, quant, swizzled, dtype_);
   py::gil_scoped_release no_gil;
+  const std::lock_guard<std::mutex> one_call(call_mutex_);
+  if (failed()) throw_broken();
   try {
     const int64_t seq = ++seq_;
     publish_descriptor(seg_, seq, word0, hidden_);
@@ -392,7 +407,6 @@ void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t quant, bool swiz
 
 std::array<at::Tensor, 4> ShmComm::execute(const Tensors& t, const Numbers& n,
                                            bool release_gil) {
-  if (!broken_.empty()) throw_broken();
   const double started = timing_ ? mono_now() : 0.0;
   const DefaultFloatEnv float_env;  // the documented formula, whatever the caller's thread set
   std::array<at::Tensor, 4> r;
@@ -400,6 +414,8 @@ std::array<at::Tensor, 4> ShmComm::execute(const Tensors& t, const Numbers& n,
   {
     std::optional<py::gil_scoped_release> no_gil;  // other Python threads run while we wait
     if (release_gil) no_gil.emplace();
+    const std::lock_guard<std::mutex> one_call(call_mutex_);
+    if (failed()) throw_broken();
     try {
       switch (dtype_) {
         case kBF16: exchange<kBF16>(t.x->data_ptr(), c); break;

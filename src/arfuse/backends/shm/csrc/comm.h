@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <atomic>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -86,7 +87,7 @@ class ShmComm {
   int64_t handle() const { return handle_; }
 
   void set_peers(std::vector<int64_t> pids, std::vector<int64_t> starts, bool check);
-  void set_base(int64_t base) { seg_.base = reinterpret_cast<char*>(base); }
+  void set_base(int64_t base);
   void set_oneshot_max_bytes(int64_t value) { oneshot_max_bytes_ = value; }
   // Byte offset (from the segment base) of this rank's input slot for the next call.
   int64_t next_input_offset() const { return int64_t(next_slot() - seg_.base); }
@@ -159,6 +160,11 @@ class ShmComm {
     return dtype_ == kBF16 ? at::kBFloat16 : dtype_ == kFP16 ? at::kHalf : at::kFloat;
   }
 
+  // One call at a time per workspace: a call's protocol state (sequence number, slots, flags,
+  // scratch rows) belongs to it until it ends. Taken with the GIL released, so a thread that
+  // waits here holds nothing another thread needs; calls from several threads run one after
+  // the other and pair up across ranks in the order each rank makes them.
+  std::mutex call_mutex_;
   Segment seg_;
   Waiter waiter_;
   CopyTuner tuner_;
@@ -175,7 +181,12 @@ class ShmComm {
   void* staging_rows_ = nullptr;  // Call::staging: the rows in staging_, 64-byte aligned
   std::shared_ptr<OutputPool> pool_;  // see the constructor for its bound
   py::object result_type_;
+  // Why this workspace refuses every call once it does (a timeout, a dead peer, destroyed):
+  // written and read under call_mutex_ only; failed_ says whether, without the lock.
   std::string broken_;
+  std::atomic<bool> failed_{false};
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  void fail(const std::string& why);  // under call_mutex_
   int64_t handle_ = 0;
 };
 
