@@ -223,6 +223,30 @@ def test_a_full_shm_dir_is_reported_in_kib_not_as_zero_mib(monkeypatch: pytest.M
     assert needed > 64
 
 
+@pytest.mark.parametrize("machine", ["aarch64", "x86_64"])
+def test_the_pure_torch_shm_path_is_offered_only_where_stores_keep_their_order(
+        monkeypatch: pytest.MonkeyPatch, machine: str) -> None:
+    """Without a compiled kernel, shm runs its pure-torch path, whose flags are plain stores
+    after the data: only x86's store order makes the data visible first. Elsewhere the
+    candidate says why it is out (the kernel's flags are release stores on every CPU)."""
+    from types import SimpleNamespace
+
+    from arfuse.backends.shm import build as shm_build
+    from arfuse.backends.shm import workspace as shm_workspace
+    from arfuse.spec import Spec
+
+    monkeypatch.setattr(shm_build, "load", lambda: None)
+    monkeypatch.setattr(shm_build, "why_not", lambda: "no C++ compiler")
+    monkeypatch.setattr(shm_workspace.platform, "machine", lambda: machine)
+    reason = shm_workspace.ShmBackend().blocker(SimpleNamespace(world_size=2),
+                                                 Spec(max_tokens=8, hidden=64))
+    if machine == "x86_64":
+        assert reason == ""
+    else:
+        assert reason == ("no compiled kernel (no C++ compiler) and the pure-torch path relies "
+                          "on x86's store order; this CPU is aarch64")
+
+
 def test_the_torch_operators_fake_names_x_for_a_0d_input() -> None:
     """torch.compile's fake of the shm operator refuses a 0-d x as the kernel does."""
     from arfuse.backends.shm import build as shm_build

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import platform
 import secrets
 import threading
 import time
@@ -448,6 +449,11 @@ class ShmWorkspace(Workspace):
                 (SHM_DIR / self.name).unlink()
 
 
+# Machines whose stores become visible to other cores in program order (x86's TSO), as the
+# pure-torch path's flags need: it writes a slot, then the flag, with plain tensor stores.
+STORE_ORDERED_MACHINES = ("x86_64", "AMD64", "i386", "i686")
+
+
 class ShmBackend(Backend):
     name = "shm"
 
@@ -460,7 +466,10 @@ class ShmBackend(Backend):
         if free < need:
             return (f"{SHM_DIR} has {free / 1024:.0f} KiB free, the segment needs "
                     f"{need / 1024:.0f} KiB (docker: --shm-size)")
-        shm_build.load()  # build (or fail to build) before any timed step
+        if shm_build.load() is None and platform.machine() not in STORE_ORDERED_MACHINES:
+            # the pure-torch path publishes its flags with plain stores after the data
+            return (f"no compiled kernel ({shm_build.why_not()}) and the pure-torch path "
+                    f"relies on x86's store order; this CPU is {platform.machine()}")
         return ""
 
     def create(self, ctx: Any, spec: Spec) -> Workspace | None:
