@@ -11,10 +11,10 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
-#include <atomic>
 #include <mutex>
 #include <string>
 #include <tuple>
