@@ -429,6 +429,7 @@ ENV_VALUES = {
     "ARFUSE_BACKEND": st.sampled_from(["auto", "shm", "torch", "mnnvl", "trtllm", " SHM ", "nccl",
                                        "", "auto,shm"]),
     "ARFUSE_STRICT": st.sampled_from(["0", "1", " 1", "true", "2", "", "yes"]),
+    "ARFUSE_REPLICATED_RESIDUAL": st.sampled_from(["0", "1", " 0 ", "True", "", "on"]),
     "ARFUSE_TIMEOUT_S": st.sampled_from(["60", "0.5", "1e3", " 2 ", "0", "-1", "inf", "nan",
                                          "abc", "", "1e400"]),
     "ARFUSE_LOG": st.sampled_from(["debug", "INFO", "warning", "error", "", "verbose"]),
@@ -444,7 +445,7 @@ def _expected_setting(var: str, text: str) -> tuple[bool, Any]:
         return True, None
     if var == "ARFUSE_BACKEND":
         return t.lower() in ("auto", "shm", "torch", "mnnvl", "trtllm"), t.lower()
-    if var == "ARFUSE_STRICT":
+    if var in ("ARFUSE_STRICT", "ARFUSE_REPLICATED_RESIDUAL"):
         return t in ("0", "1"), t == "1"
     if var == "ARFUSE_TIMEOUT_S":
         try:
@@ -473,7 +474,8 @@ def test_settings_parser(env: dict[str, str], noise: dict[str, str]) -> None:
         return
     assert all(ok for ok, _ in verdicts.values()), f"invalid settings accepted: {env}"
     fields = {"ARFUSE_BACKEND": "backend", "ARFUSE_STRICT": "strict",
-              "ARFUSE_TIMEOUT_S": "timeout_s", "ARFUSE_LOG": "log_level"}
+              "ARFUSE_TIMEOUT_S": "timeout_s", "ARFUSE_LOG": "log_level",
+              "ARFUSE_REPLICATED_RESIDUAL": "replicated_residual"}
     for var, (_, value) in verdicts.items():
         if var in fields and value is not None:
             assert getattr(conf, fields[var]) == value, (var, env)

@@ -156,9 +156,12 @@ def conversions(rank: int, world: int) -> dict[str, Any]:
     return report
 
 
-def matrix(rank: int, world: int, mode: str, stores: str = "auto") -> dict[str, Any]:
+def matrix(rank: int, world: int, mode: str, stores: str = "auto",
+           replicated: bool = False) -> dict[str, Any]:
     """Every case of the matrix on this rank: the raw bytes of every output (``stores``: how
-    the kernel stores new outputs, see ShmWorkspace.set_output_stores)."""
+    the kernel stores new outputs, see ShmWorkspace.set_output_stores; ``replicated``: the
+    residual promised the same on every rank, as it is here, so that two-shot finishes the
+    other owners' rows from their residual_out)."""
     import arfuse
 
     module = shm_build.load()
@@ -168,7 +171,7 @@ def matrix(rank: int, world: int, mode: str, stores: str = "auto") -> dict[str, 
             data = case_inputs(dtype, hidden, world)
             comm = arfuse.FusedAllReduce(max_token_num=TOKENS, hidden_dim=hidden,
                                          dtype=DTYPES[dtype], backend="shm", strict=True,
-                                         timeout_s=30)
+                                         timeout_s=30, replicated_residual=replicated)
             comm.workspace.set_mode(mode)  # type: ignore[attr-defined]
             comm.workspace.set_output_stores(stores)  # type: ignore[attr-defined]
             report["path"] = comm.workspace.path  # type: ignore[attr-defined]
@@ -313,16 +316,19 @@ def test_conversions_and_nvfp4_blocks_are_the_same_on_every_isa() -> None:
                 assert torch.equal(got[1], scales), (isa, dtype, vector)
 
 
-@pytest.mark.parametrize(("world", "mode", "stores"),
-                         [(2, "oneshot", "auto"), (2, "twoshot", "auto"), (3, "twoshot", "auto"),
-                          (4, "oneshot", "auto"), (2, "twoshot", "streaming")])
+@pytest.mark.parametrize(("world", "mode", "stores", "replicated"),
+                         [(2, "oneshot", "auto", False), (2, "twoshot", "auto", False),
+                          (3, "twoshot", "auto", False), (4, "oneshot", "auto", False),
+                          (2, "twoshot", "streaming", False), (2, "twoshot", "auto", True),
+                          (3, "twoshot", "streaming", True)])
 def test_numerics_matrix_gives_the_same_bytes_on_every_isa(world: int, mode: str,
-                                                           stores: str) -> None:
+                                                           stores: str, replicated: bool) -> None:
     """stores=streaming: new outputs with streaming stores (auto mode streams only from 8 MiB
-    per output, beyond the matrix's sizes)."""
+    per output, beyond the matrix's sizes). replicated: replicated_residual=True, which
+    changes what two-shot's result slot holds, not the bytes."""
     reports: dict[str, list[dict[str, Any]]] = {}
     for isa in ISAS:
-        reports[isa] = values(run_ranks(matrix, world, mode, stores, timeout=240,
+        reports[isa] = values(run_ranks(matrix, world, mode, stores, replicated, timeout=240,
                                         env={"ARFUSE_SHM_ISA": isa}))
         for report in reports[isa]:
             assert built_for(isa, report["isa"]) and report["path"] == "c++", report["isa"]

@@ -296,3 +296,31 @@ def test_calls_from_two_threads_run_one_at_a_time(pure: bool) -> None:
     rank0 = sorted(v[0] for o in results[0]["seen"].values() for v in o)
     rank1 = sorted(v[0] for o in results[1]["seen"].values() for v in o)
     assert rank0 == rank1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_replicated_residual_is_a_promise_two_shot_relies_on(world: int,
+                                                             in_place: bool) -> None:
+    """Without the promise every rank adds its own residual to every row (README: "Each rank
+    adds its own residual"). With it, two-shot finishes the rows another rank reduced from
+    that rank's residual_out, so residuals that differ show through: rank r's rows of owner
+    j carry residual j + 1. One-shot reads every rank's own residual either way."""
+    tokens = 10
+    chunk = -(-tokens // world)
+    for replicated, mode in ((False, "twoshot"), (True, "twoshot"), (True, "oneshot")):
+        results = values(run_ranks(workers.residual_per_rank, world, replicated, mode,
+                                   in_place))
+        for rank, got in enumerate(results):
+            assert got["uniform"] and got["path"] == "c++", got
+            if replicated and mode == "twoshot":
+                want = [world + 1.0 + row // chunk for row in range(tokens)]
+            else:
+                want = [world + 1.0 + rank] * tokens
+            assert got["residual_out"] == want, (replicated, mode, rank, got)
+
+
+def test_ranks_that_disagree_on_the_replicated_residual_fail_to_negotiate() -> None:
+    for message in values(run_ranks(workers.replicated_residual_disagreement, 2)):
+        assert "ARFUSE_REPLICATED_RESIDUAL" in message and "replicated_residual" in message, \
+            message

@@ -594,3 +594,37 @@ def calls_from_two_threads(rank: int, world: int, tokens: int, calls: int) -> di
         run("A", 2.0)
         run("B", 200.0)
     return {"seen": seen, "errors": errors, "path": comm.workspace.path}  # type: ignore[attr-defined]
+
+
+def residual_per_rank(rank: int, world: int, replicated: bool, mode: str, in_place: bool,
+                      tokens: int = 10, hidden: int = 1040) -> dict[str, Any]:
+    """Each rank passes its own residual (all ``rank + 1``; x all 1 on every rank), with
+    ``replicated_residual`` as given: the bytes each rank gets, and which path ran."""
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=tokens, hidden_dim=hidden, dtype=torch.float32,
+                                 backend="shm", strict=True, timeout_s=20.0,
+                                 replicated_residual=replicated)
+    comm.workspace.set_mode(mode)  # type: ignore[attr-defined]
+    x = torch.ones(tokens, hidden)
+    residual = torch.full((tokens, hidden), float(rank + 1))
+    kwargs: dict[str, Any] = {"out": x, "residual_out": residual} if in_place else {}
+    got = comm(x, residual=residual, weight=torch.ones(hidden), eps=1e-6, **kwargs)
+    path = comm.workspace.path  # type: ignore[attr-defined]
+    comm.close()
+    # every row is uniform: its value says whose residual it was finished with
+    return {"residual_out": got.residual_out[:, 0].tolist(),
+            "uniform": bool((got.residual_out == got.residual_out[:, :1]).all()),
+            "path": path}
+
+
+def replicated_residual_disagreement(rank: int, world: int) -> str:
+    """Rank 0 promises a replicated residual, the others do not."""
+    import arfuse
+
+    try:
+        arfuse.FusedAllReduce(max_token_num=4, hidden_dim=64, dtype=torch.float32,
+                              backend="shm", timeout_s=20.0, replicated_residual=rank == 0)
+    except arfuse.NegotiationError as exc:
+        return str(exc)
+    return "no error"

@@ -199,7 +199,8 @@ def _local_payload(ctx: GroupContext, spec: Spec) -> dict[str, Any]:
             blocked[name] = why
     return {
         "spec": asdict(spec),
-        "settings": {"backend": settings.backend, "strict": settings.strict},
+        "settings": {"backend": settings.backend, "strict": settings.strict,
+                     "replicated_residual": settings.replicated_residual},
         "facts": asdict(facts),
         "file_topology": file_topology,
         "blocked": blocked,
@@ -258,7 +259,8 @@ def negotiate(ctx: GroupContext, spec: Spec) -> Outcome:
     payloads = ctx.all_gather("facts", _local_payload(ctx, spec))
     try:
         _agree(payloads, "spec", "specs (max_token_num, hidden_dim, dtype, quant)")
-        _agree(payloads, "settings", "settings (ARFUSE_BACKEND / ARFUSE_STRICT or backend=)")
+        _agree(payloads, "settings", "settings (ARFUSE_BACKEND / ARFUSE_STRICT / "
+               "ARFUSE_REPLICATED_RESIDUAL or their keywords)")
         topo = topology_of(ctx, payloads)
     except (NegotiationError, ValueError) as exc:
         fail_together(ctx, "facts", exc)

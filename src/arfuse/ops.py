@@ -27,13 +27,20 @@ from .torch_types import TORCH_DTYPES
 
 
 class FusedAllReduce:
-    """all-reduce(x) [+ residual -> RMSNorm [-> FP8 | NVFP4]] on the negotiated backend."""
+    """all-reduce(x) [+ residual -> RMSNorm [-> FP8 | NVFP4]] on the negotiated backend.
+
+    ``replicated_residual=True`` (``ARFUSE_REPLICATED_RESIDUAL=1``) promises that every rank
+    passes the same residual, as in tensor parallelism; the shm kernel then finishes rows
+    other ranks reduced from their ``residual_out`` instead of reading its own residual (same
+    bytes while the promise holds; unchecked, see the README)."""
 
     def __init__(self, group: Any = None, max_token_num: int = 2048, hidden_dim: int = 4096,
                  dtype: Any = torch.bfloat16, backend: str | None = None,
                  quant: str | None = None, *, strict: bool | None = None,
-                 timeout_s: float | None = None, device: str | None = None) -> None:
-        conf = settings_mod.load(backend=backend, strict=strict, timeout_s=timeout_s)
+                 timeout_s: float | None = None, device: str | None = None,
+                 replicated_residual: bool | None = None) -> None:
+        conf = settings_mod.load(backend=backend, strict=strict, timeout_s=timeout_s,
+                                 replicated_residual=replicated_residual)
         log.configure(conf.log_level)
         spec = Spec(max_tokens=max_token_num, hidden=hidden_dim, dtype=parse_dtype(dtype),
                     quant=parse_quant(quant))

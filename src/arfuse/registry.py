@@ -26,12 +26,15 @@ from .negotiate import GroupContext, Outcome
 from .settings import Settings
 from .spec import Spec
 
+# group key, device, backend, strict, topology file, replicated residual
+EntryKey = tuple[str, str, str, bool, "str | None", bool]
+
 
 @dataclass(eq=False)
 class Entry:
     """One live workspace, the decision that made it, and the number of ops using it."""
 
-    key: tuple[str, str, str, bool, str | None]
+    key: EntryKey
     outcome: Outcome
     users: int = 0
     superseded: bool = False
@@ -54,7 +57,7 @@ class Lease:
 class Registry:
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._entries: dict[tuple[str, str, str, bool, str | None], list[Entry]] = {}
+        self._entries: dict[EntryKey, list[Entry]] = {}
 
     def acquire(self, group: Any, spec: Spec, settings: Settings,
                 device: str | None = None) -> Lease:
@@ -63,7 +66,7 @@ class Registry:
             ctx = negotiate.make_context(group, device, settings)
             # a workspace serves only requests negotiated under the same settings and topology file
             key = (ctx.key, ctx.device, settings.backend, settings.strict,
-                   settings.topology_path)
+                   settings.topology_path, settings.replicated_residual)
             live = self._entries.setdefault(key, [])
             for entry in live:
                 if not entry.superseded and entry.workspace.spec.covers(spec):

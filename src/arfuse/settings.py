@@ -24,6 +24,7 @@ ENV_VARS: dict[str, str] = {
     "topology_path": "ARFUSE_TOPOLOGY",
     "faults": "ARFUSE_FAULTS",
     "log_level": "ARFUSE_LOG",
+    "replicated_residual": "ARFUSE_REPLICATED_RESIDUAL",
 }
 
 
@@ -42,6 +43,10 @@ class Settings:
     topology_path: str | None = None
     faults: str | None = None
     log_level: str = "info"
+    # The caller's promise that every rank passes the same residual (as in tensor parallelism,
+    # where it is the previous layer's replicated output): backends may then finish a row
+    # another rank reduced from that rank's residual_out instead of reading their own.
+    replicated_residual: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -71,7 +76,7 @@ def check(key: str, value: object, label: str) -> None:
             raise TypeError(f"{label} must be a str, one of {', '.join(choices)}")
         if value not in choices:
             raise ValueError(f"{label}={value!r} is not valid; use one of {', '.join(choices)}")
-    elif key == "strict":
+    elif key in ("strict", "replicated_residual"):
         if not isinstance(value, bool):
             raise TypeError(f"{label} must be a bool, got {type(value).__name__}")
     elif key == "timeout_s":
@@ -99,7 +104,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         value: object = text
         if key in ("backend", "log_level"):
             value = text.lower()
-        elif key == "strict":
+        elif key in ("strict", "replicated_residual"):
             if text not in ("0", "1"):
                 raise ValueError(f"{var}={text!r} is not valid; use 0 or 1")
             value = text == "1"

@@ -283,6 +283,8 @@ void bind_comm(py::module_& m) {
       .def("last_call_seconds", &ShmComm::last_call_seconds)
       .def("set_copy_mode", &ShmComm::set_copy_mode)
       .def("set_output_stores", &ShmComm::set_output_stores)
+      .def("set_replicated_residual", &ShmComm::set_replicated_residual)
+      .def("replicated_residual", &ShmComm::replicated_residual)
       .def("streams_outputs", &ShmComm::streams_outputs)
       .def("pooled_bytes", &ShmComm::pooled_bytes)
       .def("copy_modes", &ShmComm::copy_modes);

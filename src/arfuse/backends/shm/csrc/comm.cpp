@@ -465,6 +465,7 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
                            hidden_ * elem_ % 64 == 0;
   c.stream_out = stream && own_out && n.quant == kNone && (whole_lines || !t.weight);
   c.stream_residual_out = stream && own_residual_out;
+  c.slot_holds_residual_out = replicated_residual_ && t.residual != nullptr;
   if (n.quant == kFP8 || n.quant == kFP8Dynamic) {
     quant_out = output({tokens, hidden_}, x.options().dtype(at::kFloat8_e4m3fn));
     c.quant_out = reinterpret_cast<uint8_t*>(quant_out.data_ptr());

@@ -121,6 +121,11 @@ class ShmComm {
   // How outputs of their own (not x or residual) are stored: 0 auto, 1 cached, 2 streaming.
   // The same values in every mode.
   void set_output_stores(int64_t mode);
+  // The caller's promise that every rank passes the same residual (tensor parallelism), set
+  // once when the workspace is made: two-shot calls then finish other owners' rows from their
+  // residual_out without reading this rank's residual (Call::slot_holds_residual_out).
+  void set_replicated_residual(bool replicated) { replicated_residual_ = replicated; }
+  bool replicated_residual() const { return replicated_residual_; }
   // Whether a call whose own outputs (out not x, residual_out not the residual) come to
   // `bytes` in all stores them with streaming stores (out only when it is not quantised, and
   // with RMSNorm where its rows are whole lines; see make_call). Auto: from the build's
@@ -174,6 +179,7 @@ class ShmComm {
   int64_t seq_ = 0;
   int copy_mode_ = kStoresAuto;
   int output_stores_ = kStoresAuto;
+  bool replicated_residual_ = false;
   double last_call_s_ = 0.0;
   bool timing_ = false;
   std::vector<float> scratch_;  // the gain of the current call

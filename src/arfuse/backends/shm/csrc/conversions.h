@@ -19,6 +19,10 @@ constexpr float kFp8DynamicMinScale = float(1.0 / (512.0 * 448.0));
 // The sum of squares is added up in 32 lanes, lane = h % 32, each in order of h; so many that
 // the vector forms keep independent accumulators (no chain of dependent adds).
 constexpr int kSumLanes = 32;
+// What the first pass also stores into the two-shot result slot, from which the other ranks
+// finish the owner's rows: nothing, the rounded sum, or residual_out (when the residual is
+// the same on every rank, a rank need not read its own to finish another owner's rows).
+enum SlotStore { kSlotNone = 0, kSlotSum = 1, kSlotResidualOut = 2 };
 
 inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }

@@ -51,6 +51,11 @@ struct Call {  // one call's arguments, resolved to raw pointers
   bool stream_out = false;
   bool stream_residual_out = false;
   void* staging = nullptr;
+  // Two-shot: the owner's result slot holds its rows' residual_out instead of their sum, and
+  // the others finish those rows from it without reading their own residual. Only when the
+  // caller promised the residual is the same on every rank (replicated_residual): then both
+  // give the same bytes. See ShmComm::make_call.
+  bool slot_holds_residual_out = false;
 };
 
 // gain = weight_bias + f32(w), once per call instead of once per row.
@@ -125,46 +130,52 @@ template <int D>
 int64_t vector_sum(const typename Elem<D>::T* const* rows, int ranks, int64_t H,
                    const typename Elem<D>::T* res, bool norm, typename Elem<D>::T* out,
                    typename Elem<D>::T* residual_out, float* lanes,
-                   typename Elem<D>::T* sum_out) {
+                   typename Elem<D>::T* sum_out, bool slot_residual_out) {
   if (sum_out) {
-    if (!norm) return isa::row_sum<D, false, false, true>(rows, ranks, H, nullptr, out, lanes,
-                                                          sum_out);
-    if (res) return isa::row_sum<D, true, true, true>(rows, ranks, H, res, residual_out, lanes,
-                                                      sum_out);
-    return isa::row_sum<D, true, false, true>(rows, ranks, H, nullptr, residual_out, lanes,
-                                              sum_out);
+    if (!norm) return isa::row_sum<D, false, false, kSlotSum>(rows, ranks, H, nullptr, out,
+                                                              lanes, sum_out);
+    if (res && slot_residual_out) {
+      return isa::row_sum<D, true, true, kSlotResidualOut>(rows, ranks, H, res, residual_out,
+                                                           lanes, sum_out);
+    }
+    if (res) return isa::row_sum<D, true, true, kSlotSum>(rows, ranks, H, res, residual_out,
+                                                          lanes, sum_out);
+    return isa::row_sum<D, true, false, kSlotSum>(rows, ranks, H, nullptr, residual_out, lanes,
+                                                  sum_out);
   }
-  if (!norm) return isa::row_sum<D, false, false, false>(rows, ranks, H, nullptr, out, lanes,
-                                                         nullptr);
-  if (res) return isa::row_sum<D, true, true, false>(rows, ranks, H, res, residual_out, lanes,
-                                                     nullptr);
-  return isa::row_sum<D, true, false, false>(rows, ranks, H, nullptr, residual_out, lanes,
-                                             nullptr);
+  if (!norm) return isa::row_sum<D, false, false, kSlotNone>(rows, ranks, H, nullptr, out,
+                                                             lanes, nullptr);
+  if (res) return isa::row_sum<D, true, true, kSlotNone>(rows, ranks, H, res, residual_out,
+                                                         lanes, nullptr);
+  return isa::row_sum<D, true, false, kSlotNone>(rows, ranks, H, nullptr, residual_out, lanes,
+                                                 nullptr);
 }
 
 // Pass 1 over [begin, end) of one row (begin a multiple of kSumLanes): the sum of the ranks'
 // rows (rank order), rounded to T; plain: into out; norm: plus the residual, rounded, into
 // residual_out, the squares going on into lanes. sum_out (may be null): the rounded sum there
-// too (two-shot: the owner's result slot, which the others finish their rows from). The
+// too, or residual_out when slot_residual_out (two-shot: the owner's result slot, which the
+// others finish their rows from). The
 // vector form takes the whole multiples of kSumLanes, the scalar loop the rest, with the same
 // operations in the same order (NaN rule: add_o, mul_o).
 template <int D>
 void first_pass(const typename Elem<D>::T* const* rows, int ranks,
                 const typename Elem<D>::T* res, bool norm, typename Elem<D>::T* out,
                 typename Elem<D>::T* residual_out, typename Elem<D>::T* sum_out, float* lanes,
-                int64_t begin, int64_t end) {
+                int64_t begin, int64_t end, bool slot_residual_out = false) {
   using E = Elem<D>;
   using T = typename E::T;
   const T* from[layout::kMaxWorld];
   for (int j = 0; j < ranks; ++j) from[j] = rows[j] + begin;
   int64_t h = begin + vector_sum<D>(from, ranks, end - begin, res ? res + begin : nullptr, norm,
                                     out + begin, norm ? residual_out + begin : nullptr, lanes,
-                                    sum_out ? sum_out + begin : nullptr);
+                                    sum_out ? sum_out + begin : nullptr,
+                                    slot_residual_out && res != nullptr);
   for (; h < end; ++h) {
     float a = E::load(rows[0][h]);
     for (int j = 1; j < ranks; ++j) a = add_o(a, E::load(rows[j][h]));
     const T sum = E::store(a);
-    if (sum_out) sum_out[h] = sum;
+    if (sum_out && !(slot_residual_out && norm && res)) sum_out[h] = sum;
     if (!norm) {
       out[h] = sum;
       continue;
@@ -173,6 +184,7 @@ void first_pass(const typename Elem<D>::T* const* rows, int ranks,
     if (res) pre = add_o(pre, E::load(res[h]));
     T rounded = E::store(pre);
     residual_out[h] = rounded;
+    if (sum_out && slot_residual_out && res) sum_out[h] = rounded;
     float r = E::load(rounded);
     float sq = r * r;
     lanes[h % kSumLanes] = add_o(lanes[h % kSumLanes], sq);
@@ -263,7 +275,8 @@ void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in
       const int64_t e = std::min(H, s + kSegment);
       if (now) {
         first_pass<D>(rows, ranks, residual ? residual + i * H : nullptr, true, out + i * H,
-                      kept_now, sum_out ? sum_out + i * H : nullptr, lanes, s, e);
+                      kept_now, sum_out ? sum_out + i * H : nullptr, lanes, s, e,
+                      c.slot_holds_residual_out);
       }
       if (before) {
         second_pass<D>(c, inv_before, kept_before, out + (i - 1) * H, s, e);

@@ -518,12 +518,14 @@ void twoshot_own_step(const Exchange& e, const TwoShotGeometry& g,
   s.post(1, e.call_base() + k + 1);
 }
 
-// Finish step k of every other owner's rows from its sums, once it has announced them.
+// Finish step k of every other owner's rows from its sums, once it has announced them (from
+// its residual_out, without reading this rank's residual, when the slot holds that).
 template <int D>
 void twoshot_others_step(const Exchange& e, const TwoShotGeometry& g, int64_t k) {
   using T = typename Elem<D>::T;
   const Segment& s = e.seg;
-  const Call& c = e.c;
+  Call c = e.c;
+  if (c.slot_holds_residual_out) c.residual = nullptr;  // residual_out = T(its value): exact
   const int64_t H = c.hidden;
   T* out = static_cast<T*>(c.out);
   T* residual_out = static_cast<T*>(c.residual_out);

@@ -12,7 +12,7 @@
 namespace arfuse {
 namespace isa {
 
-template <int D, bool NORM, bool RES, bool SUM>
+template <int D, bool NORM, bool RES, int SUM>
 int64_t row_sum(const typename Elem<D>::T* const* rows, int ranks, int64_t n,
                 const typename Elem<D>::T* res, typename Elem<D>::T* dst, float* lanes,
                 typename Elem<D>::T* sum_dst) {

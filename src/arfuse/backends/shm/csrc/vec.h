@@ -6,8 +6,9 @@
 //                                        store with streaming stores (bytes)
 //   Has<D>::value                        whether dtype D has vector forms here
 //   row_sum<D, NORM, RES, SUM>(rows, ranks, n, res, dst, lanes, sum_dst)
-//                                        first pass over one row (SUM: the rounded sum also
-//                                        into sum_dst, the two-shot result slot); lanes: the
+//                                        first pass over one row (SUM, a SlotStore: the
+//                                        rounded sum or residual_out also into sum_dst, the
+//                                        two-shot result slot); lanes: the
 //                                        kSumLanes sums of squares, lane = h % kSumLanes,
 //                                        continued (a row may be passed in segments)
 //   row_scale<D, kStream>(r, gain, n, inv, out)                  second pass (RMSNorm);

@@ -141,12 +141,12 @@ struct BF16x16 {
 
 // 16 bf16 elements at h of the first pass (see pass1_step); acc_even and acc_odd take the
 // squares of its even and odd elements.
-template <int W, bool NORM, bool RES, bool SUM>
+template <int W, bool NORM, bool RES, int SUM>
 inline void bf16_pass1_step(const uint16_t* const* rows, int world, int64_t h,
                             const uint16_t* res, uint16_t* dst, uint16_t* sum_dst,
                             __m256& acc_even, __m256& acc_odd) {
   const int ranks = W > 0 ? W : world;
-  prefetch_step(rows, ranks, h, dst, SUM ? sum_dst : nullptr);
+  prefetch_step(rows, ranks, h, dst, SUM != kSlotNone ? sum_dst : nullptr);
   BF16x16 a = BF16x16::load(rows[0] + h);
   for (int j = 1; j < ranks; ++j) {
     const BF16x16 b = BF16x16::load(rows[j] + h);
@@ -157,11 +157,13 @@ inline void bf16_pass1_step(const uint16_t* const* rows, int world, int64_t h,
   // that the rounding after the residual add below would not (it also quiets a signaling
   // NaN); the sum for the result slot (SUM) is rounded all the same
   __m256 even = a.even, odd = a.odd;
-  if constexpr (!(W == 1 && NORM && !SUM)) {
+  if constexpr (!(W == 1 && NORM && SUM == kSlotNone)) {
     even = bf16x8_round32(a.even);
     odd = bf16x8_round32(a.odd);
   }
-  if constexpr (SUM) BF16x16::put(sum_dst + h, even, odd);
+  if constexpr (SUM == kSlotSum || (!NORM && SUM != kSlotNone)) {
+    BF16x16::put(sum_dst + h, even, odd);
+  }
   if constexpr (NORM) {
     if constexpr (RES) {
       const BF16x16 b = BF16x16::load(res + h);
@@ -172,20 +174,22 @@ inline void bf16_pass1_step(const uint16_t* const* rows, int world, int64_t h,
     acc_odd = add_o(acc_odd, _mm256_mul_ps(odd, odd));
   }
   BF16x16::put(dst + h, even, odd);
+  if constexpr (NORM && SUM == kSlotResidualOut) BF16x16::put(sum_dst + h, even, odd);
 }
 
 // 8 elements at h of the first pass: sum the ranks (rank order); plain: store the rounded
 // sum; norm: round, add the residual, round, store residual_out and add the squares of r to
-// acc. SUM: also store the rounded sum in sum_dst (the two-shot result slot). W is the world
+// acc. SUM (SlotStore): also store the rounded sum or residual_out in sum_dst (the two-shot
+// result slot). W is the world
 // size when known at compile time (0: not).
-template <int D, int W, bool NORM, bool RES, bool SUM>
+template <int D, int W, bool NORM, bool RES, int SUM>
 inline void pass1_step(const typename Elem<D>::T* const* rows, int world, int64_t h,
                        const typename Elem<D>::T* res, typename Elem<D>::T* dst,
                        typename Elem<D>::T* sum_dst, __m256& acc) {
   // res and dst may be the same row (residual updated in place): each lane reads res[h]
   // before it writes dst[h], and no other lane's store touches res.
   using V = Vec<D>;
-  prefetch_step(rows, W > 0 ? W : world, h, dst, SUM ? sum_dst : nullptr);
+  prefetch_step(rows, W > 0 ? W : world, h, dst, SUM != kSlotNone ? sum_dst : nullptr);
   __m256 a;
   if constexpr (W == 1) {
     a = V::load(rows[0] + h);
@@ -201,14 +205,16 @@ inline void pass1_step(const typename Elem<D>::T* const* rows, int world, int64_
   if constexpr (!NORM) {
     const auto s = V::pack(a);
     V::put(dst + h, s);
-    if constexpr (SUM) V::put(sum_dst + h, s);
+    if constexpr (SUM != kSlotNone) V::put(sum_dst + h, s);
   } else {
     // one input: values of T already (see bf16_pass1_step), unless the sum is stored too
-    __m256 pre = W == 1 && !SUM ? a : V::round(a);
-    if constexpr (SUM) V::put(sum_dst + h, V::narrow(pre));
+    __m256 pre = W == 1 && SUM == kSlotNone ? a : V::round(a);
+    if constexpr (SUM == kSlotSum) V::put(sum_dst + h, V::narrow(pre));
     if constexpr (RES) pre = add_o(pre, V::load(res + h));
     __m256 r = V::round(pre);
-    V::put(dst + h, V::narrow(r));
+    const auto rb = V::narrow(r);
+    V::put(dst + h, rb);
+    if constexpr (SUM == kSlotResidualOut) V::put(sum_dst + h, rb);
     acc = add_o(acc, _mm256_mul_ps(r, r));
   }
 }
@@ -216,7 +222,7 @@ inline void pass1_step(const typename Elem<D>::T* const* rows, int world, int64_
 // The first pass over [0, n32) of a row or of a segment of one (n32 a multiple of 32): the
 // squares go on into the lane sums in lanes (the caller zeroes them for a new row). acc[q]
 // holds lanes 8q..8q+7 (bf16: the even and the odd lanes of 0-15, then of 16-31).
-template <int D, int W, bool NORM, bool RES, bool SUM>
+template <int D, int W, bool NORM, bool RES, int SUM>
 void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
            const typename Elem<D>::T* res, typename Elem<D>::T* dst,
            typename Elem<D>::T* sum_dst, float* lanes) {

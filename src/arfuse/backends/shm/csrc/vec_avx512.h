@@ -182,33 +182,35 @@ inline __m512 rank_sum(const typename Elem<D>::T* const* rows, int world, int64_
 
 // 16 elements at h of the first pass (fp32, fp16): sum the ranks (rank order); plain: store
 // the rounded sum; norm: round, add the residual, round, store residual_out and add the
-// squares of r to acc. SUM: also store the rounded sum in sum_dst (the two-shot result slot).
+// squares of r to acc. SUM (SlotStore): also store the rounded sum or residual_out in
+// sum_dst (the two-shot result slot).
 // W is the world size when known at compile time (0: not).
-template <int D, int W, bool NORM, bool RES, bool SUM>
+template <int D, int W, bool NORM, bool RES, int SUM>
 inline void pass1_step(const typename Elem<D>::T* const* rows, int world, int64_t h,
                        const typename Elem<D>::T* res, typename Elem<D>::T* dst,
                        typename Elem<D>::T* sum_dst, __m512& acc) {
   // res and dst may be the same row (residual updated in place): each lane reads res[h]
   // before it writes dst[h], and no other lane's store touches res.
   using V = Vec<D>;
-  prefetch_step(rows, W > 0 ? W : world, h, dst, SUM ? sum_dst : nullptr);
+  prefetch_step(rows, W > 0 ? W : world, h, dst, SUM != kSlotNone ? sum_dst : nullptr);
   const __m512 a = rank_sum<D, W>(rows, world, h);
   if constexpr (!NORM) {
     const typename V::B s = V::pack(a);
     V::put(dst + h, s);
-    if constexpr (SUM) V::put(sum_dst + h, s);
+    if constexpr (SUM != kSlotNone) V::put(sum_dst + h, s);
   } else {
     // one input (W == 1) holds values of T already: rounding them again changes nothing
     // that the rounding after the residual add would not (it also quiets a signaling NaN)
     __m512 pre = a;
-    if constexpr (W != 1 || SUM) {
+    if constexpr (W != 1 || SUM != kSlotNone) {
       const typename V::B s = V::pack(a);
-      if constexpr (SUM) V::put(sum_dst + h, s);
+      if constexpr (SUM == kSlotSum) V::put(sum_dst + h, s);
       pre = V::unpack(s);
     }
     if constexpr (RES) pre = add_o(pre, V::load(res + h));
     const typename V::B rb = V::pack(pre);
     V::put(dst + h, rb);
+    if constexpr (SUM == kSlotResidualOut) V::put(sum_dst + h, rb);
     const __m512 r = V::unpack(rb);
     acc = add_o(acc, _mm512_mul_ps(r, r));
   }
@@ -216,11 +218,11 @@ inline void pass1_step(const typename Elem<D>::T* const* rows, int world, int64_
 
 // 32 bf16 elements at h of the first pass, the same steps on even and odd elements; acc_even
 // and acc_odd take the squares of lanes 0, 2, ..., 30 and 1, 3, ..., 31.
-template <int W, bool NORM, bool RES, bool SUM>
+template <int W, bool NORM, bool RES, int SUM>
 inline void bf16_pass1_step(const uint16_t* const* rows, int world, int64_t h,
                             const uint16_t* res, uint16_t* dst, uint16_t* sum_dst,
                             __m512& acc_even, __m512& acc_odd) {
-  prefetch_step(rows, W > 0 ? W : world, h, dst, SUM ? sum_dst : nullptr);
+  prefetch_step(rows, W > 0 ? W : world, h, dst, SUM != kSlotNone ? sum_dst : nullptr);
   BF16x32 a = BF16x32::load(rows[0] + h);
   for (int j = 1; j < (W > 0 ? W : world); ++j) {
     const BF16x32 b = BF16x32::load(rows[j] + h);
@@ -230,12 +232,12 @@ inline void bf16_pass1_step(const uint16_t* const* rows, int world, int64_t h,
   if constexpr (!NORM) {
     const __m512i s = a.pack();
     BF16x32::put(dst + h, s);
-    if constexpr (SUM) BF16x32::put(sum_dst + h, s);
+    if constexpr (SUM != kSlotNone) BF16x32::put(sum_dst + h, s);
   } else {
     BF16x32 pre = a;  // one input: bf16 values already (see pass1_step)
-    if constexpr (W != 1 || SUM) {
+    if constexpr (W != 1 || SUM != kSlotNone) {
       const __m512i s = a.pack();
-      if constexpr (SUM) BF16x32::put(sum_dst + h, s);
+      if constexpr (SUM == kSlotSum) BF16x32::put(sum_dst + h, s);
       pre = BF16x32::of(s);
     }
     if constexpr (RES) {
@@ -245,6 +247,7 @@ inline void bf16_pass1_step(const uint16_t* const* rows, int world, int64_t h,
     }
     const __m512i rb = pre.pack();
     BF16x32::put(dst + h, rb);
+    if constexpr (SUM == kSlotResidualOut) BF16x32::put(sum_dst + h, rb);
     const BF16x32 r = BF16x32::of(rb);
     acc_even = add_o(acc_even, _mm512_mul_ps(r.even, r.even));
     acc_odd = add_o(acc_odd, _mm512_mul_ps(r.odd, r.odd));
@@ -253,7 +256,7 @@ inline void bf16_pass1_step(const uint16_t* const* rows, int world, int64_t h,
 
 // The first pass over [0, n32) of a row or of a segment of one (n32 a multiple of 32): the
 // squares go on into the lane sums in lanes (the caller zeroes them for a new row).
-template <int D, int W, bool NORM, bool RES, bool SUM>
+template <int D, int W, bool NORM, bool RES, int SUM>
 void pass1(const typename Elem<D>::T* const* rows, int world, int64_t n32,
            const typename Elem<D>::T* res, typename Elem<D>::T* dst,
            typename Elem<D>::T* sum_dst, float* lanes) {

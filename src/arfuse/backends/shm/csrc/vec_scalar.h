@@ -19,7 +19,7 @@ constexpr int64_t stream_output_min_bytes(int /*dtype*/) { return INT64_MAX; }
 
 template <int D> struct Has { static constexpr bool value = false; };
 
-template <int D, bool NORM, bool RES, bool SUM>
+template <int D, bool NORM, bool RES, int SUM>
 inline int64_t row_sum(const typename Elem<D>::T* const*, int, int64_t,
                        const typename Elem<D>::T*, typename Elem<D>::T*, float*,
                        typename Elem<D>::T*) {
