@@ -13,7 +13,9 @@ Targets (world size 2, hidden 4096, bf16 and fp32): in place at most 1.0x DeepSp
 all-reduce alone at 1, 8, 64, 512 and 2048 tokens, with new output tensors at most 1.1x; from
 64 tokens within 2x of the memory floor (``x_floor`` of ``arfuse bench``); two ranks on one
 core: a 1-token call under 40 us and a decode-like step at least 1.5x faster than gloo's; Python
-overhead per call under 3 us. Needs DeepSpeed for the ratios (``EXTRAS=bench
+overhead per call under 3 us. The ratios to DeepSpeed are also given with
+``replicated_residual=True`` (the ``-replicated`` rows: the residual is the same on every rank,
+as in tensor parallelism). Needs DeepSpeed for the ratios (``EXTRAS=bench
 ./scripts/setup.sh``); without it those verdicts say "not measured".
 """
 
@@ -40,6 +42,11 @@ FLOOR_FROM_TOKENS = 64
 ONE_CORE_CALL_MAX_US = 40.0
 ONE_CORE_DECODE_MIN = 1.5  # gloo's decode-like step / arfuse's
 OVERHEAD_MAX_US = 3.0
+# (target, arfuse bench row, limit) of the ratios to DeepSpeed's all-reduce alone
+RATIO_ROWS = (("in place x DeepSpeed", "shm-inplace", IN_PLACE_MAX),
+              ("new outputs x DeepSpeed", "shm", NEW_OUTPUTS_MAX),
+              ("in place, replicated x DeepSpeed", "shm-inplace-replicated", IN_PLACE_MAX),
+              ("new outputs, replicated x DeepSpeed", "shm-replicated", NEW_OUTPUTS_MAX))
 
 HERE = Path(__file__).resolve().parent
 
@@ -89,20 +96,18 @@ def verdicts(reports: list[dict[str, Any]], one_core: dict[str, Any] | None,
     out: list[Verdict] = []
     for dtype in dtypes:
         for t in tokens:
-            in_place = Verdict("in place x DeepSpeed", dtype, t, IN_PLACE_MAX, True)
-            new = Verdict("new outputs x DeepSpeed", dtype, t, NEW_OUTPUTS_MAX, True)
+            ratios = [Verdict(name, dtype, t, limit, True) for name, _, limit in RATIO_ROWS]
             floor = Verdict("in place x floor", dtype, t, FLOOR_MAX, True)
             for report in reports:
                 ds = _row(report, dtype, t, "deepspeed")
+                for verdict, (_, row_name, _) in zip(ratios, RATIO_ROWS, strict=True):
+                    row = _row(report, dtype, t, row_name)
+                    if ds is not None and row is not None:
+                        verdict.per_run.append(row["median_us"] / ds["median_us"])
                 ip = _row(report, dtype, t, "shm-inplace")
-                nw = _row(report, dtype, t, "shm")
-                if ds is not None and ip is not None:
-                    in_place.per_run.append(ip["median_us"] / ds["median_us"])
-                if ds is not None and nw is not None:
-                    new.per_run.append(nw["median_us"] / ds["median_us"])
                 if ip is not None and ip.get("x_floor") is not None:
                     floor.per_run.append(float(ip["x_floor"]))
-            out += [in_place, new]
+            out += ratios
             if t >= FLOOR_FROM_TOKENS:
                 out.append(floor)
         overhead = Verdict("python overhead us", dtype, None, OVERHEAD_MAX_US, True)

@@ -121,6 +121,24 @@ def test_run_with_quantisation_and_unfused_backend() -> None:
     assert "negotiated: torch" in result.stdout
 
 
+def test_bench_traffic_of_the_replicated_rows() -> None:
+    """With the promise, two-shot reads the residual of its own rows only (1 of world parts);
+    one-shot reads all of it, and in place all of its lines come in to be overwritten."""
+    from arfuse.cli.bench import traffic
+
+    size = 3000
+    plain = traffic("shm", size, 3)
+    assert plain is not None
+    for world in (2, 3):
+        two = traffic("shm-replicated", size, world, "twoshot")
+        assert two is not None and two.local == size // world
+        assert two.total == plain.total - size + size // world + (world - 3) * size
+        assert traffic("shm-replicated", size, world, "oneshot") == traffic("shm", size, world)
+        for mode in ("oneshot", "twoshot"):
+            assert traffic("shm-inplace-replicated", size, world, mode) == \
+                traffic("shm-inplace", size, world)
+
+
 def test_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     result = arfuse("bench", "--tokens", "1,4", "--hidden", "256", "--dtype", "bf16",
@@ -128,8 +146,8 @@ def test_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((out / "bench.json").read_text())
     rows = {(r["backend"], r["tokens"]) for r in report["results"]}
-    assert rows == {(b, t) for b in ("shm", "shm-inplace", "shm-slot", "torch")
-                    for t in (1, 4)}
+    shm_rows = ("shm", "shm-inplace", "shm-slot", "shm-replicated", "shm-inplace-replicated")
+    assert rows == {(b, t) for b in (*shm_rows, "torch") for t in (1, 4)}
     assert all(r["median_us"] > 0 and r["p90_us"] >= r["median_us"] for r in report["results"])
     assert report["machine"]["cores"] and report["python_overhead"]["bf16"]["calls"] > 0
     module = shm_build.load()  # the ISA the figures come from: the kernel the ranks ran
@@ -145,11 +163,14 @@ def test_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
         if r["backend"] == "torch":
             assert "x_floor" not in r
             continue
-        expected = {"shm": 5, "shm-inplace": 5, "shm-slot": 4}[r["backend"]] * size
+        assert r["mode"] == "oneshot"  # these sizes: the residual is read whole either way
+        expected = {"shm": 5, "shm-inplace": 5, "shm-slot": 4, "shm-replicated": 5,
+                    "shm-inplace-replicated": 5}[r["backend"]] * size
         assert r["moved_bytes"] == expected and r["copy_gib_s"] > 0
         assert r["x_floor"] == pytest.approx(r["median_us"] / r["floor_us"])
         # the same bytes by kind, each at its own rate measured in the same run
-        fresh = {"shm": 2, "shm-inplace": 0, "shm-slot": 1}[r["backend"]] * size
+        fresh = {"shm": 2, "shm-inplace": 0, "shm-slot": 1, "shm-replicated": 2,
+                 "shm-inplace-replicated": 0}[r["backend"]] * size
         shared = 0 if r["backend"] == "shm-slot" else size  # x into the slot
         assert r["traffic"] == {"local": expected - size - fresh - shared, "shared": shared,
                                 "peer": size, "fresh": fresh}

@@ -18,7 +18,9 @@ def _report(in_place: float, new: float, x_floor: float, ds_us: float = 100.0,
     rows = [{"dtype": "fp32", "tokens": 64, "backend": "shm-inplace",
              "median_us": in_place * ds_us, "x_floor": x_floor},
             {"dtype": "fp32", "tokens": 64, "backend": "shm", "median_us": new * ds_us,
-             "x_floor": x_floor * new / in_place}]
+             "x_floor": x_floor * new / in_place},
+            {"dtype": "fp32", "tokens": 64, "backend": "shm-replicated",
+             "median_us": (new - 0.1) * ds_us}]
     if with_ds:
         rows.append({"dtype": "fp32", "tokens": 64, "backend": "deepspeed", "median_us": ds_us})
     return {"results": rows, "python_overhead": {"fp32": {"overhead_us": overhead}}}
@@ -42,6 +44,9 @@ def test_the_median_over_runs_decides_and_each_run_is_counted() -> None:
     assert in_place.met is True and in_place.runs_met == 2
     new = found["new outputs x DeepSpeed"]
     assert round(new.median or 0, 2) == 1.12 and new.met is False and new.runs_met == 1
+    replicated = found["new outputs, replicated x DeepSpeed"]
+    assert [round(x, 2) for x in replicated.per_run] == [1.10, 0.98, 1.02] and replicated.met
+    assert found["in place, replicated x DeepSpeed"].per_run == []  # no such row here
     floor = found["in place x floor"]
     assert floor.met is True and floor.runs_met == 2
     assert found["python overhead us"].met is True

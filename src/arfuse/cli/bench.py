@@ -12,6 +12,9 @@ place is restored), so every row starts from the same cache state:
   ``fused_add_rms_norm``): no fresh output buffers to pull into the cache;
 * ``shm-slot``: in place, with the layer's output written straight into the rank's shared
   input slot (``FusedAllReduce.input_buffer``), which also saves the copy into shared memory;
+* ``shm-replicated``, ``shm-inplace-replicated``: ``shm`` and ``shm-inplace`` with
+  ``replicated_residual=True`` (the residual is the same on every rank here, as in tensor
+  parallelism): two-shot sizes finish other ranks' rows from their ``residual_out``;
 * ``torch``: ``torch.distributed.all_reduce`` (gloo) + eager add + RMSNorm: the baseline;
 * ``deepspeed``: ``deepspeed.comm.inference_all_reduce`` alone, and ``deepspeed+norm`` with the
   eager add + RMSNorm, when deepspeed is importable.
@@ -180,19 +183,24 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
     negotiation: dict[str, Any] = {}
     copy_modes: dict[str, dict[str, str]] = {}
     gen = torch.Generator().manual_seed(1234 + rank)
+    same_everywhere = torch.Generator().manual_seed(4321)  # the residual: replicated, as in TP
     for dname in opts.dtypes:
         dtype = TORCH_DTYPES[dname]
-        comm = None
+        comm = replicated = None
         if "shm" in opts.backends:
             t0 = time.perf_counter()
             comm = arfuse.FusedAllReduce(max_token_num=max(opts.tokens), hidden_dim=opts.hidden,
                                          dtype=dtype, backend="shm", strict=True)
             negotiation[dname] = {"seconds": time.perf_counter() - t0,
                                   "path": getattr(comm.workspace, "path", "")}
+            replicated = arfuse.FusedAllReduce(max_token_num=max(opts.tokens),
+                                               hidden_dim=opts.hidden, dtype=dtype,
+                                               backend="shm", strict=True,
+                                               replicated_residual=True)
         weight = (torch.rand(opts.hidden, generator=gen) + 0.5).to(dtype)
         for tokens in opts.tokens:
             x = torch.randn(tokens, opts.hidden, generator=gen).to(dtype)
-            residual = torch.randn(tokens, opts.hidden, generator=gen).to(dtype)
+            residual = torch.randn(tokens, opts.hidden, generator=same_everywhere).to(dtype)
             work = x.clone()  # what a row reads and may overwrite
             res_work = residual.clone()
 
@@ -206,6 +214,7 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
                 res_work.copy_(residual)
 
             candidates: dict[str, tuple[Any, Any]] = {}
+            mode = "twoshot"
             if comm is not None:
                 mode = comm.workspace.mode(tokens)  # type: ignore[attr-defined]
                 candidates["shm"] = (lambda c=comm, x=work, r=residual, w=weight: c(
@@ -224,6 +233,12 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
 
                 candidates["shm-slot"] = (lambda c=comm, s=slot, r=res_work, w=weight: c(
                     s[0], residual=r, weight=w, eps=EPS, residual_out=r), into_slot)
+                candidates["shm-replicated"] = (lambda c=replicated, x=work, r=residual,
+                                                w=weight: c(x, residual=r, weight=w, eps=EPS),
+                                                reset)
+                candidates["shm-inplace-replicated"] = (
+                    lambda c=replicated, x=work, r=res_work, w=weight: c(
+                        x, residual=r, weight=w, eps=EPS, out=x, residual_out=r), reset_both)
             if "torch" in opts.backends:
                 candidates["torch"] = (lambda w_=work, r=residual, w=weight: _rmsnorm_add(
                     _all_reduce(dist, w_), r, w), reset)
@@ -243,7 +258,7 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
                 entry: dict[str, Any] = {"dtype": dname, "tokens": tokens, "backend": backend,
                                          "bytes_per_rank": size, **summary,
                                          "page_faults_per_call": faults[backend] / len(times)}
-                moved = traffic(backend, size, world)
+                moved = traffic(backend, size, world, mode)
                 if moved is not None:
                     floor_us = rates.floor_s(moved) * 1e6
                     entry.update(moved_bytes=moved.total, traffic=asdict(moved),
@@ -268,6 +283,8 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
             copy_modes[dname] = {str(size): mode for size, mode in
                                  comm.workspace.copy_modes().items()}  # type: ignore[attr-defined]
             comm.close()
+        if replicated is not None:
+            replicated.close()
     if progress is not None:
         progress.close()
     dist.barrier()
@@ -300,17 +317,22 @@ class Traffic:
         return self.local + self.shared + self.peer + self.fresh
 
 
-def traffic(row: str, size: int, world: int) -> Traffic | None:
+def traffic(row: str, size: int, world: int, mode: str = "twoshot") -> Traffic | None:
     """What a row moves on ``size`` bytes per rank (None: no floor stated). The fused op: its
     input into the shared slot (none when the layer wrote it there: ``shm-slot``), every
     peer's input, the residual in, ``residual_out`` and ``out`` (new tensors in ``shm``;
-    ``shm-slot`` gets a new ``out``). DeepSpeed's all-reduce alone: its input into shared
-    memory, every peer's input, the sum back into the tensor."""
+    ``shm-slot`` gets a new ``out``); with a replicated residual, two-shot (``mode``) reads
+    the residual of its own rows only (in place the residual's lines come in all the same, to
+    be overwritten). DeepSpeed's all-reduce alone: its input into shared memory, every peer's
+    input, the sum back into the tensor."""
     peers = (world - 1) * size
-    if row == "shm-inplace":
+    if row in ("shm-inplace", "shm-inplace-replicated"):
         return Traffic(local=3 * size, shared=size, peer=peers, fresh=0)
     if row == "shm":
         return Traffic(local=size, shared=size, peer=peers, fresh=2 * size)
+    if row == "shm-replicated":
+        residual = -(-size // world) if mode == "twoshot" else size
+        return Traffic(local=residual, shared=size, peer=peers, fresh=2 * size)
     if row == "shm-slot":
         return Traffic(local=2 * size, shared=0, peer=peers, fresh=size)
     if row == "deepspeed":
