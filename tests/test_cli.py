@@ -114,6 +114,17 @@ def test_run_main_job_checks_and_times() -> None:
     assert len(lines) == 2 and all(ln.rstrip().endswith("ok") for ln in lines)
 
 
+def test_run_checks_the_replicated_residual_path() -> None:
+    """The job's residual is the same on every rank: with the promise, two-shot sizes finish
+    the peer's rows from its residual_out, and the reference check still passes."""
+    result = arfuse("run", "--world-size", "2", "--tokens", "9,40", "--hidden", "256",
+                    "--steps", "2", env={"ARFUSE_REPLICATED_RESIDUAL": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "residual promised the same on every rank" in result.stdout
+    lines = [ln for ln in result.stdout.splitlines() if ln.strip().startswith(("9 ", "40 "))]
+    assert len(lines) == 2 and all(ln.rstrip().endswith("ok") for ln in lines)
+
+
 def test_run_with_quantisation_and_unfused_backend() -> None:
     result = arfuse("run", "--world-size", "2", "--tokens", "4", "--hidden", "128",
                     "--steps", "2", "--quant", "nvfp4", "--backend", "torch")

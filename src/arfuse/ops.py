@@ -45,6 +45,7 @@ class FusedAllReduce:
         spec = Spec(max_tokens=max_token_num, hidden=hidden_dim, dtype=parse_dtype(dtype),
                     quant=parse_quant(quant))
         self.spec = spec
+        self._replicated_residual = conf.replicated_residual
         lease = REGISTRY.acquire(group, spec, conf, device)
         self._lease: Lease | None = lease
         outcome = lease.entry.outcome
@@ -74,6 +75,12 @@ class FusedAllReduce:
     def plan(self) -> Plan:
         """The plan the group agreed on when its workspace was negotiated."""
         return self._plan
+
+    @property
+    def replicated_residual(self) -> bool:
+        """Whether this op was made with the promise that every rank passes the same
+        residual (``replicated_residual=``, ``ARFUSE_REPLICATED_RESIDUAL``)."""
+        return self._replicated_residual
 
     @property
     def attempts(self) -> tuple[Any, ...]:

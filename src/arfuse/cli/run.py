@@ -75,7 +75,8 @@ def run_body(rank: int, world: int, opts: RunOptions) -> int:
                                  strict=opts.strict, device=opts.device)
     _say(rank, comm.plan.explain())
     _say(rank, f"negotiated: {comm.backend} ({'; '.join(a.describe() for a in comm.attempts)})"
-         f"{'; ranks pinned to cores' if pinned else ''}")
+         f"{'; ranks pinned to cores' if pinned else ''}"
+         f"{'; residual promised the same on every rank' if comm.replicated_residual else ''}")
     in_features = 2 * opts.hidden // world * world or world
     shard = in_features // world
     gen = torch.Generator().manual_seed(20261129)
