@@ -15,6 +15,8 @@ builds' order rotating from round to round, after warm-up rounds that outlast th
 copy-mode trial; the table gives each build's median and the ratio B / A.
 ``--a-stores``/``--b-stores`` set how each build stores a call's own outputs (auto, cached,
 streaming; trees that have ``set_output_stores``): one tree as A and B compares the modes.
+``--a-replicated``/``--b-replicated`` give a build the promise of a residual that is the same on
+every rank (``set_replicated_residual``; the residual here is drawn alike on every rank).
 Both trees need a module-local ``ShmComm`` (bindings.cpp), i.e. a tree from the commit that
 introduced this script on. The inputs are rewritten before every call, untimed.
 """
@@ -61,6 +63,7 @@ class Options:
     block: int
     out: str
     stores: tuple[str, str] = ("auto", "auto")
+    replicated: tuple[bool, bool] = (False, False)
 
 
 def build(tree: str) -> str:
@@ -109,6 +112,8 @@ def make_comms(modules: list[ModuleType], rank: int, world: int, opts: Options,
                 shm_layout.HEADER_BYTES, layout.slot_bytes, layout.input_bytes, 30.0, 8 * 1024)
             if opts.stores[i] != "auto":
                 comms[(dname, i)].set_output_stores(STORES.index(opts.stores[i]))
+            if opts.replicated[i]:
+                comms[(dname, i)].set_replicated_residual(True)
             dist.barrier()
             if rank == 0:
                 path.unlink()
@@ -123,13 +128,14 @@ def body(rank: int, world: int, opts: Options) -> int:
     keep: list[Any] = []
     comms = make_comms(modules, rank, world, opts, keep)
     gen = torch.Generator().manual_seed(7 + rank)
+    same_everywhere = torch.Generator().manual_seed(11)  # the residual, replicated as in TP
     rows = []
     for dname in opts.dtypes:
         dtype = DTYPES[dname]
         weight = (torch.rand(opts.hidden, generator=gen) + 0.5).to(dtype)
         for tokens in opts.tokens:
             x0 = torch.randn(tokens, opts.hidden, generator=gen).to(dtype)
-            r0 = torch.randn(tokens, opts.hidden, generator=gen).to(dtype)
+            r0 = torch.randn(tokens, opts.hidden, generator=same_everywhere).to(dtype)
             x, residual = x0.clone(), r0.clone()
             for form in opts.forms:
                 times: list[list[float]] = [[], []]
@@ -177,7 +183,8 @@ def report(rows: list[dict[str, Any]], opts: Options, modules: list[ModuleType])
 
     isa = sorted({str(m.isa) for m in modules})
     print(f"{cpu_model()}, kernel {' / '.join(isa)}, hidden {opts.hidden}, world size 2, "
-          f"output stores A {opts.stores[0]}, B {opts.stores[1]}, "
+          f"output stores A {opts.stores[0]}, B {opts.stores[1]}, replicated residual "
+          f"A {opts.replicated[0]}, B {opts.replicated[1]}, "
           f"median us of {rows[0]['calls']} calls per build and row")
     print(f"{'dtype':>5} {'tokens':>6} {'form':>8} {'A':>10} {'B':>10} {'B/A':>7}")
     for r in rows:
@@ -187,7 +194,7 @@ def report(rows: list[dict[str, Any]], opts: Options, modules: list[ModuleType])
         Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.out).write_text(json.dumps(
             {"cpu": cpu_model(), "kernel_isa": isa, "modules": list(opts.modules),
-             "output_stores": list(opts.stores),
+             "output_stores": list(opts.stores), "replicated_residual": list(opts.replicated),
              "hidden": opts.hidden, "rounds": opts.rounds, "block": opts.block,
              "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}, indent=2))
         print(f"wrote {opts.out}")
@@ -209,6 +216,9 @@ def main() -> int:
                         help="how build A stores a call's own outputs (set_output_stores; "
                              "the same tree for A and B compares the modes)")
     parser.add_argument("--b-stores", default="auto", choices=STORES)
+    parser.add_argument("--a-replicated", action="store_true",
+                        help="build A with replicated_residual (set_replicated_residual)")
+    parser.add_argument("--b-replicated", action="store_true")
     args = parser.parse_args()
     forms = tuple(args.forms.split(","))
     if not set(forms) <= set(FORMS):
@@ -219,7 +229,7 @@ def main() -> int:
     modules = (build(args.a), build(args.b))
     opts = Options(modules, tuple(int(t) for t in args.tokens.split(",")), dtypes, forms,
                    args.hidden, args.rounds, args.warm_rounds, args.block, args.out,
-                   (args.a_stores, args.b_stores))
+                   (args.a_stores, args.b_stores), (args.a_replicated, args.b_replicated))
     env = {"OMP_NUM_THREADS": "1", "ARFUSE_LOG": "warning"}
     return launch(body, 2, opts, env=env)
 

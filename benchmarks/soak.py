@@ -125,7 +125,8 @@ def rank_body(rank: int, world: int, port: int, opts: dict[str, Any], results: A
         weight = (torch.rand(sizes.hidden, generator=gen) + 0.5).to(torch.bfloat16)
         comm = arfuse.FusedAllReduce(max_token_num=sizes.capacity, hidden_dim=sizes.hidden,
                                      dtype=torch.bfloat16, timeout_s=30)
-        report.update(backend=comm.backend, path=getattr(comm.workspace, "path", ""))
+        report.update(backend=comm.backend, path=getattr(comm.workspace, "path", ""),
+                      replicated_residual=comm.replicated_residual)
         if opts["output_stores"] != "auto":  # the kernel's streaming output stores at any size
             set_output_stores = getattr(comm.workspace, "set_output_stores", None)
             if set_output_stores is not None:
@@ -267,6 +268,8 @@ def run_soak(calls: int = 100_000, check_every: int = 50, sample_every: int = 10
             "check_every": check_every, "sample_every": sample_every, "seed": seed,
             "hidden": sizes.hidden, "dtype": "bf16", "capacity": sizes.capacity,
             "output_stores": output_stores,
+            # ARFUSE_REPLICATED_RESIDUAL=1 (the residual pool is the same on every rank)
+            "replicated_residual": reports.get(0, {}).get("replicated_residual"),
             "oneshot_max_tokens": sizes.oneshot_tokens, "max_tokens_drawn": sizes.over,
             "rss_bound_mib": rss_bound_mib, "warm_up_calls": int(WARM_FRACTION * calls),
             "segments_left": left, "wall_seconds": wall, "cores": os.cpu_count(),
