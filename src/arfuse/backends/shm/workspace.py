@@ -281,7 +281,8 @@ class ShmWorkspace(Workspace):
         (``scale`` as there, any number without quant or with fp8_dynamic); ``swizzled``:
         NVFP4 scales in the ``swizzled_128x4`` layout, else ``linear``. Returns ``[out]``, then
         ``residual_out`` when ``weight`` is given, ``quant_out`` with quant, ``scale_out``
-        with nvfp4 and fp8_dynamic (float32 ``[tokens, 1]``). Bad
+        with nvfp4 and fp8_dynamic (float32 ``[tokens, 1]``). The workspace's settings
+        apply (``replicated_residual``). Bad
         arguments raise ``ValueError``; a failed call ``CallTimeout``, ``MismatchedCall`` or
         ``WorkspaceBroken``, as the op does. The operator has a fake (meta) implementation,
         so ``torch.compile`` traces it (backend ``eager``); backends that functionalize
