@@ -91,6 +91,7 @@ def test_registry_reuse_growth_sharing_and_destroy() -> None:
         assert story["old_still_works"]
         assert story["after_growth_reuses_largest"]
         assert story["other_topology_is_new"] and story["other_topology_works"]
+        assert story["promise_is_new"] and story["promise_kept"] and story["promise_works"]
         assert story["other_hidden_is_new"]
         assert story["over_capacity_result_ok"]
         assert story["over_capacity_stats"]["unfused_over_capacity"] == 1

@@ -148,6 +148,13 @@ def registry_story(rank: int, world: int) -> dict[str, Any]:
     story["other_topology_is_new"] = g.workspace is not d.workspace
     story["other_topology_works"] = bool(torch.all(g(x).out == world))
     g.close()
+    promised = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.bfloat16,
+                                     replicated_residual=True)
+    story["promise_is_new"] = promised.workspace is not d.workspace and not any(
+        promised.workspace is o.workspace for o in (a, b, c, e))
+    story["promise_kept"] = promised.replicated_residual and not d.replicated_residual
+    story["promise_works"] = bool(torch.all(promised(x).out == world))
+    promised.close()
     f = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=96, dtype=torch.bfloat16)
     story["other_hidden_is_new"] = f.workspace is not d.workspace
     over = torch.ones(40, 64, dtype=torch.bfloat16)
