@@ -114,3 +114,23 @@ def test_fault_string_grammar() -> None:
     assert faults.mode_for(parsed, "shm", "create", 0) is None
     assert faults.mode_for(parsed, "mnnvl", "validate", 7) == "null"
     assert faults.parse("") == () and faults.parse(None) == ()
+
+
+def test_the_replicated_residual_promise_is_logged_with_the_workspace(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    import torch
+
+    import arfuse
+
+    monkeypatch.setenv("ARFUSE_LOG", "info")  # the suite runs at warning
+    for promised in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="arfuse"):
+            comm = arfuse.FusedAllReduce(max_token_num=4, hidden_dim=48 + promised,
+                                         dtype=torch.float32, replicated_residual=promised)
+        comm.close()
+        using = [r.getMessage() for r in caplog.records if "using" in r.getMessage()]
+        assert len(using) == 1, [r.getMessage() for r in caplog.records]
+        assert ("residual promised the same on every rank" in using[0]) == promised, using
