@@ -429,7 +429,8 @@ ENV_VALUES = {
     "ARFUSE_BACKEND": st.sampled_from(["auto", "shm", "torch", "mnnvl", "trtllm", " SHM ", "nccl",
                                        "", "auto,shm"]),
     "ARFUSE_STRICT": st.sampled_from(["0", "1", " 1", "true", "2", "", "yes"]),
-    "ARFUSE_REPLICATED_RESIDUAL": st.sampled_from(["0", "1", " 0 ", "True", "", "on"]),
+    "ARFUSE_REPLICATED_RESIDUAL": st.sampled_from(["0", "1", " 0 ", "True", "", "on", "check",
+                                                   " check", "CHECK"]),
     "ARFUSE_TIMEOUT_S": st.sampled_from(["60", "0.5", "1e3", " 2 ", "0", "-1", "inf", "nan",
                                          "abc", "", "1e400"]),
     "ARFUSE_LOG": st.sampled_from(["debug", "INFO", "warning", "error", "", "verbose"]),
@@ -445,8 +446,10 @@ def _expected_setting(var: str, text: str) -> tuple[bool, Any]:
         return True, None
     if var == "ARFUSE_BACKEND":
         return t.lower() in ("auto", "shm", "torch", "mnnvl", "trtllm"), t.lower()
-    if var in ("ARFUSE_STRICT", "ARFUSE_REPLICATED_RESIDUAL"):
+    if var == "ARFUSE_STRICT":
         return t in ("0", "1"), t == "1"
+    if var == "ARFUSE_REPLICATED_RESIDUAL":
+        return t in ("0", "1", "check"), "check" if t == "check" else t == "1"
     if var == "ARFUSE_TIMEOUT_S":
         try:
             f = float(t)

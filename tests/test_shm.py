@@ -324,3 +324,31 @@ def test_ranks_that_disagree_on_the_replicated_residual_fail_to_negotiate() -> N
     for message in values(run_ranks(workers.replicated_residual_disagreement, 2)):
         assert "ARFUSE_REPLICATED_RESIDUAL" in message and "replicated_residual" in message, \
             message
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_replicated_residual_check_compares_the_ranks_residuals_every_call(same: bool) -> None:
+    """"check": the promise, verified across ranks before each call; residuals that differ
+    are a ValueError on every rank, and the group stays in step for the next call."""
+    results = values(run_ranks(workers.residual_check, 2, same))
+    world = 2
+    for got in results:
+        assert got["promised"] and got["after"] == float(sum(range(1, world + 1)))
+        if same:
+            assert "error" not in got, got
+            assert torch.equal(got["residual_out"], results[0]["residual_out"])
+        else:
+            assert "ranks [1] differ from rank 0" in got["error"], got
+            assert "replicated_residual='check'" in got["error"]
+        assert got["stats"]["calls"] == (2 if same else 1)
+
+
+def test_replicated_residual_keyword_is_checked() -> None:
+    import arfuse
+
+    with pytest.raises(ValueError, match="replicated_residual='maybe' is not valid"):
+        arfuse.FusedAllReduce(max_token_num=4, hidden_dim=64, replicated_residual="maybe")
+    with pytest.raises(TypeError, match="replicated_residual must be a bool or 'check'"):
+        arfuse.FusedAllReduce(max_token_num=4, hidden_dim=64,
+                              replicated_residual=1)  # type: ignore[arg-type]
+

@@ -635,3 +635,34 @@ def replicated_residual_disagreement(rank: int, world: int) -> str:
     except arfuse.NegotiationError as exc:
         return str(exc)
     return "no error"
+
+
+def residual_check(rank: int, world: int, same: bool, tokens: int = 10,
+                   hidden: int = 1040) -> dict[str, Any]:
+    """replicated_residual="check": residuals the same on every rank (``same``) or differing
+    in one element on the last rank; the outputs, or the error, of a call and of the call
+    after it (the group must still be in step)."""
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=tokens, hidden_dim=hidden, dtype=torch.bfloat16,
+                                 backend="shm", strict=True, timeout_s=20.0,
+                                 replicated_residual="check")
+    gen = torch.Generator().manual_seed(5)
+    residual = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    if not same and rank == world - 1:
+        residual[tokens - 1, 3] += 1
+    x = torch.full((tokens, hidden), float(rank + 1), dtype=torch.bfloat16)
+    weight = torch.ones(hidden, dtype=torch.bfloat16)
+    report: dict[str, Any] = {"promised": comm.replicated_residual}
+    try:
+        got = comm(x, residual=residual, weight=weight, eps=1e-6)
+        report["residual_out"] = got.residual_out.clone()
+    except ValueError as exc:
+        report["error"] = str(exc)
+    after = comm(x, residual=torch.zeros(tokens, hidden, dtype=torch.bfloat16), weight=weight,
+                 eps=1e-6)
+    report["after"] = after.residual_out[0, 0].item()
+    report["stats"] = comm.stats()
+    comm.close()
+    return report
+

@@ -374,5 +374,6 @@ def _log_outcome(ctx: GroupContext, spec: Spec, workspace: Workspace,
     log.once(_level(ctx, logging.INFO), (ctx.key, spec, workspace.backend, id(workspace)),
              "arfuse group %s (%d ranks): using %s (tried %s) in %.1f ms; %s%s", ctx.key,
              ctx.world_size, workspace.backend, tried, seconds * 1e3, workspace.describe(),
-             "; residual promised the same on every rank (ARFUSE_REPLICATED_RESIDUAL)"
-             if ctx.settings.replicated_residual else "")
+             "; residual promised the same on every rank (ARFUSE_REPLICATED_RESIDUAL"
+             + ("=check: compared every call)" if ctx.settings.replicated_residual == "check"
+                else ")") if ctx.settings.replicated_residual else "")

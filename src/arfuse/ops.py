@@ -32,20 +32,23 @@ class FusedAllReduce:
     ``replicated_residual=True`` (``ARFUSE_REPLICATED_RESIDUAL=1``) promises that every rank
     passes the same residual, as in tensor parallelism; the shm kernel then finishes rows
     other ranks reduced from their ``residual_out`` instead of reading its own residual (same
-    bytes while the promise holds; unchecked, see the README)."""
+    bytes while the promise holds; unchecked, see the README). ``"check"``: the same, and every
+    call first compares the ranks' residuals over the group (a collective per call: for
+    tests), raising ``ValueError`` on every rank when they differ."""
 
     def __init__(self, group: Any = None, max_token_num: int = 2048, hidden_dim: int = 4096,
                  dtype: Any = torch.bfloat16, backend: str | None = None,
                  quant: str | None = None, *, strict: bool | None = None,
                  timeout_s: float | None = None, device: str | None = None,
-                 replicated_residual: bool | None = None) -> None:
+                 replicated_residual: bool | str | None = None) -> None:
         conf = settings_mod.load(backend=backend, strict=strict, timeout_s=timeout_s,
                                  replicated_residual=replicated_residual)
         log.configure(conf.log_level)
         spec = Spec(max_tokens=max_token_num, hidden=hidden_dim, dtype=parse_dtype(dtype),
                     quant=parse_quant(quant))
         self.spec = spec
-        self._replicated_residual = conf.replicated_residual
+        self._replicated_residual = bool(conf.replicated_residual)
+        self._check_residual = conf.replicated_residual == "check"
         lease = REGISTRY.acquire(group, spec, conf, device)
         self._lease: Lease | None = lease
         outcome = lease.entry.outcome
@@ -60,8 +63,8 @@ class FusedAllReduce:
         self._unfused: Workspace | None = None
         self._calls = self._fused_calls = self._over_capacity = self._fast_calls = 0
         # the kernel's own checked entry (it declines what it does not fuse), unless faults
-        # must fire on calls
-        self._fast = ws.fast_call if not ws.call_fault else None
+        # must fire on calls or residuals must be compared first
+        self._fast = ws.fast_call if not ws.call_fault and not self._check_residual else None
 
     # --- what was decided --------------------------------------------------------------------
 
@@ -79,7 +82,7 @@ class FusedAllReduce:
     @property
     def replicated_residual(self) -> bool:
         """Whether this op was made with the promise that every rank passes the same
-        residual (``replicated_residual=``, ``ARFUSE_REPLICATED_RESIDUAL``)."""
+        residual (``replicated_residual=``, ``ARFUSE_REPLICATED_RESIDUAL``; also ``check``)."""
         return self._replicated_residual
 
     @property
@@ -154,6 +157,8 @@ class FusedAllReduce:
         slot = ws.input_slot_start() if shared is not None else None
         call = check_call(self._shape, x, residual, weight, eps, weight_bias, quant, scale,
                           layout, out, residual_out, shared, slot)
+        if self._check_residual and call.residual is not None:
+            check_replicated(call.residual, ws.ctx.group, ws.ctx.world_size)
         if ws.call_fault:
             faults.trigger(ws.call_fault, ws.backend, "call", ws.ctx.rank)
         self._calls += 1
@@ -209,3 +214,34 @@ class FusedAllReduce:
     def __repr__(self) -> str:
         state = "closed" if self._ws is None else self.workspace.describe()
         return f"FusedAllReduce({state})"
+
+
+def residual_digest(residual: torch.Tensor) -> torch.Tensor:
+    """64 bits that differ, but for a vanishing chance, when two residuals' bytes differ:
+    the sum of their elements' bit patterns weighted by position (wrapping int64 arithmetic,
+    the same on every rank), on the residual's device."""
+    flat = residual.contiguous().view(-1)
+    as_ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    values = flat.view(as_ints[flat.element_size()]).to(torch.int64)
+    weights = torch.arange(values.numel(), device=values.device, dtype=torch.int64) % 8191 + 1
+    return torch.stack([(values * weights).sum(), values.sum()])
+
+
+def check_replicated(residual: torch.Tensor, group: Any, world_size: int) -> None:
+    """Collective: raise ``ValueError`` on every rank unless every rank's residual has the same
+    bytes (``replicated_residual="check"``)."""
+    if world_size <= 1:
+        return
+    import torch.distributed as dist
+
+    mine = residual_digest(residual)
+    every = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine, group=group)
+    differ = [r for r in range(1, world_size) if not torch.equal(every[r], every[0])]
+    if differ:
+        raise ValueError(
+            f"residual differs across ranks (ranks {differ} differ from rank 0), but "
+            "replicated_residual='check' promised it the same on every rank; with the promise "
+            "(replicated_residual=True) such a call would finish each rank's rows with the "
+            "residual of the rank that reduced them")
+

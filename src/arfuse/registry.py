@@ -27,7 +27,7 @@ from .settings import Settings
 from .spec import Spec
 
 # group key, device, backend, strict, topology file, replicated residual
-EntryKey = tuple[str, str, str, bool, "str | None", bool]
+EntryKey = tuple[str, str, str, bool, "str | None", "bool | str"]
 
 
 @dataclass(eq=False)

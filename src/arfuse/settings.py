@@ -46,7 +46,8 @@ class Settings:
     # The caller's promise that every rank passes the same residual (as in tensor parallelism,
     # where it is the previous layer's replicated output): backends may then finish a row
     # another rank reduced from that rank's residual_out instead of reading their own.
-    replicated_residual: bool = False
+    # "check": the promise, and every call verifies it across ranks first (for testing).
+    replicated_residual: bool | str = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -76,9 +77,14 @@ def check(key: str, value: object, label: str) -> None:
             raise TypeError(f"{label} must be a str, one of {', '.join(choices)}")
         if value not in choices:
             raise ValueError(f"{label}={value!r} is not valid; use one of {', '.join(choices)}")
-    elif key in ("strict", "replicated_residual"):
+    elif key == "strict":
         if not isinstance(value, bool):
             raise TypeError(f"{label} must be a bool, got {type(value).__name__}")
+    elif key == "replicated_residual":
+        if not isinstance(value, (bool, str)):
+            raise TypeError(f"{label} must be a bool or 'check', got {type(value).__name__}")
+        if isinstance(value, str) and value != "check":
+            raise ValueError(f"{label}={value!r} is not valid; use True, False or 'check'")
     elif key == "timeout_s":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{label} must be a number of seconds > 0")
@@ -104,10 +110,14 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         value: object = text
         if key in ("backend", "log_level"):
             value = text.lower()
-        elif key in ("strict", "replicated_residual"):
+        elif key == "strict":
             if text not in ("0", "1"):
                 raise ValueError(f"{var}={text!r} is not valid; use 0 or 1")
             value = text == "1"
+        elif key == "replicated_residual":
+            if text not in ("0", "1", "check"):
+                raise ValueError(f"{var}={text!r} is not valid; use 0, 1 or check")
+            value = "check" if text == "check" else text == "1"
         elif key == "timeout_s":
             try:
                 value = float(text)

@@ -148,7 +148,7 @@ class ShmWorkspace(Workspace):
                 DTYPES[spec.dtype].code, HEADER_BYTES, layout.slot_bytes,
                 layout.input_bytes, ctx.timeout_s, ONESHOT_MAX_BYTES)
             self._comm.set_result_type(FusedOutput)
-            self._comm.set_replicated_residual(ctx.settings.replicated_residual)
+            self._comm.set_replicated_residual(bool(ctx.settings.replicated_residual))
         if self._comm is None:
             self.use_pure_path()
 
