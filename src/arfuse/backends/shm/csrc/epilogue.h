@@ -167,15 +167,16 @@ void first_pass(const typename Elem<D>::T* const* rows, int ranks,
   using T = typename E::T;
   const T* from[layout::kMaxWorld];
   for (int j = 0; j < ranks; ++j) from[j] = rows[j] + begin;
+  const bool slot_gets_residual_out = slot_residual_out && norm && res != nullptr;
   int64_t h = begin + vector_sum<D>(from, ranks, end - begin, res ? res + begin : nullptr, norm,
                                     out + begin, norm ? residual_out + begin : nullptr, lanes,
                                     sum_out ? sum_out + begin : nullptr,
-                                    slot_residual_out && res != nullptr);
+                                    slot_gets_residual_out);
   for (; h < end; ++h) {
     float a = E::load(rows[0][h]);
     for (int j = 1; j < ranks; ++j) a = add_o(a, E::load(rows[j][h]));
     const T sum = E::store(a);
-    if (sum_out && !(slot_residual_out && norm && res)) sum_out[h] = sum;
+    if (sum_out && !slot_gets_residual_out) sum_out[h] = sum;
     if (!norm) {
       out[h] = sum;
       continue;
@@ -184,7 +185,7 @@ void first_pass(const typename Elem<D>::T* const* rows, int ranks,
     if (res) pre = add_o(pre, E::load(res[h]));
     T rounded = E::store(pre);
     residual_out[h] = rounded;
-    if (sum_out && slot_residual_out && res) sum_out[h] = rounded;
+    if (sum_out && slot_gets_residual_out) sum_out[h] = rounded;
     float r = E::load(rounded);
     float sq = r * r;
     lanes[h % kSumLanes] = add_o(lanes[h % kSumLanes], sq);
