@@ -13,9 +13,33 @@ enum DType { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
 // Quantisation codes (the descriptor's and the torch operator's): 3 names a quantisation the
 // kernel does not run (announce only).
 enum Quant { kNone = 0, kFP8 = 1, kNVFP4 = 2, kQuantOther = 3, kFP8Dynamic = 4 };
+// The e4m3 (FP8) rounding, in one place for the scalar form below and the vector forms: round
+// to nearest even onto 3 mantissa bits (add kRoundBias and the kept lsb, then shift), rebias
+// the exponent, saturate finite values and infinities to kMaxCode; below kMinNormal, steps of
+// 1 / kSubnormalSteps. The vector forms round those with the 2^23 trick (kIntegerRounding).
+namespace e4m3 {
+constexpr float kMax = 448.0f;              // the largest finite value, code kMaxCode
+constexpr uint32_t kMaxCode = 0x7e;
+constexpr uint32_t kNaNCode = 0x7f;
+constexpr float kMinNormal = 0.015625f;     // 2^-6
+constexpr float kSubnormalSteps = 512.0f;   // 2^9
+constexpr uint32_t kRoundBias = 0x7ffff;    // half of the 20 dropped mantissa bits, less one
+constexpr uint32_t kRebias = 120;           // fp32's exponent bias 127 less e4m3's 7
+constexpr float kIntegerRounding = 8388608.0f;  // 2^23: v + 2^23, v in [0, 2^22], rounds v
+constexpr uint32_t kIntegerRoundingBits = 0x4b000000;  // the bits of 2^23
+}  // namespace e4m3
 // fp8_dynamic's smallest scale: the fp32 value of the double 1 / (512 * 448), as
 // torch.tensor(1 / (512 * 448), dtype=float32) gives it (quant.FP8_DYNAMIC_MIN_SCALE).
-constexpr float kFp8DynamicMinScale = float(1.0 / (512.0 * 448.0));
+constexpr float kFp8DynamicMinScale = float(1.0 / (512.0 * double(e4m3::kMax)));
+// The e2m1 (NVFP4 element) code of |v| counts the thresholds it passes: ">" where strict,
+// ">=" otherwise (nearest even on {0, .5, 1, 1.5, 2, 3, 4, 6}).
+struct E2M1Threshold {
+  float at;
+  bool strict;
+};
+constexpr E2M1Threshold kE2M1Thresholds[] = {{0.25f, true}, {0.75f, false}, {1.25f, true},
+                                             {1.75f, false}, {2.5f, true},  {3.5f, false},
+                                             {5.0f, true}};
 // The sum of squares is added up in 32 lanes, lane = h % 32, each in order of h; so many that
 // the vector forms keep independent accumulators (no chain of dependent adds).
 constexpr int kSumLanes = 32;
@@ -129,15 +153,15 @@ inline uint8_t f32_to_e4m3(float f) {
   uint32_t u = bits_of(f);
   uint8_t sign = uint8_t((u >> 24) & 0x80u);
   uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return uint8_t(sign | 0x7f);
+  if (a > 0x7f800000u) return uint8_t(sign | e4m3::kNaNCode);
   float af = float_of(a);
-  if (af >= 448.0f) return uint8_t(sign | 0x7e);
-  if (af < 0.015625f) {  // below the smallest normal 2^-6: steps of 2^-9
-    return uint8_t(sign | uint8_t(std::nearbyint(af * 512.0f)));
+  if (af >= e4m3::kMax) return uint8_t(sign | e4m3::kMaxCode);
+  if (af < e4m3::kMinNormal) {
+    return uint8_t(sign | uint8_t(std::nearbyint(af * e4m3::kSubnormalSteps)));
   }
-  uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
-  uint32_t code = (((r >> 23) - 120u) << 3) | ((r >> 20) & 7u);
-  if (code > 0x7e) code = 0x7e;
+  uint32_t r = a + e4m3::kRoundBias + ((a >> 20) & 1u);
+  uint32_t code = (((r >> 23) - e4m3::kRebias) << 3) | ((r >> 20) & 7u);
+  if (code > e4m3::kMaxCode) code = e4m3::kMaxCode;
   return uint8_t(sign | code);
 }
 
@@ -145,9 +169,9 @@ inline uint8_t f32_to_e4m3(float f) {
 // cvt.rn.satfinite.e2m1x2.f32 gives (e2m1 has no NaN), as in FlashInfer's NVFP4 quantisation.
 inline uint8_t f32_to_e2m1(float v) {
   if (std::isnan(v)) return 0x7;
-  float m = std::fabs(v);
-  uint8_t code = uint8_t((m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) +
-                         (m >= 3.5f) + (m > 5.0f));
+  const float m = std::fabs(v);
+  uint8_t code = 0;
+  for (const E2M1Threshold& t : kE2M1Thresholds) code += t.strict ? m > t.at : m >= t.at;
   return uint8_t(code | (std::signbit(v) ? 8 : 0));
 }
 

@@ -100,7 +100,7 @@ void quantize_row(const typename Elem<D>::T* out, const Call& c, int64_t row) {
     float amax = 0.0f;
     int64_t h = isa::amax_row<D>(out, H, &amax);
     for (; h < H; ++h) amax = std::fmax(amax, std::fabs(Elem<D>::load(out[h])));
-    const float scale = std::max(amax / 448.0f, kFp8DynamicMinScale);
+    const float scale = std::max(amax / e4m3::kMax, kFp8DynamicMinScale);
     reinterpret_cast<float*>(c.scale_out)[row] = scale;
     uint8_t* dst = c.quant_out + row * H;
     h = isa::fp8_div_row<D>(out, scale, H, dst);

@@ -338,19 +338,23 @@ inline __m128i e4m3x8(__m256 v) {
   const __m256 a = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
   const __m256i au = _mm256_castps_si256(a);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(au, 20), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(au, _mm256_add_epi32(_mm256_set1_epi32(0x7ffff), lsb));
+  const __m256i r = _mm256_add_epi32(
+      au, _mm256_add_epi32(_mm256_set1_epi32(int(e4m3::kRoundBias)), lsb));
   const __m256i normal = _mm256_or_si256(
-      _mm256_slli_epi32(_mm256_sub_epi32(_mm256_srli_epi32(r, 23), _mm256_set1_epi32(120)), 3),
+      _mm256_slli_epi32(
+          _mm256_sub_epi32(_mm256_srli_epi32(r, 23), _mm256_set1_epi32(int(e4m3::kRebias))), 3),
       _mm256_and_si256(_mm256_srli_epi32(r, 20), _mm256_set1_epi32(7)));
-  // below 2^-6: steps of 2^-9, a * 512 rounded to an integer, nearest even (2^23 trick)
-  const __m256 t = _mm256_add_ps(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)),
-                                 _mm256_set1_ps(8388608.0f));
-  const __m256i small = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(0x4b000000));
-  const __m256 is_small = _mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ);
+  // below kMinNormal: a * kSubnormalSteps rounded to an integer, nearest even
+  const __m256 t = _mm256_add_ps(_mm256_mul_ps(a, _mm256_set1_ps(e4m3::kSubnormalSteps)),
+                                 _mm256_set1_ps(e4m3::kIntegerRounding));
+  const __m256i small = _mm256_sub_epi32(_mm256_castps_si256(t),
+                                         _mm256_set1_epi32(int(e4m3::kIntegerRoundingBits)));
+  const __m256 is_small = _mm256_cmp_ps(a, _mm256_set1_ps(e4m3::kMinNormal), _CMP_LT_OQ);
   __m256i code = _mm256_blendv_epi8(normal, small, _mm256_castps_si256(is_small));
-  code = _mm256_min_epi32(code, _mm256_set1_epi32(0x7e));  // saturate at 448
+  code = _mm256_min_epi32(code, _mm256_set1_epi32(int(e4m3::kMaxCode)));  // saturate
   const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), _mm256_castps_si256(nan));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(int(e4m3::kNaNCode)),
+                            _mm256_castps_si256(nan));
   code = _mm256_or_si256(code, sign);
   const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(code),
                                        _mm256_extracti128_si256(code, 1));
@@ -422,13 +426,7 @@ inline __m256i e2m1x8(__m256 v) {
                         : _mm256_cmp_ps(m, _mm256_set1_ps(threshold), _CMP_NLT_UQ);
     code = _mm256_sub_epi32(code, _mm256_castps_si256(hit));  // a hit is -1
   };
-  count(0.25f, true);
-  count(0.75f, false);
-  count(1.25f, true);
-  count(1.75f, false);
-  count(2.5f, true);
-  count(3.5f, false);
-  count(5.0f, true);
+  for (const E2M1Threshold& t : kE2M1Thresholds) count(t.at, t.strict);
   const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
   const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(_mm256_castps_si256(v), 31), 3);
   return _mm256_or_si256(code, _mm256_and_si256(sign, ordered));

@@ -353,19 +353,20 @@ inline __m128i e4m3x16(__m512 v) {
   const __m512i au = _mm512_and_si512(u, splat(0x7fffffff));
   const __m512 a = as_ps(au);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(au, 20), splat(1));
-  const __m512i r = _mm512_add_epi32(au, _mm512_add_epi32(splat(0x7ffff), lsb));
+  const __m512i r = _mm512_add_epi32(au, _mm512_add_epi32(splat(int(e4m3::kRoundBias)), lsb));
   const __m512i normal = _mm512_or_si512(
-      _mm512_slli_epi32(_mm512_sub_epi32(_mm512_srli_epi32(r, 23), splat(120)), 3),
+      _mm512_slli_epi32(_mm512_sub_epi32(_mm512_srli_epi32(r, 23), splat(int(e4m3::kRebias))), 3),
       _mm512_and_si512(_mm512_srli_epi32(r, 20), splat(7)));
-  // below 2^-6: steps of 2^-9, a * 512 rounded to an integer, nearest even (2^23 trick)
-  const __m512 t = _mm512_add_ps(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)),
-                                 _mm512_set1_ps(8388608.0f));
-  const __m512i small = _mm512_sub_epi32(as_si(t), splat(0x4b000000));
-  const __mmask16 is_small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+  // below kMinNormal: a * kSubnormalSteps rounded to an integer, nearest even
+  const __m512 t = _mm512_add_ps(_mm512_mul_ps(a, _mm512_set1_ps(e4m3::kSubnormalSteps)),
+                                 _mm512_set1_ps(e4m3::kIntegerRounding));
+  const __m512i small = _mm512_sub_epi32(as_si(t), splat(int(e4m3::kIntegerRoundingBits)));
+  const __mmask16 is_small =
+      _mm512_cmp_ps_mask(a, _mm512_set1_ps(e4m3::kMinNormal), _CMP_LT_OQ);
   __m512i code = _mm512_mask_blend_epi32(is_small, normal, small);
-  code = _mm512_min_epi32(code, splat(0x7e));  // saturate at 448
+  code = _mm512_min_epi32(code, splat(int(e4m3::kMaxCode)));  // saturate
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  code = _mm512_mask_mov_epi32(code, nan, splat(0x7f));
+  code = _mm512_mask_mov_epi32(code, nan, splat(int(e4m3::kNaNCode)));
   return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
 }
 
@@ -420,13 +421,7 @@ inline __m512i e2m1x16(__m512 v) {
                : _mm512_cmp_ps_mask(m, _mm512_set1_ps(threshold), _CMP_NLT_UQ);
     code = _mm512_mask_add_epi32(code, hit, code, one);
   };
-  count(0.25f, true);
-  count(0.75f, false);
-  count(1.25f, true);
-  count(1.75f, false);
-  count(2.5f, true);
-  count(3.5f, false);
-  count(5.0f, true);
+  for (const E2M1Threshold& t : kE2M1Thresholds) count(t.at, t.strict);
   const __mmask16 ordered = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
   const __m512i sign = _mm512_slli_epi32(_mm512_srli_epi32(as_si(v), 31), 3);
   return _mm512_mask_or_epi32(code, ordered, code, sign);
