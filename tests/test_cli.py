@@ -105,6 +105,13 @@ def test_doctor() -> None:
                                                      or "never streams" in result.stdout)
 
 
+def test_doctor_names_the_settings_it_resolves_with() -> None:
+    result = arfuse("doctor", env={"ARFUSE_BACKEND": "torch"})
+    assert result.returncode == 0, result.stderr
+    assert "with ARFUSE_BACKEND=torch arfuse picks: torch" in result.stdout
+    assert "auto picks" not in result.stdout
+
+
 def test_run_main_job_checks_and_times() -> None:
     result = arfuse("run", "--world-size", "2", "--tokens", "1,9", "--hidden", "256",
                     "--steps", "3")

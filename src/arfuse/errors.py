@@ -37,7 +37,10 @@ class MismatchedCall(ArfuseError):
 
 
 class WorkspaceBroken(ArfuseError):
-    """A workspace that failed once (timeout, dead peer, mismatch) refuses every later call."""
+    """A workspace that failed once (timeout, dead peer) refuses every later call.
+
+    A ``MismatchedCall`` does not break it: every rank finds the mismatch before any rank
+    reads a peer's data, so the group stays in step."""
 
 
 class CollectiveTimeout(ArfuseError, TimeoutError):

@@ -217,9 +217,9 @@ class FusedAllReduce:
 
 
 def residual_digest(residual: torch.Tensor) -> torch.Tensor:
-    """64 bits that differ, but for a vanishing chance, when two residuals' bytes differ:
-    the sum of their elements' bit patterns weighted by position (wrapping int64 arithmetic,
-    the same on every rank), on the residual's device."""
+    """Two int64 sums that differ, but for a vanishing chance, when two residuals' bytes
+    differ: the sum of their elements' bit patterns weighted by position, and their plain sum
+    (wrapping int64 arithmetic, the same on every rank), on the residual's device."""
     flat = residual.contiguous().view(-1)
     as_ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     values = flat.view(as_ints[flat.element_size()]).to(torch.int64)

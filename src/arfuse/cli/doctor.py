@@ -87,11 +87,19 @@ def run(args: argparse.Namespace) -> int:
     for descriptor in catalog.descriptors():
         why = descriptor.blocker(topo, spec) or blocked.get(descriptor.name, "")
         print(f"  {descriptor.name:<8} {'yes' if not why else 'no':<13} {why or 'ok'}")
-    plan = policy.resolve(settings.load(), topo, spec, blocked)
-    print(f"\n  auto picks: {plan.backend} for {world} ranks (arfuse explain shows why)")
+    conf = settings.load()
+    plan = policy.resolve(conf, topo, spec, blocked)
+    print(f"\n  {picks_label(conf)}: {plan.backend} for {world} ranks (arfuse explain shows why)")
     removed = shm.clean_stale_segments()
     print(f"  stale shm segments of dead jobs removed: {len(removed)}")
     return 0
+
+
+def picks_label(conf: settings.Settings) -> str:
+    """Who picks: auto, or the settings the environment sets (doctor resolves with them)."""
+    chosen = [f"{settings.ENV_VARS[key]}={value}" for key, value in
+              (("backend", conf.backend), ("strict", int(conf.strict))) if value not in ("auto", 0)]
+    return "auto picks" if not chosen else f"with {', '.join(chosen)} arfuse picks"
 
 
 def _output_stores(module: Any) -> str:

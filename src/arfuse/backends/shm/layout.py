@@ -92,8 +92,8 @@ def mismatch_message(call: int, descriptors: list[tuple[int, int]]) -> str:
     ranks = "".join(f"; rank {r}: {describe_descriptor(*words)}"
                     for r, words in enumerate(descriptors))
     return (f"arfuse shm: the ranks of the group called with different arguments (call {call}; "
-            "every rank raises this, and the workspace is unusable now: create a new "
-            f"FusedAllReduce): they differ in {', '.join(differ)}{ranks}")
+            "every rank raises this before any rank reads a peer's data, so the workspace "
+            f"stays usable for calls that match): they differ in {', '.join(differ)}{ranks}")
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,8 @@ std::string mismatch_message(int64_t call, const std::vector<std::pair<int64_t, 
   };
   std::ostringstream ss;
   ss << "arfuse shm: the ranks of the group called with different arguments (call " << call
-     << "; every rank raises this, and the workspace is unusable now: create a new "
-        "FusedAllReduce): they differ in ";
+     << "; every rank raises this before any rank reads a peer's data, so the workspace "
+        "stays usable for calls that match): they differ in ";
   bool first = true;
   for (int i = 0; i < 6; ++i) {
     bool differs = false;
