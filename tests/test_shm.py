@@ -275,6 +275,16 @@ def test_ranks_sharing_one_core_take_turns_quickly() -> None:
         assert r["per_call_s"] < 2e-3, r  # was ~0.05-0.12 ms spinning; a slice is ~3 ms
 
 
+def test_workspace_released_during_an_operator_call() -> None:
+    """The Python side lets go of the kernel while a torch operator call is waiting for a
+    peer: the call's own reference is the last, and it is released on a thread without the
+    GIL (the process used to abort in ~ShmComm)."""
+    results = run_ranks(workers.release_during_operator_call, 2, timeout=60)
+    assert [r.exitcode for r in results] == [0, 0], [(r.exitcode, r.error[-400:]) for r in results]
+    rank0, rank1 = values(results)
+    assert rank0 == {"out": 3.0, "released": True} and rank1["out"] == 3.0, (rank0, rank1)
+
+
 @pytest.mark.parametrize("pure", [False, True])
 def test_calls_from_two_threads_run_one_at_a_time(pure: bool) -> None:
     """A workspace runs one call at a time (the kernel's call mutex; a lock on the pure-torch

@@ -666,3 +666,46 @@ def residual_check(rank: int, world: int, same: bool, tokens: int = 10,
     comm.close()
     return report
 
+
+
+def release_during_operator_call(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 runs the torch operator in a thread while rank 1 is late, and meanwhile drops
+    every Python reference to the kernel's ShmComm, so the operator's own reference is the
+    last, released on a thread without the GIL when the call ends. The process must live on
+    and the call give the sum."""
+    import threading
+
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,
+                                 backend="shm", strict=True, timeout_s=20.0)
+    ws = comm.workspace
+    handle = int(ws.handle)  # type: ignore[attr-defined]
+    x = torch.full((2, 64), float(rank + 1))
+
+    def operator() -> torch.Tensor:
+        return torch.ops.arfuse.shm_fused_allreduce(handle, x, None, None, 1e-6, 0.0, 0, 0.0,
+                                                    False, None, None)[0]
+
+    if rank == 1:
+        time.sleep(1.5)
+        return {"out": operator()[0, 0].item(), "released": False}
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["out"] = operator()[0, 0].item()
+        except Exception as exc:  # reported, not raised: the thread's result is checked
+            box["error"] = f"{type(exc).__name__}: {exc}"
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(0.5)
+    released = thread.is_alive()  # still waiting for rank 1: the operator holds the ShmComm
+    comm._fast = None  # type: ignore[attr-defined]
+    ws._comm = None  # type: ignore[attr-defined]
+    import gc
+
+    gc.collect()
+    thread.join(30)
+    return {**box, "released": released}

@@ -130,13 +130,27 @@ ShmComm::ShmComm(int64_t base, int64_t world, int64_t rank, int64_t max_tokens, 
 }
 
 ShmComm::~ShmComm() {
-  std::lock_guard<std::mutex> lock(g_comms_mutex);
-  g_comms.erase(handle_);
+  {
+    std::lock_guard<std::mutex> lock(g_comms_mutex);
+    g_comms.erase(handle_);
+  }
+  // The last owner can be a torch operator call on a thread without the GIL (the Python side
+  // let go of the workspace during that call): a Python reference is only released under the
+  // GIL, and left to the process once the interpreter is gone.
+  if (result_type_) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      result_type_ = py::object();
+    } else {
+      result_type_.release();
+    }
+  }
 }
 
 void ShmComm::set_peers(std::vector<int64_t> pids, std::vector<int64_t> starts, bool check) {
   TORCH_CHECK(int(pids.size()) == seg_.world && int(starts.size()) == seg_.world,
               "bad peer list");
+  const std::lock_guard<std::mutex> one_call(call_mutex_);  // a call reads them
   waiter_.pids = std::move(pids);
   waiter_.starts = std::move(starts);
   waiter_.check_pids = check;
@@ -171,12 +185,14 @@ void ShmComm::fail(const std::string& why) {
 void ShmComm::set_copy_mode(int64_t mode) {
   TORCH_CHECK(mode >= kStoresAuto && mode <= kStoresStreaming,
               "arfuse shm: copy mode must be 0 (auto), 1 (cached) or 2 (streaming)");
+  const std::lock_guard<std::mutex> one_call(call_mutex_);
   copy_mode_ = int(mode);
 }
 
 void ShmComm::set_output_stores(int64_t mode) {
   TORCH_CHECK(mode >= kStoresAuto && mode <= kStoresStreaming,
               "arfuse shm: output stores must be 0 (auto), 1 (cached) or 2 (streaming)");
+  const std::lock_guard<std::mutex> one_call(call_mutex_);
   output_stores_ = int(mode);
 }
 

@@ -88,7 +88,10 @@ class ShmComm {
 
   void set_peers(std::vector<int64_t> pids, std::vector<int64_t> starts, bool check);
   void set_base(int64_t base);
-  void set_oneshot_max_bytes(int64_t value) { oneshot_max_bytes_ = value; }
+  void set_oneshot_max_bytes(int64_t value) {
+    const std::lock_guard<std::mutex> one_call(call_mutex_);
+    oneshot_max_bytes_ = value;
+  }
   // Byte offset (from the segment base) of this rank's input slot for the next call.
   int64_t next_input_offset() const { return int64_t(next_slot() - seg_.base); }
   bool oneshot(int64_t tokens) const {
@@ -124,7 +127,10 @@ class ShmComm {
   // The caller's promise that every rank passes the same residual (tensor parallelism), set
   // once when the workspace is made: two-shot calls then finish other owners' rows from their
   // residual_out without reading this rank's residual (Call::slot_holds_residual_out).
-  void set_replicated_residual(bool replicated) { replicated_residual_ = replicated; }
+  void set_replicated_residual(bool replicated) {
+    const std::lock_guard<std::mutex> one_call(call_mutex_);
+    replicated_residual_ = replicated;
+  }
   bool replicated_residual() const { return replicated_residual_; }
   // Whether a call whose own outputs (out not x, residual_out not the residual) come to
   // `bytes` in all stores them with streaming stores (out only when it is not quantised, and

@@ -122,22 +122,20 @@ void Waiter::wait_slow(int which, int j, int64_t target, int only) const {
   sleep_on(which, j, target, only, deadline, kFirstSliceS);
 }
 
-// Sleep on rank j's flag until it reaches target, in slices from first_slice doubling up to
-// kSliceS, between which the deadline and (when the ranks are visible) the peers' lives are
+// Sleep on rank j's flag until it reaches target, in slices of `slice`, between which the
+// deadline and (at most every kSliceS, when the ranks are visible) the peers' lives are
 // checked.
 void Waiter::sleep_on(int which, int j, int64_t target, int only, double deadline,
-                      double first_slice) const {
+                      double slice) const {
   std::atomic<int64_t>* f = seg->flag(which, j);
   std::atomic<int32_t>* waiters = seg->waiters(which, j);
   double next_look = mono_now() + kSliceS;
-  double slice = first_slice;
   while (true) {
     waiters->fetch_add(1, std::memory_order_seq_cst);  // a full barrier: counted, then look
     const int64_t seen = f->load(std::memory_order_seq_cst);
     double now = mono_now();
     if (seen < target && now <= deadline) {
       futex_wait_for(f, seen, std::min(slice, deadline - now));
-      slice = std::min(2 * slice, kSliceS);
     }
     waiters->fetch_sub(1, std::memory_order_relaxed);
     if (f->load(std::memory_order_acquire) >= target) return;

@@ -225,8 +225,8 @@ inline void futex_wait_for(std::atomic<int64_t>* f, int64_t seen, double seconds
 // rank counts itself asleep on the flag. No full barrier between the two: it would hold the
 // core until every store before it has drained (the copy into the slot: ~1-2 us a call,
 // measured). Without it the count may be read before the new value is visible to a rank
-// going to sleep right then, which so misses this wake-up; a waiter's first sleep is short
-// for that reason (Waiter::kFirstSliceS), and it looks at the flag again when it ends. Ranks
+// going to sleep right then, which so misses this wake-up; a waiter's sleeps are short for
+// that reason (Waiter::kFirstSliceS), and it looks at the flag again when one ends. Ranks
 // on one CPU never miss one: a context switch drains the store buffer.
 inline void post_flag(std::atomic<int64_t>* f, std::atomic<int32_t>* waiters, int64_t value) {
   f->store(value, std::memory_order_release);
@@ -248,8 +248,8 @@ class Waiter {
   // cores meet within microseconds in a loop of calls; a peer further behind is slept on.
   static constexpr double kSpinPauseS = 50e-6;
   static constexpr double kSpinS = 1e-3;
-  // Sleeps: after spinning for a peer on another CPU the first is this long (a missed wake-up
-  // costs at most that, see post_flag), each next twice as long up to kSliceS, the longest
+  // Sleeps: after spinning for a peer on another CPU each is this long, so a missed wake-up
+  // (see post_flag; it can happen at any sleep) costs at most that; kSliceS is the longest
   // between deadline and liveness looks. For a peer on this CPU (which cannot miss a wake-up)
   // every sleep is kSliceS: a sleep that ends before the peer posts would take the CPU from it
   // (measured: two ranks on one core, 1-token calls 14 us instead of 10 with 0.5 ms sleeps).
@@ -277,7 +277,7 @@ class Waiter {
  private:
   void wait_slow(int which, int j, int64_t target, int only) const;
   void sleep_on(int which, int j, int64_t target, int only, double deadline,
-                double first_slice) const;
+                double slice) const;
   bool shares_cpu(int j) const;
   std::vector<int> silent_ranks(int which, int64_t target, int only) const;
   std::string silent_list(const std::vector<int>& silent) const;
