@@ -353,6 +353,28 @@ def test_replicated_residual_check_compares_the_ranks_residuals_every_call(same:
         assert got["stats"]["calls"] == (2 if same else 1)
 
 
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_replicated_residual_check_when_only_some_ranks_pass_a_residual(backend: str) -> None:
+    """"check" with a residual on rank 0 only: MismatchedCall on every rank (R11), at once,
+    and the next matching call goes ahead (this used to pair the check's all_gather on one
+    rank with the backend's collective on the other: a crash or a hang past the timeout)."""
+    results = values(run_ranks(workers.residual_check_presence, 2, backend, False, timeout=60))
+    for got in results:
+        assert got["error"].startswith("MismatchedCall: arfuse: ranks [0] passed a residual "
+                                       "and ranks [1] did not"), got
+        assert got["after"] == 3.0, got  # in step: no timeout, the next call sums
+
+
+def test_replicated_residual_check_keeps_the_deadline() -> None:
+    """A peer that never calls: the check's exchange times out within the op's timeout,
+    naming the silent rank, and the op refuses later calls (the group is out of step)."""
+    results = run_ranks(workers.residual_check_presence, 2, "shm", True, timeout=60)
+    got = values(results)[0]
+    assert got["error"].startswith("CallTimeout") and "residual-check" in got["error"], got
+    assert "rank(s) 1" in got["error"], got  # our deadline, not the process group's
+    assert str(got["after"]).startswith("WorkspaceBroken"), got
+
+
 def test_replicated_residual_keyword_is_checked() -> None:
     import arfuse
 

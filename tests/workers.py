@@ -709,3 +709,29 @@ def release_during_operator_call(rank: int, world: int) -> dict[str, Any]:
     gc.collect()
     thread.join(30)
     return {**box, "released": released}
+
+
+def residual_check_presence(rank: int, world: int, backend: str, silent: bool) -> dict[str, Any]:
+    """replicated_residual="check", rank 0 passes a residual and the others do not (or, with
+    ``silent``, never call): every rank's error, and then a call that matches."""
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=4, hidden_dim=64, dtype=torch.float32,
+                                 backend=backend, strict=backend != "torch", timeout_s=2.0,
+                                 replicated_residual="check")
+    x, weight = torch.full((4, 64), float(rank + 1)), torch.ones(64)
+    report: dict[str, Any] = {}
+    if silent and rank != 0:
+        time.sleep(6.0)  # past rank 0's deadline, alive
+        return report
+    try:
+        comm(x, residual=torch.ones(4, 64) if rank == 0 else None, weight=weight)
+    except Exception as exc:  # the test checks the class and the text
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        report["after"] = comm(x, residual=torch.zeros(4, 64), weight=weight).residual_out[
+            0, 0].item()
+    except Exception as exc:
+        report["after"] = f"{type(exc).__name__}: {exc}"
+    comm.close()
+    return report

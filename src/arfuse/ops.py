@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
-from . import catalog, faults, log
+from . import catalog, collective, faults, log
 from . import settings as settings_mod
 from .backends.base import Workspace
-from .call_checks import OpShape, check_call
+from .call_checks import CallArgs, OpShape, check_call
 from .dtypes import parse_dtype
 from .epilogue import FusedOutput, quantize
+from .errors import CallTimeout, MismatchedCall, WorkspaceBroken
 from .policy import Plan
 from .registry import REGISTRY, Lease
 from .spec import Spec, parse_quant
@@ -62,6 +63,7 @@ class FusedAllReduce:
         self._fuses: dict[tuple[str, str], bool] = {}  # (backend, quantisation) -> fused
         self._unfused: Workspace | None = None
         self._calls = self._fused_calls = self._over_capacity = self._fast_calls = 0
+        self._broken = ""  # a residual check that timed out: the group is out of step
         # the kernel's own checked entry (it declines what it does not fuse), unless faults
         # must fire on calls or residuals must be compared first
         self._fast = ws.fast_call if not ws.call_fault and not self._check_residual else None
@@ -157,8 +159,15 @@ class FusedAllReduce:
         slot = ws.input_slot_start() if shared is not None else None
         call = check_call(self._shape, x, residual, weight, eps, weight_bias, quant, scale,
                           layout, out, residual_out, shared, slot)
-        if self._check_residual and call.residual is not None:
-            check_replicated(call.residual, ws.ctx.group, ws.ctx.world_size)
+        if self._broken:
+            raise WorkspaceBroken(f"arfuse: this FusedAllReduce is unusable after an earlier "
+                                  f"failure ({self._broken}); create a new one")
+        if self._check_residual:
+            try:
+                check_replicated(call, ws.ctx, ws.backend, self._calls + 1)
+            except CallTimeout as error:
+                self._broken = str(error)
+                raise
         if ws.call_fault:
             faults.trigger(ws.call_fault, ws.backend, "call", ws.ctx.rank)
         self._calls += 1
@@ -227,21 +236,31 @@ def residual_digest(residual: torch.Tensor) -> torch.Tensor:
     return torch.stack([(values * weights).sum(), values.sum()])
 
 
-def check_replicated(residual: torch.Tensor, group: Any, world_size: int) -> None:
-    """Collective: raise ``ValueError`` on every rank unless every rank's residual has the same
-    bytes (``replicated_residual="check"``)."""
-    if world_size <= 1:
+def check_replicated(call: CallArgs, ctx: Any, backend: str, call_number: int) -> None:
+    """Collective, on every call of a ``replicated_residual="check"`` op: every rank sends
+    whether it passes a residual and its digest, within the group's deadline. Raise on every
+    rank ``MismatchedCall`` when some ranks pass a residual and others do not (R11), or
+    ``ValueError`` when the residuals' bytes differ."""
+    if ctx.world_size <= 1:
         return
-    import torch.distributed as dist
-
-    mine = residual_digest(residual)
-    every = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(every, mine, group=group)
-    differ = [r for r in range(1, world_size) if not torch.equal(every[r], every[0])]
+    residual = call.residual
+    if residual is None:
+        mine = torch.zeros(1, 3, dtype=torch.int64, device=call.x.device)
+    else:
+        mine = torch.cat([torch.ones(1, dtype=torch.int64, device=residual.device),
+                          residual_digest(residual)]).view(1, 3)
+    every = collective.gather(mine, ctx, "residual-check", backend, call_number)
+    rows = every.view(ctx.world_size, 3).cpu().tolist()
+    passing = [r for r, row in enumerate(rows) if row[0] == 1]
+    if 0 < len(passing) < ctx.world_size:
+        others = [r for r in range(ctx.world_size) if r not in passing]
+        raise MismatchedCall(
+            f"arfuse: ranks {passing} passed a residual and ranks {others} did not (call "
+            f"{call_number}); every rank must call with the same pattern")
+    differ = [r for r in range(1, ctx.world_size) if rows[r] != rows[0]]
     if differ:
         raise ValueError(
             f"residual differs across ranks (ranks {differ} differ from rank 0), but "
             "replicated_residual='check' promised it the same on every rank; with the promise "
             "(replicated_residual=True) such a call would finish each rank's rows with the "
             "residual of the rank that reduced them")
-

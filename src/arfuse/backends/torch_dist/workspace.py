@@ -13,13 +13,11 @@ the group's store, so the ranks that did call can name the ones that did not.
 
 from __future__ import annotations
 
-import contextlib
-import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ... import collective
 from ...call_checks import CallArgs
 from ...catalog import UNLIMITED
 from ...dtypes import DTYPES
@@ -35,11 +33,7 @@ from ...spec import LAYOUTS, Spec
 from ...torch_types import device_of
 from ..base import Backend, Workspace
 
-# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single; same semantics
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _DESCRIPTOR_FIELDS = ("tokens", "hidden", "dtype", "pattern")
-# how long ranks that timed out wait to see which others timed out too
-_SILENT_GRACE_S = 0.5
 
 
 _NORMS = ("plain all-reduce", "+ RMSNorm", "+ residual + RMSNorm")
@@ -74,46 +68,15 @@ class TorchWorkspace(Workspace):
     def poison(self) -> None:
         self._poisoned = True
 
-    def _wait(self, work: Any, phase: str) -> None:
-        """Wait for an async collective within the group's deadline; on a timeout (ours or
-        the process group's), name the ranks that never joined this call."""
-        deadline = time.monotonic() + self.ctx.timeout_s
-        try:
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                time.sleep(0.0002)
-            work.wait()
-        except Exception as exc:
-            silent = self._silent_ranks(phase)
-            error = CallTimeout(phase, self.backend, silent, self.ctx.timeout_s,
-                                detail=f" (call {self._calls})"
-                                + ("" if isinstance(exc, TimeoutError)
-                                   else f"; the process group reported {type(exc).__name__}: "
-                                   f"{str(exc)[:200]}"))
-            self._broken = str(error)
-            raise error from None
-
-    def _silent_ranks(self, phase: str) -> list[int] | None:
-        """Ranks that timed out at this call say so in the store; the others are silent."""
-        store = self.ctx.channel.store
-        if store is None:
-            return None
-        prefix = f"{self.ctx.channel.prefix}/torch-timeout/{phase}/{self._calls}"
-        with contextlib.suppress(Exception):
-            store.set(f"{prefix}/{self.ctx.rank}", "1")
-            time.sleep(_SILENT_GRACE_S)
-            return [r for r in range(self.ctx.world_size)
-                    if not store.check([f"{prefix}/{r}"])]
-        return None
-
     def _gather(self, x: torch.Tensor, phase: str) -> torch.Tensor:
-        """``[world, T, H]`` of every rank's ``x``, within the deadline."""
-        world = self.ctx.world_size
+        """``[world, T, H]`` of every rank's ``x``, within the deadline; a timeout leaves the
+        group out of step, so this workspace refuses every later call."""
         contribution = torch.zeros_like(x) if self._poisoned else x
-        out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        self._wait(_all_gather(out, contribution, group=self.ctx.group, async_op=True), phase)
-        return out.view(world, *x.shape)
+        try:
+            return collective.gather(contribution, self.ctx, phase, self.backend, self._calls)
+        except CallTimeout as error:
+            self._broken = str(error)
+            raise
 
     def _check_agreement(self, call: CallArgs) -> None:
         """R11: every rank's (tokens, hidden, dtype, pattern) must be the same."""

@@ -1,0 +1,62 @@
+"""``torch.distributed`` collectives of a call, within the group's deadline (R8).
+
+A rank whose wait runs out posts that in the group's store, so the ranks that did call can
+name the ones that did not (``CallTimeout.silent``). Used by the unfused backend's calls and
+by the op's residual check; negotiation has its own channel (``rendezvous``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import CallTimeout
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single; same semantics
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# how long ranks that timed out wait to see which others timed out too
+SILENT_GRACE_S = 0.5
+
+
+def wait_within_deadline(work: Any, ctx: Any, phase: str, backend: str, call: int) -> None:
+    """Wait for async ``work`` at most the group's timeout; on a timeout (ours or the process
+    group's) raise ``CallTimeout`` naming the ranks that never joined call number ``call``."""
+    deadline = time.monotonic() + ctx.timeout_s
+    try:
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            time.sleep(0.0002)
+        work.wait()
+    except Exception as exc:
+        detail = f" (call {call})" + (
+            "" if isinstance(exc, TimeoutError) else
+            f"; the process group reported {type(exc).__name__}: {str(exc)[:200]}")
+        raise CallTimeout(phase, backend, silent_ranks(ctx, phase, call), ctx.timeout_s,
+                          detail=detail) from None
+
+
+def silent_ranks(ctx: Any, phase: str, call: int) -> list[int] | None:
+    """Ranks that timed out at this call say so in the store; the others are silent."""
+    store = ctx.channel.store
+    if store is None:
+        return None
+    prefix = f"{ctx.channel.prefix}/timeout/{phase}/{call}"
+    with contextlib.suppress(Exception):
+        store.set(f"{prefix}/{ctx.rank}", "1")
+        time.sleep(SILENT_GRACE_S)
+        return [r for r in range(ctx.world_size) if not store.check([f"{prefix}/{r}"])]
+    return None
+
+
+def gather(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int) -> torch.Tensor:
+    """``[world, *x.shape]`` of every rank's ``x`` over the group, within the deadline."""
+    world = ctx.world_size
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    wait_within_deadline(_all_gather(out, x, group=ctx.group, async_op=True), ctx, phase,
+                         backend, call)
+    return out.view(world, *x.shape)
