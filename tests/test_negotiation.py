@@ -81,6 +81,16 @@ def test_topology_file_of_two_hosts_means_no_shm(tmp_path) -> None:
     assert {r[0]["backend"] for r in results} == {"torch"}
 
 
+@pytest.mark.parametrize("file_rank", [0, 1])
+def test_a_topology_file_on_one_rank_only_fails_on_every_rank(tmp_path, file_rank: int) -> None:
+    """Ranks must agree on ARFUSE_TOPOLOGY whichever rank has one (a file on rank 1 only was
+    ignored: every rank used the detected facts)."""
+    topo = tmp_path / "two-hosts.json"
+    topo.write_text(json.dumps({"device": "cpu", "world_size": 2, "hosts": ["a", "b"]}))
+    for got in values(run_ranks(workers.topology_file_on_one_rank, 2, file_rank, str(topo))):
+        assert got.startswith("NegotiationError") and "topology files (ARFUSE_TOPOLOGY)" in got, got
+
+
 def test_registry_reuse_growth_sharing_and_destroy() -> None:
     stories = values(run_ranks(workers.registry_story, 2))
     for story in stories:

@@ -735,3 +735,20 @@ def residual_check_presence(rank: int, world: int, backend: str, silent: bool) -
         report["after"] = f"{type(exc).__name__}: {exc}"
     comm.close()
     return report
+
+
+def topology_file_on_one_rank(rank: int, world: int, file_rank: int, path: str) -> str:
+    """ARFUSE_TOPOLOGY set on rank ``file_rank`` only: what creating an op gives."""
+    if rank == file_rank:
+        os.environ["ARFUSE_TOPOLOGY"] = path
+    else:
+        os.environ.pop("ARFUSE_TOPOLOGY", None)
+    import arfuse
+
+    try:
+        comm = arfuse.FusedAllReduce(max_token_num=4, hidden_dim=64, dtype=torch.float32,
+                                     timeout_s=10.0)
+    except Exception as exc:  # the test checks the class and the text
+        return f"{type(exc).__name__}: {exc}"
+    comm.close()
+    return f"created: {comm.plan.backend}"

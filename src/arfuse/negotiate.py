@@ -233,7 +233,7 @@ def topology_of(ctx: GroupContext, payloads: list[dict[str, Any]]) -> Topology:
     ``file_topology`` and ``facts`` (the ``ARFUSE_TOPOLOGY`` file when ranks gave one, all
     alike; else every rank's detected facts merged). Integrations with their own exchange
     reuse it."""
-    if payloads[0]["file_topology"] is not None:
+    if any(p["file_topology"] is not None for p in payloads):  # on any rank: all alike
         _agree(payloads, "file_topology", "topology files (ARFUSE_TOPOLOGY)")
         topo = Topology.from_dict(payloads[0]["file_topology"])
         if topo.world_size != ctx.world_size:
