@@ -144,3 +144,25 @@ def test_the_replicated_residual_promise_is_logged_with_the_workspace(
         using = [r.getMessage() for r in caplog.records if "using" in r.getMessage()]
         assert len(using) == 1, [r.getMessage() for r in caplog.records]
         assert ("residual promised the same on every rank" in using[0]) == promised, using
+
+
+def test_ops_with_other_timeouts_do_not_share_a_workspace() -> None:
+    """A workspace waits with the timeout of the op that made it: an op asking for another
+    timeout gets its own (it used to reuse one that waited 60 s where it asked for 0.5)."""
+    import torch
+
+    import arfuse
+
+    long = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=64, dtype=torch.float32,
+                                 timeout_s=60.0)
+    short = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,
+                                  timeout_s=0.5)
+    same = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,
+                                 timeout_s=0.5)
+    try:
+        assert short.workspace is not long.workspace
+        assert short.workspace.ctx.timeout_s == 0.5 and long.workspace.ctx.timeout_s == 60.0
+        assert same.workspace is short.workspace  # the same settings still share
+    finally:
+        for op in (long, short, same):
+            op.close()

@@ -26,8 +26,8 @@ from .negotiate import GroupContext, Outcome
 from .settings import Settings
 from .spec import Spec
 
-# group key, device, backend, strict, topology file, replicated residual
-EntryKey = tuple[str, str, str, bool, "str | None", "bool | str"]
+# group key, device, backend, strict, topology file, replicated residual, timeout
+EntryKey = tuple[str, str, str, bool, "str | None", "bool | str", float]
 
 
 @dataclass(eq=False)
@@ -64,9 +64,10 @@ class Registry:
         """Collective: a covering workspace of the group, or a newly negotiated one."""
         with self._lock:
             ctx = negotiate.make_context(group, device, settings)
-            # a workspace serves only requests negotiated under the same settings and topology file
+            # a workspace serves only requests negotiated under the same settings and topology
+            # file, and waits with the timeout of the op that made it (its context's)
             key = (ctx.key, ctx.device, settings.backend, settings.strict,
-                   settings.topology_path, settings.replicated_residual)
+                   settings.topology_path, settings.replicated_residual, settings.timeout_s)
             live = self._entries.setdefault(key, [])
             for entry in live:
                 if not entry.superseded and entry.workspace.spec.covers(spec):
