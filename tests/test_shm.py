@@ -157,6 +157,15 @@ def test_stale_segment_of_a_dead_creator_is_cleaned(tmp_path) -> None:
     assert live.exists() and not stale.exists()
 
 
+def test_no_segment_left_when_a_peer_never_answers_creation(tmp_path) -> None:
+    """Rank 0 made the segment, then timed out waiting for a peer that never took part: the
+    segment goes with the error (it stayed while the creator lived)."""
+    env = {"ARFUSE_SHM_DIR": str(tmp_path)}
+    got = values(run_ranks(workers.shm_create_with_a_silent_peer, 2, str(tmp_path), env=env,
+                           timeout=60))[0]
+    assert got == "NegotiationTimeout; left: []", got
+
+
 @pytest.mark.parametrize("mode", ["oneshot", "twoshot"])
 def test_hung_rank_in_a_call_times_out_naming_it(mode: str) -> None:
     env = {"ARFUSE_FAULTS": "shm.call@1=hang", "ARFUSE_TIMEOUT_S": "2"}

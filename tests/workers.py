@@ -752,3 +752,25 @@ def topology_file_on_one_rank(rank: int, world: int, file_rank: int, path: str) 
         return f"{type(exc).__name__}: {exc}"
     comm.close()
     return f"created: {comm.plan.backend}"
+
+
+def shm_create_with_a_silent_peer(rank: int, world: int, directory: str) -> str:
+    """Rank 0 creates the shm segment while rank 1 never takes part: what rank 0 raises, and
+    which segments of its process are left in ``directory`` (ARFUSE_SHM_DIR)."""
+    from arfuse import negotiate, settings
+    from arfuse.backends.shm import workspace as shm_workspace
+    from arfuse.spec import Spec
+
+    ctx = negotiate.make_context(None, "cpu", settings.load(timeout_s=1.0))
+    ctx.channel.next_epoch()
+    ctx.channel.begin("n1/shm")
+    if rank != 0:
+        time.sleep(3.0)  # alive, silent
+        return "silent"
+    try:
+        shm_workspace.ShmBackend().create(ctx, Spec(max_tokens=16, hidden=64, dtype="fp32"))
+        outcome = "created"
+    except Exception as exc:  # the test checks the class
+        outcome = type(exc).__name__
+    mine = [p for p in os.listdir(directory) if p.split("-")[1:2] == [str(os.getpid())]]
+    return f"{outcome}; left: {mine}"

@@ -491,7 +491,13 @@ class ShmBackend(Backend):
                     os.close(fd)
             except (Exception, MemoryError) as exc:
                 name, error = "", f"{type(exc).__name__}: {exc}"
-        shared = ctx.all_gather("shm-name", {"name": name, "error": error}, self.name)[0]
+        try:
+            shared = ctx.all_gather("shm-name", {"name": name, "error": error}, self.name)[0]
+        except BaseException:  # a silent peer: nobody maps it, nothing else would unlink it
+            if name:
+                with contextlib.suppress(OSError):
+                    (SHM_DIR / name).unlink()
+            raise
         if not shared["name"]:
             raise CreationFailed(f"rank 0 could not create the segment: {shared['error']}")
         workspace: ShmWorkspace | None = None
@@ -504,6 +510,9 @@ class ShmBackend(Backend):
                 workspace.publish_identity()
         except (Exception, MemoryError) as exc:
             failure = exc
+            if workspace is not None:  # mapped, then failed: its mapping and fd go now
+                workspace.destroy()
+                workspace = None
         why = "" if failure is None else f"{type(failure).__name__}: {failure}"
         try:
             mapped = ctx.all_gather("shm-mapped", {"why": why, "kernel": bool(
@@ -544,5 +553,11 @@ class ShmBackend(Backend):
         except BaseException:
             os.close(fd)
             raise
-        return ShmWorkspace(ctx, spec, layout, name, fd, mapping)
+        try:
+            return ShmWorkspace(ctx, spec, layout, name, fd, mapping)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(BufferError):  # a view may still hold it: then at GC
+                mapping.close()
+            raise
 
