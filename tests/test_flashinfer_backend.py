@@ -691,6 +691,27 @@ def test_patterns_and_quant_arguments(fake: FakeFlashInfer) -> None:
 
 
 @pytest.mark.parametrize("backend", ["trtllm", "mnnvl"])
+@pytest.mark.parametrize(("quant", "scale"), [("fp8", 0.5), ("nvfp4", 2.0), ("fp8_dynamic", None)])
+def test_quantisation_without_rmsnorm_is_a_step_of_its_own(
+        fake: FakeFlashInfer, backend: str, quant: str, scale: float | None) -> None:
+    """FlashInfer has no all-reduce + quantise pattern without RMSNorm: the plain all-reduce,
+    then arfuse's quantisation of its sum (the quantised outputs used to be dropped)."""
+    from arfuse.epilogue import quantize
+
+    ws = BACKENDS[backend]().create(context(), Spec(max_tokens=8, hidden=64))
+    assert ws is not None
+    x = torch.randn(3, 64).bfloat16()
+    got = ws.run(CallArgs(x, None, None, 1e-6, 0.0, quant, scale, "linear"))
+    assert fake.calls[-1]["pattern"] == 0
+    want = quantize(got.out, quant, scale, "linear")
+    assert got.quant_out is not None and torch.equal(got.quant_out.view(torch.uint8),
+                                                     want[0].view(torch.uint8))
+    assert (got.scale_out is None) == (want[1] is None)
+    if want[1] is not None:
+        assert got.scale_out is not None and torch.equal(got.scale_out, want[1])
+
+
+@pytest.mark.parametrize("backend", ["trtllm", "mnnvl"])
 def test_fp8_dynamic_goes_through_pattern_11(fake: FakeFlashInfer, backend: str) -> None:
     """Per-token scales: FP8 out [T, H] and float32 scale_out [T, 1] the kernel fills, the norm
     materialised (pattern 11, not 10), no scale_factor."""

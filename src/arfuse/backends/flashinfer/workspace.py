@@ -31,7 +31,7 @@ import torch
 
 from ... import catalog
 from ...call_checks import CallArgs
-from ...epilogue import FusedOutput
+from ...epilogue import FusedOutput, quantize
 from ...errors import ArfuseError, CreationFailed, NegotiationTimeout
 from ...quant import nvfp4_scale_shape
 from ...sizing import largest_fitting
@@ -230,7 +230,9 @@ class FlashInferWorkspace(Workspace):
             summed = out if out is not None else torch.empty_like(x)
             self._comm.allreduce_fusion(input=x, workspace=self._handle, pattern=K_ALLREDUCE,
                                         output=summed, **kwargs)
-            return FusedOutput(summed)
+            # FlashInfer quantises only after its RMSNorm: here it is a step of its own
+            quant_out, scale_out = quantize(summed, call.quant, call.scale, call.layout)
+            return FusedOutput(summed, None, quant_out, scale_out)
         residual_in = call.residual if call.residual is not None else torch.zeros_like(x)
         norm_out = out if out is not None else torch.empty_like(x)
         if residual_out is None:
