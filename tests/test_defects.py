@@ -22,7 +22,7 @@ import defect_workers as dw
 from harness import run_ranks, values
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPE = OpShape(hidden=16, dtype=torch.float32, dtype_name="fp32", device_type="cpu")
+SHAPE = OpShape(hidden=16, dtype=torch.float32, dtype_name="fp32", device=torch.device("cpu"))
 
 
 def check(**kwargs: object) -> object:
@@ -31,6 +31,17 @@ def check(**kwargs: object) -> object:
             "out": None, "residual_out": None, "shared": None, "slot_start": None}
     args.update(kwargs)
     return check_call(SHAPE, **args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:1"])
+def test_x_on_another_device_than_the_workspace_is_refused(device: str) -> None:
+    """The workspace's device with its index: x on cuda:1 for a workspace on cuda:0 was let
+    through when only the device type was compared (here: the CPU against a CUDA shape)."""
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match=f"x is on cpu; this op's workspace is on {device}"):
+        check_call(replace(SHAPE, device=torch.device(device)), torch.ones(2, 16), None,
+                   torch.ones(16), 1e-6, 0.0, None, None, "linear", None, None, None, None)
 
 
 # --- item 5: values float64 carries but fp32 cannot ---

@@ -50,7 +50,7 @@ class Comm:
 
     @property
     def shape(self) -> OpShape:
-        return OpShape(self.hidden, self.dtype, DTYPE[self.dtype][1], "cpu")
+        return OpShape(self.hidden, self.dtype, DTYPE[self.dtype][1], torch.device("cpu"))
 
     @property
     def shared(self) -> tuple[int, int]:

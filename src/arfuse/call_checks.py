@@ -103,7 +103,7 @@ class OpShape:
     hidden: int
     dtype: torch.dtype
     dtype_name: str
-    device_type: str
+    device: torch.device  # with its index: a CUDA workspace lives on one device
 
 
 def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, weight_bias: Any,
@@ -163,8 +163,8 @@ def _check_x(shape: OpShape, x: Any) -> None:
     if x.shape[1] != shape.hidden:
         raise ValueError(f"x has hidden size {x.shape[1]}; this op was built for "
                          f"hidden_dim={shape.hidden}")
-    if x.device.type != shape.device_type:
-        raise ValueError(f"x is on {x.device}; this op runs on {shape.device_type}")
+    if x.device != shape.device:
+        raise ValueError(f"x is on {x.device}; this op's workspace is on {shape.device}")
     if not x.is_contiguous():
         raise ValueError("x must be contiguous (call .contiguous() first)")
 

@@ -24,7 +24,7 @@ from .errors import CallTimeout, MismatchedCall, WorkspaceBroken
 from .policy import Plan
 from .registry import REGISTRY, Lease
 from .spec import Spec, parse_quant
-from .torch_types import TORCH_DTYPES
+from .torch_types import TORCH_DTYPES, device_of
 
 
 class FusedAllReduce:
@@ -58,7 +58,8 @@ class FusedAllReduce:
         self._backend = ws.backend
         self._plan = outcome.plan
         self._attempts = outcome.attempts
-        self._shape = OpShape(spec.hidden, TORCH_DTYPES[spec.dtype], spec.dtype, lease.ctx.device)
+        self._shape = OpShape(spec.hidden, TORCH_DTYPES[spec.dtype], spec.dtype,
+                              device_of(lease.ctx.device))
         self._topology = outcome.topology
         self._fuses: dict[tuple[str, str], bool] = {}  # (backend, quantisation) -> fused
         self._unfused: Workspace | None = None

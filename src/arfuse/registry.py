@@ -25,6 +25,7 @@ from .backends.base import Workspace
 from .negotiate import GroupContext, Outcome
 from .settings import Settings
 from .spec import Spec
+from .torch_types import device_of
 
 # group key, device, backend, strict, topology file, replicated residual, timeout
 EntryKey = tuple[str, str, str, bool, "str | None", "bool | str", float]
@@ -66,7 +67,7 @@ class Registry:
             ctx = negotiate.make_context(group, device, settings)
             # a workspace serves only requests negotiated under the same settings and topology
             # file, and waits with the timeout of the op that made it (its context's)
-            key = (ctx.key, ctx.device, settings.backend, settings.strict,
+            key = (ctx.key, str(device_of(ctx.device)), settings.backend, settings.strict,
                    settings.topology_path, settings.replicated_residual, settings.timeout_s)
             live = self._entries.setdefault(key, [])
             for entry in live:
