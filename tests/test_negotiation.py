@@ -91,6 +91,18 @@ def test_a_topology_file_on_one_rank_only_fails_on_every_rank(tmp_path, file_ran
         assert got.startswith("NegotiationError") and "topology files (ARFUSE_TOPOLOGY)" in got, got
 
 
+def test_a_plan_with_nothing_to_run_fails_on_every_rank(tmp_path) -> None:
+    """shm asked for, strict, on two hosts: the plan's ValueError on every rank, after the
+    ranks acknowledged the facts (rank 0 hosts the store: it must not exit while a peer still
+    reads them)."""
+    topo = tmp_path / "two-hosts.json"
+    topo.write_text(json.dumps({"device": "cpu", "world_size": 2, "hosts": ["a", "b"]}))
+    results = values(run_ranks(workers.expect_failure, 2, "shm",
+                               env={"ARFUSE_TOPOLOGY": str(topo), "ARFUSE_STRICT": "1"}))
+    for got in results:
+        assert got["error"].startswith("ValueError: ARFUSE_STRICT=1 and no fused backend"), got
+
+
 def test_registry_reuse_growth_sharing_and_destroy() -> None:
     stories = values(run_ranks(workers.registry_story, 2))
     for story in stories:

@@ -262,10 +262,12 @@ def negotiate(ctx: GroupContext, spec: Spec) -> Outcome:
         _agree(payloads, "settings", "settings (ARFUSE_BACKEND / ARFUSE_STRICT / "
                "ARFUSE_REPLICATED_RESIDUAL or their keywords)")
         topo = topology_of(ctx, payloads)
+        blocked = _blocked(payloads)
+        # an explicit backend that cannot run, or strict with nothing fused: every rank's
+        # verdict from the same facts, raised together like the facts' own errors
+        plan = policy.resolve(ctx.settings, topo, spec, blocked)
     except (NegotiationError, ValueError) as exc:
         fail_together(ctx, "facts", exc)
-    blocked = _blocked(payloads)
-    plan = policy.resolve(ctx.settings, topo, spec, blocked)
     log.once(_level(ctx, logging.INFO), (ctx.key, spec, ctx.settings.backend),
              "arfuse group %s: plan for %s\n%s", ctx.key, _spec_text(spec), plan.explain())
     attempts: list[Attempt] = []
