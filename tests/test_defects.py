@@ -96,6 +96,7 @@ def test_torch_backend_keeps_the_timeout_and_names_the_silent_rank() -> None:
     assert "backend torch" in caller["error"]
     assert caller["seconds"] < 2.0 + 3.0, caller  # the timeout and a grace, never gloo's 30 s
     assert caller["second"]["type"] == "WorkspaceBroken", caller  # not "pair closure"
+    assert "process group" in caller["second"]["error"], caller  # what it advises: a new group
 
 
 @pytest.mark.parametrize(("world", "tokens", "residual_on"), [

@@ -103,6 +103,23 @@ def test_a_plan_with_nothing_to_run_fails_on_every_rank(tmp_path) -> None:
         assert got["error"].startswith("ValueError: ARFUSE_STRICT=1 and no fused backend"), got
 
 
+@pytest.mark.parametrize("pure", [False, True])
+def test_what_workspace_broken_advises_brings_the_group_back(pure: bool) -> None:
+    """After a timeout in a shm call the ranks may have failed apart; WorkspaceBroken's advice
+    (close every op of the group on every rank, then create new ones) must work, and the
+    kernel's message must give the same advice as the pure-torch path's. (The torch backend's
+    timeouts leave the process group itself out of step, and its message says so.)"""
+    from arfuse.errors import WorkspaceBroken
+
+    env = {"ARFUSE_SHM_PURE_TORCH": "1"} if pure else {}
+    rank0, rank1 = values(run_ranks(workers.new_ops_after_a_broken_workspace, 2, "shm",
+                                    env=env, timeout=60))
+    assert rank0["first"].startswith("CallTimeout"), rank0
+    assert rank0["first_again"].startswith("WorkspaceBroken"), rank0
+    assert rank0["first_again"].endswith(WorkspaceBroken.ADVICE), rank0
+    assert rank0["second"] == 3.0 and rank1["second"] == 3.0, (rank0, rank1)
+
+
 def test_registry_reuse_growth_sharing_and_destroy() -> None:
     stories = values(run_ranks(workers.registry_story, 2))
     for story in stories:

@@ -774,3 +774,36 @@ def shm_create_with_a_silent_peer(rank: int, world: int, directory: str) -> str:
         outcome = type(exc).__name__
     mine = [p for p in os.listdir(directory) if p.split("-")[1:2] == [str(os.getpid())]]
     return f"{outcome}; left: {mine}"
+
+
+def new_ops_after_a_broken_workspace(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """Both ranks make an op; rank 1 is late for its call, so rank 0 times out (rank 1's call
+    may still succeed: the ranks fail apart). Then what WorkspaceBroken advises: every rank
+    closes its ops, and new ones with the same settings must work."""
+    import torch.distributed as dist
+
+    import arfuse
+
+    def make() -> Any:
+        return arfuse.FusedAllReduce(max_token_num=4, hidden_dim=64, dtype=torch.float32,
+                                     backend=backend, strict=True, timeout_s=1.0)
+
+    first = make()
+    x = torch.full((2, 64), float(rank + 1))
+    if rank == 1:
+        time.sleep(1.5)
+    report: dict[str, Any] = {}
+    for key in ("first", "first_again"):
+        try:
+            first(x)
+            report[key] = "ran"
+        except Exception as exc:  # the test checks the class and the text
+            report[key] = f"{type(exc).__name__}: {exc}"
+        if rank == 1:
+            break
+    dist.barrier()
+    first.close()
+    second = make()
+    report["second"] = second(x).out[0, 0].item()
+    second.close()
+    return report

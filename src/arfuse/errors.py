@@ -42,6 +42,23 @@ class WorkspaceBroken(ArfuseError):
     A ``MismatchedCall`` does not break it: every rank finds the mismatch before any rank
     reads a peer's data, so the group stays in step."""
 
+    # The ranks may have failed apart (a late rank's call can still succeed), and a new op
+    # reuses its group's live workspace without a collective: only a workspace freed on every
+    # rank makes the next op negotiate afresh everywhere. The kernel's message (comm.cpp,
+    # throw_broken) says the same.
+    ADVICE = ("close every FusedAllReduce of this group on every rank (arfuse.destroy_all() "
+              "closes all), then create new ones")
+    # A collective that timed out on the process group itself (the torch backend, the residual
+    # check) stays queued there: every later collective on that group pairs with the wrong one.
+    GROUP_ADVICE = ("a collective on the process group timed out and left the group out of "
+                    "step: destroy it and make a new one, with new FusedAllReduce ops on it")
+
+    @classmethod
+    def after(cls, who: str, why: str, group_out_of_step: bool = False) -> WorkspaceBroken:
+        advice = cls.GROUP_ADVICE if group_out_of_step else cls.ADVICE
+        return cls(f"{who}: this workspace is unusable after an earlier failure ({why}); "
+                   + advice)
+
 
 class CollectiveTimeout(ArfuseError, TimeoutError):
     """A collective step saw silent ranks; the message names phase, backend and ranks."""

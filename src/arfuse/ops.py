@@ -161,8 +161,7 @@ class FusedAllReduce:
         call = check_call(self._shape, x, residual, weight, eps, weight_bias, quant, scale,
                           layout, out, residual_out, shared, slot)
         if self._broken:
-            raise WorkspaceBroken(f"arfuse: this FusedAllReduce is unusable after an earlier "
-                                  f"failure ({self._broken}); create a new one")
+            raise WorkspaceBroken.after("arfuse", self._broken, group_out_of_step=True)
         if self._check_residual:
             try:
                 check_replicated(call, ws.ctx, ws.backend, self._calls + 1)

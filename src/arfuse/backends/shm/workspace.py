@@ -351,8 +351,7 @@ class ShmWorkspace(Workspace):
 
     def _run_pure_locked(self, call: CallArgs) -> FusedOutput:
         if self._broken:
-            raise WorkspaceBroken("arfuse shm: this workspace is unusable after an earlier "
-                                  f"failure ({self._broken}); create a new FusedAllReduce")
+            raise WorkspaceBroken.after("arfuse shm", self._broken)
         x = call.x
         tokens, world, rank = x.shape[0], self.ctx.world_size, self.ctx.rank
         self._seq += 1
@@ -382,8 +381,7 @@ class ShmWorkspace(Workspace):
             return
         with self._call_lock:
             if self._broken:
-                raise WorkspaceBroken("arfuse shm: this workspace is unusable after an earlier "
-                                      f"failure ({self._broken}); create a new FusedAllReduce")
+                raise WorkspaceBroken.after("arfuse shm", self._broken)
             self._seq += 1
             self._meet(self._descriptor(call), self._seq)
 

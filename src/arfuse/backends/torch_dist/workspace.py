@@ -117,8 +117,7 @@ class TorchWorkspace(Workspace):
 
     def run(self, call: CallArgs) -> FusedOutput:
         if self._broken:
-            raise WorkspaceBroken(f"arfuse torch: this workspace is unusable after an earlier "
-                                  f"failure ({self._broken}); create a new FusedAllReduce")
+            raise WorkspaceBroken.after("arfuse torch", self._broken, group_out_of_step=True)
         self._calls += 1
         x = call.x
         if self.ctx.world_size == 1:

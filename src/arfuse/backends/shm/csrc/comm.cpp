@@ -391,8 +391,10 @@ std::array<at::Tensor, 4> ShmComm::run(const Tensors& t, const Numbers& n, bool 
 // ---- one call --------------------------------------------------------------------------------
 
 void ShmComm::throw_broken() const {
+  // the same advice as errors.WorkspaceBroken.ADVICE (tests/test_negotiation.py checks it)
   throw ShmError(ShmError::kBroken, "arfuse shm: this workspace is unusable after an earlier "
-                 "failure (" + broken_ + "); create a new FusedAllReduce");
+                 "failure (" + broken_ + "); close every FusedAllReduce of this group on "
+                 "every rank (arfuse.destroy_all() closes all), then create new ones");
 }
 
 // A timeout or a dead peer leaves the group out of step: no later call may touch it. A mismatch
