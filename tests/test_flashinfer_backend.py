@@ -348,6 +348,37 @@ def test_a_raise_on_one_rank_is_a_failed_vote_for_all_within_the_timeout(
             assert "rank 1 failed" in attempt_result.failures[r]
 
 
+def test_a_workspace_that_fails_after_allocating_is_freed_with_the_groups(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashInfer made the handle, then sizing it raised on rank 1: the creation fails on
+    every rank and every rank frees its handle (trtllm's IPC free is collective: one rank
+    skipping it would leave the others in its barrier; the handle used to be dropped)."""
+    fake = FakeFlashInfer()
+    fake.install(monkeypatch)
+    made: list[FakeWorkspace] = []
+    real = FakeWorkspace.is_buffer_size_sufficient
+
+    def sufficient(self: FakeWorkspace, *args: Any, **kwargs: Any) -> bool:
+        made.append(self)
+        if self.rank == 1:
+            raise RuntimeError("cudaErrorIllegalAddress")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FakeWorkspace, "is_buffer_size_sufficient", sufficient)
+
+    def attempt(ctx: GroupContext) -> Any:
+        ctx.channel.begin("n1/trtllm")
+        return _try(ctx, TrtllmBackend(), Spec(max_tokens=8, hidden=64))
+
+    results = on_ranks(group_contexts(2), attempt)
+    for attempt_result, workspace in results:
+        assert workspace is None and attempt_result.phase == "create", attempt_result
+        assert "sizing the trtllm workspace failed" in attempt_result.failures[1]
+    handles = set(made)
+    assert len(handles) == 2 and all(h.destroyed for h in handles)
+    assert len(fake.destroyed_ipc) == 2  # on both ranks
+
+
 def test_a_raise_between_exchanges_releases_the_peers_too(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A failure after the first exchange (out of memory mapping the peers' buffers): the

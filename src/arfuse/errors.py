@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 class ArfuseError(RuntimeError):
@@ -25,7 +26,14 @@ class NegotiationError(ArfuseError):
 
 
 class CreationFailed(ArfuseError):
-    """This rank could not create (or validate) a workspace; negotiation moves on."""
+    """This rank could not create (or validate) a workspace; negotiation moves on.
+
+    ``workspace``: what the creation had already made, to be destroyed with the other ranks'
+    (a collective free, as trtllm's, must run on every rank alike)."""
+
+    def __init__(self, message: str, workspace: Any = None):
+        super().__init__(message)
+        self.workspace = workspace
 
 
 class PeerAborted(ArfuseError):

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from . import catalog, faults, log, policy, topology
 from .backends.base import Backend, Workspace
-from .errors import CollectiveTimeout, NegotiationError
+from .errors import CollectiveTimeout, CreationFailed, NegotiationError
 from .policy import Plan
 from .rendezvous import Channel
 from .settings import Settings
@@ -305,7 +305,12 @@ def _try(ctx: GroupContext, backend: Backend,
     made: list[Workspace] = []
 
     def create() -> str:
-        workspace = backend.create(ctx, spec)
+        try:
+            workspace = backend.create(ctx, spec)
+        except CreationFailed as exc:
+            if exc.workspace is not None:  # half-made: freed after the vote, as on the others
+                made.append(exc.workspace)
+            raise
         if workspace is None:
             return "creation returned nothing"
         made.append(workspace)

@@ -101,6 +101,14 @@ class FlashInferWorkspace(Workspace):
         self._scope = str(getattr(ctx.channel, "scope", "-"))
         self._checkpoints = 0
         super().__init__(ctx, spec, nbytes=0, capacity=0)
+        try:
+            self._measure(ctx, spec, version)
+        except Exception as exc:  # the handle is FlashInfer's memory: freed with the group's
+            raise CreationFailed(f"sizing the {self.backend} workspace failed: "
+                                 f"{type(exc).__name__}: {exc}", workspace=self) from exc
+
+    def _measure(self, ctx: Any, spec: Spec, version: str | None) -> None:
+        handle = self._handle
         topology = Topology(device="cuda", world_size=ctx.world_size, flashinfer=version)
         predicted = self.descriptor.footprint(ctx.world_size, spec, topology)
         self.nbytes = self.allocated_bytes() or predicted.bytes_per_rank
