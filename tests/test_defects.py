@@ -269,3 +269,18 @@ def test_the_torch_operators_fake_names_x_for_a_0d_input() -> None:
     with pytest.raises(ValueError, match=r"x must be 2-D \[tokens, hidden\]"):
         torch.ops.arfuse.shm_fused_allreduce(1, x, None, None, 1e-6, 0.0, 0, 0.0, True, None,
                                              None)
+
+
+def test_a_timeout_beyond_float_is_a_value_error_naming_it() -> None:
+    from arfuse import settings
+
+    with pytest.raises(ValueError, match="timeout_s"):  # was OverflowError
+        settings.load(timeout_s=10**400)
+
+
+def test_an_empty_hosts_list_is_a_wrong_length_not_one_host() -> None:
+    from arfuse.topology import Topology
+
+    with pytest.raises(ValueError, match="hosts has 0 entries but world_size=4"):
+        Topology.from_dict({"device": "cpu", "world_size": 4, "hosts": []})
+    assert Topology.from_dict({"device": "cpu", "world_size": 4}).node_count == 1  # left out

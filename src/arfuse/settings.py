@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
@@ -88,7 +89,7 @@ def check(key: str, value: object, label: str) -> None:
     elif key == "timeout_s":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{label} must be a number of seconds > 0")
-        if not math.isfinite(value) or value <= 0:
+        if abs(value) > sys.float_info.max or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{label}={value!r} is not valid; use a finite number of "
                              "seconds > 0")
     elif key == "log_level":

@@ -28,6 +28,11 @@ FACTS = ("sm", "gpu", "multicast", "nvlink_all_pairs", "fabric", "flashinfer")
 _MAX_REASONS = 3                  # distinct reasons named per fact; the rest are counted
 
 
+
+def _hosts_length_error(entries: int, world_size: object) -> str:
+    return (f"hosts has {entries} entries but world_size={world_size}; give one host identity "
+            "per rank of the group")
+
 @dataclass(frozen=True)
 class Topology:
     """See DESIGN 3.2. ``None`` on a capability means "unknown"; the policy treats it as absent."""
@@ -56,10 +61,7 @@ class Topology:
             raise ValueError(f"world_size={self.world_size} is not valid; use 1..{MAX_WORLD_SIZE}")
         hosts = tuple(self.hosts) if self.hosts else ("host0",) * self.world_size
         if len(hosts) != self.world_size:
-            raise ValueError(
-                f"hosts has {len(hosts)} entries but world_size={self.world_size}; "
-                "give one host identity per rank of the group"
-            )
+            raise ValueError(_hosts_length_error(len(hosts), self.world_size))
         if not all(isinstance(h, str) and h for h in hosts):
             raise TypeError("hosts must be a list of non-empty strings")
         object.__setattr__(self, "hosts", hosts)
@@ -117,6 +119,8 @@ class Topology:
         if hosts is not None and not isinstance(hosts, list):
             raise TypeError("hosts must be a list of strings, one per rank")
         world_size = data.get("world_size", len(hosts) if hosts else 1)
+        if hosts == []:  # given, and empty: not the same as leaving it out (one host)
+            raise ValueError(_hosts_length_error(0, world_size))
         if hosts is None and isinstance(world_size, int) and not isinstance(world_size, bool) \
                 and 1 <= world_size <= MAX_WORLD_SIZE:
             hosts = ["host0"] * world_size
