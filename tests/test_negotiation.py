@@ -35,6 +35,15 @@ def test_non_fatal_faults_every_rank_ends_on_the_same_backend() -> None:
     assert {r[0]["backend"] for r in clean} == {"shm"}
 
 
+def test_a_torch_workspace_created_broken_fails_validation_on_every_rank() -> None:
+    """torch.create@1=null (design 3.8: create takes every mode): the workspace succeeds
+    broken and validation catches it; the injection used to be ignored."""
+    env = {"ARFUSE_FAULTS": "torch.create@1=null"}
+    for got in values(run_ranks(workers.expect_failure, 2, "torch", env=env, timeout=60)):
+        assert got["error"].startswith("NegotiationError"), got
+        assert "torch: failed at validate" in got["error"], got
+
+
 def test_fault_on_three_ranks_names_the_failing_rank() -> None:
     results = values(run_ranks(workers.fault_sequence, 3, ["shm.create@2=oom"]))
     first = results[0][0]

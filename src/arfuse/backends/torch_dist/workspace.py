@@ -136,6 +136,10 @@ class TorchBackend(Backend):
     name = "torch"
 
     def create(self, ctx: Any, spec: Spec) -> Workspace | None:
-        if ctx.fault(self.name, "create") == "none":
+        mode = ctx.fault(self.name, "create")
+        if mode == "none":
             return None
-        return TorchWorkspace(ctx, spec)
+        workspace = TorchWorkspace(ctx, spec)
+        if mode == "null":  # succeeds broken: validation must catch it
+            workspace.poison()
+        return workspace
