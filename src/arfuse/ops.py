@@ -35,7 +35,8 @@ class FusedAllReduce:
     other ranks reduced from their ``residual_out`` instead of reading its own residual (same
     bytes while the promise holds; unchecked, see the README). ``"check"``: the same, and every
     call first compares the ranks' residuals over the group (a collective per call: for
-    tests), raising ``ValueError`` on every rank when they differ."""
+    tests), raising ``ValueError`` on every rank when they differ (``MismatchedCall`` when only
+    some ranks pass a residual)."""
 
     def __init__(self, group: Any = None, max_token_num: int = 2048, hidden_dim: int = 4096,
                  dtype: Any = torch.bfloat16, backend: str | None = None,
