@@ -395,8 +395,8 @@ def test_behaviour_table_on_two_ranks(tmp_path: Path) -> None:
         assert "rank 0: 'auto'; rank 1: 'mnnvl'" in message
         # R4: reuse only what fits
         assert row["R4"] == {"smaller": True, "larger": False, "larger_for_smaller": True,
-                             "hidden": False, "dtype": False, "quant_follows": True,
-                             "old_alive": True}
+                             "hidden": True, "dtype": True, "too_wide_is_new": True,
+                             "quant_follows": True, "old_alive": True}
         # R1: the communicator admits what the workspace holds, not the byte budget
         capacity, budget, at, over = row["R1"]
         assert 0 < capacity < budget and at and not over
@@ -476,11 +476,17 @@ def behaviour_table(rank: int, world: int, topologies: dict[str, str]) -> dict[s
         first = dropin.get_fi_ar_workspace(**kw)
         smaller = dropin.get_fi_ar_workspace(**{**kw, "max_token_num": 32})
         larger = dropin.get_fi_ar_workspace(**{**kw, "max_token_num": 128})
+        again = dropin.get_fi_ar_workspace(**kw)
+        # FlashInfer's answer decides (the fusion pass sizes one workspace for the widest
+        # model, then asks with each tensor's shape): the 128-token bf16 workspace of hidden
+        # 256 holds 64 tokens of hidden 512 or of fp32, not 128
+        fits = {"hidden": dropin.get_fi_ar_workspace(**{**kw, "hidden_dim": 512}) is larger,
+                "dtype": dropin.get_fi_ar_workspace(**{**kw, "dtype": torch.float32}) is larger}
+        too_wide = dropin.get_fi_ar_workspace(**{**kw, "hidden_dim": 512, "max_token_num": 128})
         return {"smaller": smaller is first, "larger": larger is first,
-                "larger_for_smaller": dropin.get_fi_ar_workspace(**kw) is larger,
-                "hidden": dropin.get_fi_ar_workspace(**{**kw, "hidden_dim": 512}) is larger,
-                "dtype": dropin.get_fi_ar_workspace(**{**kw, "dtype": torch.float16}) is larger,
-                "quant_follows": dropin.get_fi_ar_quant_workspace(**kw) is larger,
+                "larger_for_smaller": again is larger, **fits,
+                "too_wide_is_new": too_wide is not larger and too_wide is not None,
+                "quant_follows": dropin.get_fi_ar_quant_workspace(**kw) in (larger, too_wide),
                 "old_alive": not first.destroyed}
 
     row("R4", "nvswitch", "auto", reuse)
@@ -580,3 +586,80 @@ def group_scoping(rank: int, world: int) -> dict[str, Any]:
             result["deadline"] = exc.silent
     mp.undo()
     return result
+
+
+def test_the_communicator_declines_a_shape_without_a_workspace_and_keeps_the_others(
+        tmp_path: Path) -> None:
+    """A shape arfuse makes no workspace for (Mamba's fp32 [T, 1] all-reduce: a row under 16
+    bytes) is declined alone: the bf16 shape keeps its workspace, and destroy() frees it (one
+    such shape used to disable the communicator for every shape, and destroy then freed
+    nothing)."""
+    topo = two_rank_topologies(tmp_path)["nvswitch"]
+    for got in values(run_ranks(shapes_on_one_communicator, 2, topo, env=RANK_ENV,
+                                timeout=120)):
+        assert got == {"main": (True, 3.0), "odd": False, "main_after": True,
+                       "live_after_destroy": 0, "held_after_destroy": 0}, got
+
+
+def shapes_on_one_communicator(rank: int, world: int, topo: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from flashinfer_standin import StandinFlashInfer
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ARFUSE_TOPOLOGY", topo)
+    StandinFlashInfer().install(mp)
+    group = dist.new_group(backend="gloo")
+    with mp.context() as cuda:
+        cuda.setattr(torch.cuda, "is_available", lambda: True)
+        comm = dropin.FlashInferAllReduce(group=group, device="cpu")
+    main = torch.full((8, 256), float(rank + 1), dtype=torch.bfloat16)
+    got: dict[str, Any] = {"main": (comm.should_use_fi_ar(main),
+                                    float(comm.all_reduce(main)[0, 0]))}
+    got["odd"] = comm.should_use_fi_ar(torch.ones(8, 1, dtype=torch.float32))
+    got["main_after"] = comm.should_use_fi_ar(main)
+    comm.destroy()
+    got["live_after_destroy"] = len(REGISTRY.workspaces())
+    got["held_after_destroy"] = len(dropin._held)
+    dropin.destroy_fi_ar_workspace()
+    mp.undo()
+    return got
+
+
+def test_a_fused_call_of_a_narrower_model_gets_the_pass_workspace(tmp_path: Path) -> None:
+    """The fusion pass sizes one workspace for the widest model (a draft of hidden 512 here);
+    each fused call then asks with its own tensor's hidden size (the target's 256), and vLLM
+    asserts the answer is not None. The workspace FlashInfer says holds it is returned, with no
+    collective creation at run time (which could fail, or run inside a graph capture)."""
+    topo = two_rank_topologies(tmp_path)["nvswitch"]
+    for got in values(run_ranks(narrower_call_after_the_pass, 2, topo, env=RANK_ENV,
+                                timeout=120)):
+        assert got == {"same": True, "created": 1}, got
+
+
+def narrower_call_after_the_pass(rank: int, world: int, topo: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from flashinfer_standin import StandinFlashInfer
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ARFUSE_TOPOLOGY", topo)
+    fake = StandinFlashInfer()
+    fake.install(mp)
+    group = dist.new_group(backend="gloo")
+    kw: dict[str, Any] = {"world_size": 2, "rank": rank, "max_token_num": 512,
+                          "hidden_dim": 512, "dtype": torch.bfloat16, "group": group}
+    pass_workspace = dropin.get_fi_ar_workspace(**kw)
+    at_run_time = dropin.get_fi_ar_workspace(**{**kw, "hidden_dim": 256})
+    got = {"same": at_run_time is pass_workspace, "created": len(fake.created)}
+    dropin.destroy_fi_ar_workspace()
+    mp.undo()
+    return got
+
+
+def test_the_drop_in_waits_as_long_as_vllm_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks reach the first getter after loading their weights, minutes apart: without
+    ARFUSE_TIMEOUT_S the drop-in waits torch's default process-group timeout, as vLLM's own
+    creation does (arfuse's 60 s ended start-up on the early ranks); the variable still rules."""
+    monkeypatch.delenv("ARFUSE_TIMEOUT_S", raising=False)
+    assert dropin.drop_in_timeout_s() == dropin.DROP_IN_TIMEOUT_S == 1800.0
+    monkeypatch.setenv("ARFUSE_TIMEOUT_S", "7.5")
+    assert dropin.drop_in_timeout_s() == 7.5

@@ -48,6 +48,7 @@ from ..ops import FusedAllReduce
 from ..registry import REGISTRY
 from ..spec import Spec
 from ..topology import Topology
+from ..torch_types import TORCH_DTYPES
 
 __all__ = [
     "BACKEND_CHOICES",
@@ -108,6 +109,11 @@ _TRTLLM_MULTI_NODE_QUANT = ("Flashinfer allreduce quantization fusion is not sup
                             "backend instead.")
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_GROWTH = 8  # a workspace regrown for R1 is at most this many times the one that fell short
+# The drop-in's deadline when ARFUSE_TIMEOUT_S is not set: torch's default process-group
+# timeout, which vLLM's own creation waits on its gloo group. Ranks reach the first getter
+# after loading their weights, minutes apart on a large model; arfuse's 60 s default would
+# end that start-up on the early ranks.
+DROP_IN_TIMEOUT_S = 1800.0
 
 
 def _load_flashinfer_comm() -> ModuleType | None:
@@ -242,10 +248,17 @@ def _agreed_setting(ctx: GroupContext, payloads: list[dict[str, Any]]) -> str:
     return str(settings[0])
 
 
+def drop_in_timeout_s() -> float:
+    """``ARFUSE_TIMEOUT_S`` when set, else ``DROP_IN_TIMEOUT_S`` (what vLLM would wait)."""
+    if os.environ.get(settings_mod.ENV_VARS["timeout_s"]) is not None:
+        return settings_mod.load().timeout_s
+    return DROP_IN_TIMEOUT_S
+
+
 def _decide(group: Any, device: str | None) -> GroupDecision:
     """Collective on ``group``: every rank sends its setting and facts through the group's own
-    store, with the arfuse deadline, and every rank applies vLLM's rule to the same facts."""
-    conf = settings_mod.load()
+    store, under the drop-in's deadline, and every rank applies vLLM's rule to the same facts."""
+    conf = settings_mod.load(timeout_s=drop_in_timeout_s())
     log.configure(conf.log_level)
     ctx = negotiate.make_context(group, device, conf)
     try:
@@ -312,16 +325,30 @@ _failed: dict[tuple[str, str, int, str], int] = {}
 
 
 def _covering(group: Any, spec: Spec, need: int) -> _Held | None:
-    """The newest live workspace of this very group that fits (R4, R9) and holds ``need``
-    tokens (R1); no collective."""
+    """The newest live workspace of this very group (R9) that fits, no collective. For the
+    getters (``need`` > 0: vLLM hands the handle to FlashInfer for up to ``need`` tokens of
+    this hidden size and dtype) that is FlashInfer's own answer for exactly that request (R4,
+    R1): the fusion pass sizes one workspace for the widest model (target or draft) and every
+    fused call then asks with its own tensor's shape. For the communicator (``need`` 0: it
+    calls through the op) the op's hidden size and dtype."""
     for held in reversed(_held):
-        if held.group is not group or held.superseded:
+        if held.group is not group or held.superseded or not held.live:
             continue
-        if not held.live:
-            continue
-        if held.spec.covers(spec) and held.op.capacity >= need:
+        if need > 0 and _holds(held, need, spec):
+            return held
+        if need == 0 and held.spec.covers(spec):
             return held
     return None
+
+
+def _holds(held: _Held, tokens: int, spec: Spec) -> bool:
+    """FlashInfer's ``is_buffer_size_sufficient`` of the held workspace for this request."""
+    handle = held.handle
+    if handle is None:
+        return False
+    return bool(handle.is_buffer_size_sufficient(
+        tp_size=held.op.workspace.ctx.world_size, num_tokens=tokens, hidden_dim=spec.hidden,
+        dtype=TORCH_DTYPES[spec.dtype]))
 
 
 def _drop_dead() -> None:
@@ -388,7 +415,8 @@ def _create(group: Any, decision: GroupDecision, tokens: int, spec: Spec, quant:
     try:
         op = FusedAllReduce(group, max_token_num=tokens, hidden_dim=spec.hidden,
                             dtype=spec.dtype, backend=arfuse_backend,
-                            quant="fp8" if quant else None, strict=True, device=device)
+                            quant="fp8" if quant else None, strict=True, device=device,
+                            timeout_s=drop_in_timeout_s())
     except (NegotiationError, ValueError) as exc:
         log.once(_level(decision.rank, logging.WARNING),
                  (decision.group_key, decision.setting, spec.hidden, spec.dtype, str(exc)),
@@ -562,6 +590,9 @@ class FlashInferAllReduce:
 
     def __init__(self, group: Any, device: int | str | torch.device) -> None:
         self.disabled = True
+        self.group: Any = None
+        # (hidden, dtype) with no workspace: those calls run unfused; other shapes keep theirs
+        self._declined: set[tuple[int, torch.dtype]] = set()
         if not _flashinfer_available():
             log.once(logging.INFO, "no flashinfer", "FlashInfer All Reduce is disabled because "
                      "flashinfer is not available")
@@ -608,10 +639,14 @@ class FlashInferAllReduce:
         return tokens
 
     def _op(self, hidden_dim: int, dtype: torch.dtype) -> FusedAllReduce | None:
+        """The op of this shape. A shape without one is declined from then on, and only it
+        (vLLM, with one workspace for every shape, disables itself when that one fails)."""
+        if (hidden_dim, dtype) in self._declined:
+            return None
         op = _acquire(self.group, self.world_size, self.rank, self._tokens(hidden_dim, dtype),
                       hidden_dim, dtype, False, self._device_kind)
         if op is None:
-            self.disabled = True
+            self._declined.add((hidden_dim, dtype))
         return op
 
     def should_use_fi_ar(self, input_tensor: torch.Tensor) -> bool:
@@ -642,6 +677,8 @@ class FlashInferAllReduce:
         return op(input_tensor).out
 
     def destroy(self) -> None:
-        """Free this group's workspaces (vLLM frees every group's; R9 keeps it to this one)."""
-        if not self.disabled:
+        """Free this group's workspaces (vLLM frees every group's; R9 keeps it to this one),
+        and forget the shapes it declined."""
+        if self.group is not None:
             _destroy_group(self.group)
+        self._declined.clear()
