@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,9 @@ def test_explain_human_output_for_this_machine() -> None:
     assert "candidate" in result.stdout and "chosen:" in result.stdout and "MiB" in result.stdout
 
 
+RUN_SMALL = ["--world-size", "2", "--tokens", "1", "--hidden", "64", "--steps", "1"]
+
+
 @pytest.mark.parametrize(("args", "env", "message"), [
     (["explain"], {"ARFUSE_BACKEND": "nccl"}, "ARFUSE_BACKEND='nccl' is not valid"),
     (["explain"], {"ARFUSE_STRICT": "yes"}, "ARFUSE_STRICT"),
@@ -74,6 +78,16 @@ def test_explain_human_output_for_this_machine() -> None:
     (["explain", "--topology", str(TOPOLOGIES / "h100-2nodes-no-fabric.json"),
       "--backend", "trtllm"], {}, "use 'mnnvl'"),
     (["explain", "--quant", "int4"], {}, "quant"),
+    # run and bench check before starting ranks (each rank used to fail with exit 1)
+    (["run", *RUN_SMALL], {"ARFUSE_FAULTS": "bogus"}, "ARFUSE_FAULTS"),
+    (["run", *RUN_SMALL], {"ARFUSE_TOPOLOGY": "/no/such/file.json"}, "cannot read topology"),
+    (["run", *RUN_SMALL, "--backend", "mnnvl", "--strict"], {}, "ARFUSE_STRICT=1"),
+    (["run", *RUN_SMALL, "--device", "cuda"], {}, "--device cuda"),
+    (["bench", "--tokens", "1", "--dtype", ","], {}, "names no dtype"),
+    (["bench", "--tokens", "1", "--backends", ","], {}, "--backends"),
+    (["bench", "--tokens", "1", "--out", __file__], {}, "is a file"),
+    (["bench", "--tokens", "1"], {"ARFUSE_TIMEOUT_S": "bogus"}, "ARFUSE_TIMEOUT_S"),
+    (["bench", "--tokens", "1"], {"ARFUSE_FAULTS": "bogus"}, "ARFUSE_FAULTS"),
 ])
 def test_bad_settings_exit_2_with_one_line(args: list[str], env: dict[str, str],
                                            message: str) -> None:
@@ -263,3 +277,45 @@ def test_exchange_copy_moves_every_byte_and_refuses_mismatched_buffers(read_ahea
                              read_ahead)
     with pytest.raises(ValueError, match="uint8"):
         module.exchange_copy(torch.empty(4), torch.empty(4), read_ahead)
+
+
+def test_launched_ranks_run_their_exit_handlers(tmp_path: Path) -> None:
+    """Ranks end with os._exit (no waits at interpreter shutdown), which skipped atexit: the
+    kernel build's temporary folder stayed in /tmp after every run with an unusable cache."""
+    from arfuse.cli.launch import launch
+
+    import workers
+
+    assert launch(workers.rank_with_an_exit_handler, 2, str(tmp_path)) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
+
+
+def test_sigterm_to_a_job_stops_its_ranks(tmp_path: Path) -> None:
+    """kill, timeout or a CI cancel send SIGTERM to the job: its ranks must go with it (they
+    used to run on, re-parented to init)."""
+    import signal
+
+    script = ("import sys; sys.path.insert(0, 'tests'); import workers\n"
+              "from arfuse.cli.launch import launch\n"
+              "try:\n"
+              f"    sys.exit(launch(workers.rank_that_sleeps, 2, {str(tmp_path)!r}))\n"
+              "except KeyboardInterrupt:\n"
+              "    sys.exit(130)\n")
+    job = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    try:
+        for _ in range(600):  # until both ranks have started
+            if len(list(tmp_path.iterdir())) == 2:
+                break
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in tmp_path.iterdir()]
+        assert len(pids) == 2
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=30) == 130
+        for _ in range(200):
+            if not any(os.path.exists(f"/proc/{pid}") for pid in pids):
+                break
+            time.sleep(0.1)
+        assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    finally:
+        if job.poll() is None:
+            job.kill()

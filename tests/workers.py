@@ -807,3 +807,18 @@ def new_ops_after_a_broken_workspace(rank: int, world: int, backend: str) -> dic
     report["second"] = second(x).out[0, 0].item()
     second.close()
     return report
+
+
+def rank_that_sleeps(rank: int, world: int, directory: str) -> int:
+    """A launched rank that says it started (its pid in ``directory``), then sleeps."""
+    Path(directory, f"rank{rank}").write_text(str(os.getpid()))
+    time.sleep(60)
+    return 0
+
+
+def rank_with_an_exit_handler(rank: int, world: int, directory: str) -> int:
+    """A launched rank whose atexit handler leaves a mark (as build.py's cleanup would)."""
+    import atexit
+
+    atexit.register(Path(directory, f"rank{rank}").write_text, "ran")
+    return 0

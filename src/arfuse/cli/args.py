@@ -45,7 +45,10 @@ def dtype(text: str) -> str:
 
 
 def dtype_list(text: str) -> tuple[str, ...]:
-    return tuple(dtype(v) for v in text.split(",") if v.strip())
+    values = tuple(dtype(v) for v in text.split(",") if v.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} names no dtype")
+    return values
 
 
 def quant(text: str) -> str | None:

@@ -479,7 +479,9 @@ def peer_rates(size: int, copy_rate: float, tag: int, repeats: int = 16) -> Peer
         # this rank waits for the next (its data) and for the previous (done reading ours)
         flags = _Flags(mine[:8].view(torch.int64), theirs[:8].view(torch.int64),
                        reader[:8].view(torch.int64))
-        dist.barrier()  # every flag zeroed before any is waited on
+        dist.barrier()  # every flag zeroed before any is waited on; every file mapped
+        path(rank).unlink()  # the mappings stay: nothing is left if a rank dies from here on
+        reserved = 0
         src = torch.ones(size, dtype=torch.uint8)
         dst = torch.empty_like(src)
         buffer, peer_buffer = mine[flag_bytes:], theirs[flag_bytes:]
@@ -500,9 +502,8 @@ def peer_rates(size: int, copy_rate: float, tag: int, repeats: int = 16) -> Peer
             read=_one_side_rate(size, statistics.median(reads[2:]) * 1e-9, copy_rate),
             shared_write=_one_side_rate(size, statistics.median(writes[3:]) * 1e-9, copy_rate))
     finally:
-        dist.barrier()  # every rank is done with every file before any is unlinked
-        if reserved:
-            path(rank).unlink()
+        if reserved:  # returned or failed before the files were mapped
+            path(rank).unlink(missing_ok=True)
 
 
 def fresh_write_rate(size: int, copy_rate: float, repeats: int = 16) -> float:
@@ -809,19 +810,30 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .. import faults, settings, topology
     from .launch import launch
 
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     unknown = set(backends) - set(ROWS)
-    if unknown:
-        raise ValueError(f"--backends: unknown {sorted(unknown)}; use {', '.join(ROWS)}")
+    if unknown or not backends:
+        raise ValueError(f"--backends: {'unknown ' + str(sorted(unknown)) if unknown else 'none'}"
+                         f"; use some of {', '.join(ROWS)}")
     if args.world_size < 2:
         raise ValueError("--world-size must be >= 2 for a benchmark of a collective")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {args.out} is a file; give a folder for bench.json/.txt/.png")
+    # what every rank would fail on, once here (one line, exit 2)
+    conf = settings.load()
+    faults.parse(conf.faults)
+    if conf.topology_path:
+        topology.load(conf.topology_path)
     opts = BenchOptions(world_size=args.world_size, tokens=tuple(args.tokens),
                         hidden=args.hidden, dtypes=tuple(args.dtype), backends=backends,
                         out=args.out, min_seconds=args.min_seconds)
-    if "deepspeed" in backends:
-        _prebuild_deepspeed()
+    if "deepspeed" in backends and not _prebuild_deepspeed() and backends == ("deepspeed",):
+        raise ValueError("--backends deepspeed: DeepSpeed is unavailable here (see above); "
+                         "nothing to measure")
     if "shm" in backends:
         from ..backends.shm import build
 
@@ -833,8 +845,9 @@ def run(args: argparse.Namespace) -> int:
                        "ARFUSE_LOG": os.environ.get("ARFUSE_LOG", "warning")})
 
 
-def _prebuild_deepspeed() -> None:
-    """Build DeepSpeed's shm op once before the ranks start (about a minute the first time)."""
+def _prebuild_deepspeed() -> bool:
+    """Build DeepSpeed's shm op once before the ranks start (about a minute the first time);
+    whether it is available."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         from deepspeed.accelerator import get_accelerator
@@ -842,3 +855,5 @@ def _prebuild_deepspeed() -> None:
         get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
     except Exception as exc:  # the bench then reports deepspeed as unavailable
         print(f"arfuse bench: deepspeed unavailable: {type(exc).__name__}: {exc}")
+        return False
+    return True

@@ -46,11 +46,34 @@ def installation_blockers() -> dict[str, str]:
     return blocked
 
 
+def resolve(conf: settings.Settings, topo: topology.Topology, spec: Spec) -> policy.Plan:
+    """The plan, with what the ranks would refuse first raised here: a malformed
+    ARFUSE_FAULTS (the same error as in the API), an explicit backend the topology refuses,
+    strict with nothing fused."""
+    faults.parse(conf.faults)
+    return policy.resolve(conf, topo, spec, installation_blockers())
+
+
+def check_job(backend: str | None, strict: bool | None, world_size: int, device: str,
+              spec: Spec) -> None:
+    """Before a CLI job starts its ranks: what they would each fail on is one line and exit 2
+    here (bad settings, ARFUSE_TOPOLOGY, a plan that cannot run, CUDA that is not there)."""
+    conf = settings.load(backend=backend, strict=strict)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
+            raise ValueError(f"--device cuda: this machine has {torch.cuda.device_count()} "
+                             f"usable CUDA device(s) for {world_size} ranks")
+    topo = (topology.load(conf.topology_path) if conf.topology_path
+            else topology.this_machine(world_size, device))
+    resolve(conf, topo, spec)
+
+
 def run(args: argparse.Namespace) -> int:
     conf = settings.load(backend=args.backend, strict=args.strict)
-    faults.parse(conf.faults)  # a malformed ARFUSE_FAULTS is the same error as in the API
     topo = _topology(args, conf)
     spec = Spec(max_tokens=args.max_tokens, hidden=args.hidden, dtype=args.dtype, quant=args.quant)
-    plan = policy.resolve(conf, topo, spec, installation_blockers())
+    plan = resolve(conf, topo, spec)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.explain())
     return 0

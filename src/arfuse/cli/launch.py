@@ -7,13 +7,17 @@ The launcher sets the standard ``torch.distributed`` environment (``MASTER_ADDR`
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 JobBody = Callable[[int, int, Any], int]
@@ -56,8 +60,35 @@ def pin_to_core(rank: int, world: int) -> bool:
     return True
 
 
+def die_with_parent() -> None:
+    """A job or rank must not outlive whoever started it (Linux: PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP (``kill``, ``timeout``, a closed terminal, a CI cancel) end the job
+    the way Ctrl-C does, through the ``finally`` that stops its ranks."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():  # only it may set them
+        yield
+        return
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def _rank_main(body: JobBody, rank: int, world: int, port: int, options: Any,
                env: dict[str, str]) -> None:
+    die_with_parent()
     os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
@@ -71,6 +102,8 @@ def _rank_main(body: JobBody, rank: int, world: int, port: int, options: Any,
         print(f"arfuse: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         code = 1
     finally:
+        with contextlib.suppress(Exception):  # what a normal exit would run (arfuse's own
+            atexit._run_exitfuncs()           # cleanup among them), without its waits
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)
@@ -88,6 +121,11 @@ def launch(body: JobBody, world: int, options: Any, env: dict[str, str] | None =
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(body, r, world, port, options, env or {}))
              for r in range(world)]
+    with terminate_as_interrupt():
+        return _run(procs, timeout_s)
+
+
+def _run(procs: list[Any], timeout_s: float | None) -> int:
     for p in procs:
         p.start()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s

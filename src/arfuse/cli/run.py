@@ -227,13 +227,14 @@ def _default_device(world: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import settings
     from ..spec import Spec
+    from .explain import check_job
     from .launch import launch
 
-    settings.load(backend=args.backend)  # a bad ARFUSE_* is one line here, not one per rank
     device = args.device or _default_device(args.world_size)
-    Spec(max_tokens=max(args.tokens), hidden=args.hidden, dtype=args.dtype, quant=args.quant)
+    spec = Spec(max_tokens=max(args.tokens), hidden=args.hidden, dtype=args.dtype,
+                quant=args.quant)
+    check_job(args.backend, args.strict, args.world_size, device, spec)
     opts = RunOptions(world_size=args.world_size, tokens=tuple(args.tokens), hidden=args.hidden,
                       dtype=args.dtype, quant=args.quant, steps=args.steps,
                       backend=args.backend, device=device, strict=args.strict)
