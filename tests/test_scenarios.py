@@ -4,7 +4,9 @@ with everything it started, a wrong expectation fails."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from arfuse.cli import scenario
+from arfuse.cli import main, scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = sorted((ROOT / "scenarios").glob("*.toml"))
@@ -138,3 +140,96 @@ def test_the_command_line_prints_the_table(tmp_path: Path) -> None:
                            str(tmp_path / "missing")], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_limit_scale_reaches_the_ranks_deadline(tmp_path: Path) -> None:
+    """The job reads the file again: unless it gets the scale too, its ranks are killed at the
+    unscaled deadline (3 s - 0.6 - 1 here) while the runner waits for the scaled limit."""
+    path = _write(tmp_path, """
+        ranks = 1
+        limit_s = 3
+        [[steps]]
+        do = "sleep"
+        seconds = 2
+        """)
+    outcome = scenario.run_one(path, scale=5.0)
+    assert outcome.status == "pass", outcome.problems
+    assert outcome.scenario.limit_s == 15.0
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "0", "-1", "1e400", "1e300", "two"])
+def test_a_bad_limit_scale_is_one_line(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """0 or a negative failed every scenario, inf and nan ended in a traceback."""
+    with pytest.raises(SystemExit) as exc:
+        main(["scenario", "run", str(ROOT / "scenarios"), f"--limit-scale={value}"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and "--limit-scale" in err and "> 0" in err, err
+
+
+@pytest.mark.parametrize("where", ["missing/x.json", "."])
+def test_a_bad_json_path_fails_before_any_scenario(where: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A typo in --json must not cost a whole run and then end in a traceback."""
+    def never(path: Path, scale: float = 1.0) -> scenario.Outcome:
+        raise AssertionError(f"{path} ran although --json cannot be written")
+
+    monkeypatch.setattr(scenario, "run_one", never)
+    monkeypatch.setenv("ARFUSE_SHM_PURE_TORCH", "1")  # no build either
+    target = tmp_path / where
+    code = main(["scenario", "run", str(ROOT / "scenarios"), "--json", str(target)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "--json" in err, err
+
+
+def test_an_interrupted_run_leaves_no_job_folder(tmp_path: Path) -> None:
+    """Ctrl-C reaches the runner only (the job has a session of its own) and the job dies by
+    its parent-death signal, so its own cleanup never runs: the runner must do it."""
+    path = _write(tmp_path, """
+        ranks = 1
+        limit_s = 120
+        [[steps]]
+        do = "sleep"
+        seconds = 110
+        """)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    # SIGINT raises KeyboardInterrupt even where the caller's shell ignores it
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from arfuse.cli import main; sys.exit(main(sys.argv[1:]))")
+    runner = subprocess.Popen([sys.executable, "-c", code, "scenario", "run", str(path)],
+                              env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(3000):  # until the rank runs (it opens its report first)
+            if list(tmpdir.glob("arfuse_scenario_*/rank0.jsonl")) or runner.poll() is not None:
+                break
+            time.sleep(0.02)
+        assert runner.poll() is None, runner.communicate()[0]
+        assert list(tmpdir.glob("arfuse_scenario_*/rank0.jsonl")), "the rank never started"
+        runner.send_signal(signal.SIGINT)
+        output, _ = runner.communicate(timeout=60)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.communicate()
+    assert runner.returncode == 130, output
+    assert not list(tmpdir.glob("arfuse_scenario_*")), sorted(os.listdir(tmpdir))
+    for _ in range(250):  # the rank and the job die by SIGKILL: give them a moment
+        if not _processes_with(f"TMPDIR={tmpdir}"):
+            break
+        time.sleep(0.02)
+    assert not _processes_with(f"TMPDIR={tmpdir}"), "the job or its rank outlived the runner"
+
+
+def _processes_with(entry: str) -> list[int]:
+    """Live processes whose environment holds ``entry`` (the job's and its ranks')."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(int(pid))
+    return found

@@ -21,6 +21,7 @@ import datetime
 import gc
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -35,6 +36,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .launch import die_with_parent
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -93,6 +96,13 @@ class Scenario:
     @property
     def needs_tmpfs(self) -> bool:
         return bool(self.data.get("shm_tmpfs"))
+
+    def scaled(self, scale: float) -> Scenario:
+        """The same scenario with ``limit_s`` times ``scale`` (``--limit-scale``): the runner and
+        the job both apply it, so every limit derived from ``limit_s`` moves together."""
+        if scale == 1.0:
+            return self
+        return Scenario(self.path, {**self.data, "limit_s": self.limit_s * scale})
 
 
 def load_scenario(path: str | os.PathLike[str]) -> Scenario:
@@ -315,14 +325,6 @@ class LeakBaseline:
         if children:
             found.append(f"child processes: {children}")
         return found
-
-
-def _die_with_parent() -> None:
-    """A job or rank must not outlive whoever started it (PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
 
 # --- the decision level --------------------------------------------------------------------------
@@ -639,7 +641,7 @@ def _rank_main(scn: dict[str, Any], rank: int, world: int, port: int, env: dict[
     """Entry of a forked rank: its own environment first (``ARFUSE_SHM_DIR`` is read when the
     shm backend is imported), then the process group, then the steps."""
     os.environ.update(env)
-    _die_with_parent()
+    die_with_parent()
     code = 0
     with open(report_path, "a") as report:
         program = RankProgram(scn, rank, world, report)
@@ -850,14 +852,16 @@ def _mount_tmpfs(target: Path, size: str) -> str:
     return "" if proc.returncode == 0 else f"mount failed: {proc.stderr.strip()}"
 
 
-def run_job(scn: Scenario, deadline_s: float) -> dict[str, Any]:
-    """Fork the ranks, wait for them within ``deadline_s``, and check outcome and leaks."""
+def run_job(scn: Scenario, deadline_s: float, tmp: Path | None = None) -> dict[str, Any]:
+    """Fork the ranks, wait for them within ``deadline_s``, and check outcome and leaks. ``tmp``
+    is the job's folder (the runner's, so that it can remove it when it has to kill the job)."""
     import multiprocessing as mp
 
     started = time.monotonic()
     data = scn.data
     world = int(data["ranks"])
-    tmp = Path(tempfile.mkdtemp(prefix="arfuse_scenario_"))
+    if tmp is None:
+        tmp = Path(tempfile.mkdtemp(prefix="arfuse_scenario_"))
     tmpfs: Path | None = None
     result: dict[str, Any] = {}
     try:
@@ -928,18 +932,22 @@ def run_job(scn: Scenario, deadline_s: float) -> dict[str, Any]:
 
 
 def job_main(argv: list[str] | None = None) -> None:
-    """``python -c 'from arfuse.cli.scenario import job_main; job_main()' FILE OUT``."""
+    """``python -c 'from arfuse.cli.scenario import job_main; job_main()' FILE OUT [SCALE
+    [TMP]]``: the file is read again here, so the runner's ``--limit-scale`` comes as SCALE
+    (else the ranks' deadline would be the unscaled one) and its folder for the job as TMP."""
     argv = sys.argv[1:] if argv is None else argv
     path, out = argv[0], argv[1]
-    _die_with_parent()
+    scale = float(argv[2]) if len(argv) > 2 else 1.0
+    tmp = Path(argv[3]) if len(argv) > 3 else None
+    die_with_parent()
     started = time.monotonic()
     try:
-        scn = load_scenario(path)
+        scn = load_scenario(path).scaled(scale)
         margin = min(3.0, 0.2 * scn.limit_s)
         if scn.level == "decision":
             result = run_decision(scn)
         else:
-            result = run_job(scn, scn.limit_s - margin - 1.0)
+            result = run_job(scn, scn.limit_s - margin - 1.0, tmp)
     except Exception as exc:
         result = {"status": "fail", "problems": [f"{type(exc).__name__}: {exc}"], "summary": ""}
     result["seconds"] = round(time.monotonic() - started, 3)
@@ -990,12 +998,26 @@ def _job_env() -> dict[str, str]:
     return env
 
 
+def _stop_session(proc: subprocess.Popen[str]) -> None:
+    """Kill the job's whole session (it runs in one of its own) and wait until none of it is
+    left, so that nothing writes into the job's folder once it is removed."""
+    if proc.poll() is None or _pgid_members(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+    end = time.monotonic() + 5.0
+    while _pgid_members(proc.pid) and time.monotonic() < end:
+        time.sleep(0.02)
+
+
 def run_one(path: Path, scale: float = 1.0) -> Outcome:
     """One scenario under its hard limit (times ``scale``): the job's whole session is
-    killed when it overruns, and what it left is checked either way."""
+    killed when it overruns, and what it left is checked either way. The job's folder is made
+    and removed here: a job killed (overrun, Ctrl-C) cannot clean up after itself."""
     started = time.monotonic()
     try:
-        scn = load_scenario(path)
+        scn = load_scenario(path).scaled(scale)
     except ValueError as exc:
         return Outcome(Scenario(path, {}), "fail", 0.0, "", [str(exc)])
     env = _job_env()
@@ -1006,30 +1028,33 @@ def run_one(path: Path, scale: float = 1.0) -> Outcome:
             return Outcome(scn, "skip", 0.0, f"/dev/shm full needs a tmpfs: {why}", [])
         prefix = found
         env["ARFUSE_SCENARIO_PRIVATE_MOUNTS"] = "1"
-    limit = scn.limit_s * scale
+    limit = scn.limit_s
     with tempfile.TemporaryDirectory(prefix="arfuse_scenario_out_") as out_dir:
         out = Path(out_dir) / "result.json"
-        if scale != 1.0:
-            scn.data["limit_s"] = limit
-        proc = subprocess.Popen([*prefix, sys.executable, "-c", _JOB_ENTRY, str(path), str(out)],
-                                env=env, start_new_session=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        seen: set[int] = set()
-        overran = False
-        output = ""
+        job_tmp = tempfile.mkdtemp(prefix="arfuse_scenario_")
+        proc: subprocess.Popen[str] | None = None
         try:
-            output, _ = proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
-            overran = True
-            seen.update(_pgid_members(proc.pid))
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        time.sleep(0.05)
-        remaining = _pgid_members(proc.pid)
-        if remaining:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            proc = subprocess.Popen([*prefix, sys.executable, "-c", _JOB_ENTRY, str(path),
+                                     str(out), repr(scale), job_tmp],
+                                    env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            seen: set[int] = set()
+            overran = False
+            output = ""
+            try:
+                output, _ = proc.communicate(timeout=limit)
+            except subprocess.TimeoutExpired:
+                overran = True
+                seen.update(_pgid_members(proc.pid))
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                output, _ = proc.communicate()
+            time.sleep(0.05)
+            remaining = _pgid_members(proc.pid)
+        finally:  # also on Ctrl-C: the job's session goes, then its folder
+            if proc is not None:
+                _stop_session(proc)
+            shutil.rmtree(job_tmp, ignore_errors=True)
         seconds = time.monotonic() - started
         if overran:
             left = _segments_of(seen, [Path("/dev/shm")])
@@ -1099,18 +1124,50 @@ def recorded_figures(paths: Iterable[str | os.PathLike[str]]) -> str:
     return ""
 
 
+MAX_LIMIT_SCALE = 100.0  # 600 s (the largest limit_s) times this still fits every timeout
+
+
+def limit_scale(text: str) -> float:
+    """``--limit-scale``: a positive finite factor (0, a negative, inf, nan or a huge one would
+    turn every limit into nonsense or a traceback)."""
+    allowed = f"use a number > 0 and <= {MAX_LIMIT_SCALE:g}, such as 2 or 0.5"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; {allowed}") from None
+    if not math.isfinite(value) or not 0 < value <= MAX_LIMIT_SCALE:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range; {allowed}")
+    return value
+
+
+def check_output_file(path: str) -> None:
+    """``--json``: checked before the first scenario runs, not after all of them."""
+    target = Path(path)
+    parent = target.parent
+    if target.is_dir():
+        raise ValueError(f"--json {path!r} is a directory; give a file path")
+    if not parent.is_dir():
+        raise ValueError(f"--json {path!r}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (target.exists()
+                                                    and not os.access(target, os.W_OK)):
+        raise ValueError(f"--json {path!r} cannot be written (permission denied)")
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("scenario", help="replay the field's failures as scenarios")
     verbs = p.add_subparsers(dest="scenario_command", required=True)
     run_p = verbs.add_parser("run", help="run scenario files (FILE or DIR of *.toml)")
     run_p.add_argument("paths", nargs="+", help="scenario files or directories")
     run_p.add_argument("--json", default=None, help="write the outcomes to this file")
-    run_p.add_argument("--limit-scale", type=float, default=1.0,
-                       help="multiply every scenario's hard limit (slow machines)")
+    run_p.add_argument("--limit-scale", type=limit_scale, default=1.0,
+                       help="multiply every scenario's hard limit, in (0, 100] (slow "
+                       "machines)")
     run_p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
+    if args.json:
+        check_output_file(args.json)
     files = scenario_files(args.paths)
     if not files:
         raise ValueError(f"no scenario files in {args.paths}")
@@ -1133,9 +1190,13 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
             say("")
             say(recorded)
     if args.json:
-        Path(args.json).write_text(json.dumps([
+        text = json.dumps([
             {"scenario": o.scenario.name, "file": str(o.scenario.path), "rows": o.scenario.rows,
              "cases": o.scenario.cases, "level": o.scenario.level, "status": o.status,
              "seconds": round(o.seconds, 2), "summary": o.summary, "problems": o.problems}
-            for o in outcomes], indent=2))
+            for o in outcomes], indent=2)
+        try:
+            Path(args.json).write_text(text)
+        except OSError as exc:  # removed or filled since the check: still one line
+            raise ValueError(f"--json {args.json!r} cannot be written: {exc}") from None
     return 1 if any(o.status == "fail" for o in outcomes) else 0
