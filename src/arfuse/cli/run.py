@@ -136,7 +136,8 @@ def run_body(rank: int, world: int, opts: RunOptions) -> int:
              f"{('ok' if quant_ok else 'BAD') if opts.quant else '-':>5} {fused:>10.1f} "
              f"{unfused:>10.1f} {unfused / fused:>7.1f}x  {'ok' if ok else 'MISMATCH'}")
     _say(rank, f"\nworld size {world}, hidden {opts.hidden}, {opts.dtype}, quant "
-         f"{opts.quant or 'none'}, {opts.steps} steps per size; latency = median per call on "
+         f"{opts.quant or 'none'}, {math.prod(_rounds(opts.steps))} timed steps per size "
+         f"and path; latency = median per call on "
          f"rank 0; unfused = torch.distributed all_reduce + add + RMSNorm"
          f"{' + quantisation' if opts.quant else ''}; stats {comm.stats()}")
     comm.close()
@@ -155,6 +156,11 @@ def _mostly_equal(got: torch.Tensor | None, expected: torch.Tensor) -> bool:
     a = got.cpu().view(torch.uint8)
     b = expected.view(torch.uint8)
     return a.shape == b.shape and (a != b).float().mean().item() <= 1e-3
+
+
+def _rounds(steps: int) -> tuple[int, int]:
+    """Rounds of consecutive timed steps, and steps per round, for about ``steps`` in all."""
+    return 5, max(1, steps // 5)
 
 
 def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
@@ -187,8 +193,7 @@ def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
     sync()
     fused_t: list[int] = []
     unfused_t: list[int] = []
-    rounds = 5
-    per_round = max(1, opts.steps // rounds)
+    rounds, per_round = _rounds(opts.steps)
     for _ in range(rounds):
         for fn, times in ((fused, fused_t), (unfused, unfused_t)):
             fn()  # the first step of a round absorbs the ranks' skew; not timed
