@@ -465,6 +465,7 @@ def peer_rates(size: int, copy_rate: float, tag: int, repeats: int = 16) -> Peer
         reserved = 0
         logger.warning("bench: no peer rates for %d bytes: %s (%s)", size, exc.strerror,
                        path(rank))
+    on_disk = bool(reserved)
     agreed = torch.tensor([reserved], dtype=torch.int64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     try:
@@ -481,7 +482,7 @@ def peer_rates(size: int, copy_rate: float, tag: int, repeats: int = 16) -> Peer
                        reader[:8].view(torch.int64))
         dist.barrier()  # every flag zeroed before any is waited on; every file mapped
         path(rank).unlink()  # the mappings stay: nothing is left if a rank dies from here on
-        reserved = 0
+        on_disk = False
         src = torch.ones(size, dtype=torch.uint8)
         dst = torch.empty_like(src)
         buffer, peer_buffer = mine[flag_bytes:], theirs[flag_bytes:]
@@ -502,7 +503,7 @@ def peer_rates(size: int, copy_rate: float, tag: int, repeats: int = 16) -> Peer
             read=_one_side_rate(size, statistics.median(reads[2:]) * 1e-9, copy_rate),
             shared_write=_one_side_rate(size, statistics.median(writes[3:]) * 1e-9, copy_rate))
     finally:
-        if reserved:  # returned or failed before the files were mapped
+        if on_disk:  # returned or failed before the files were mapped
             path(rank).unlink(missing_ok=True)
 
 
@@ -810,7 +811,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import faults, settings, topology
+    from .explain import job_settings
     from .launch import launch
 
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
@@ -823,11 +824,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out} is a file; give a folder for bench.json/.txt/.png")
-    # what every rank would fail on, once here (one line, exit 2)
-    conf = settings.load()
-    faults.parse(conf.faults)
-    if conf.topology_path:
-        topology.load(conf.topology_path)
+    job_settings()  # what every rank would fail on, once here (one line, exit 2)
     opts = BenchOptions(world_size=args.world_size, tokens=tuple(args.tokens),
                         hidden=args.hidden, dtypes=tuple(args.dtype), backends=backends,
                         out=args.out, min_seconds=args.min_seconds)

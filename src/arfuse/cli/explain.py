@@ -54,20 +54,27 @@ def resolve(conf: settings.Settings, topo: topology.Topology, spec: Spec) -> pol
     return policy.resolve(conf, topo, spec, installation_blockers())
 
 
+def job_settings(backend: str | None = None,
+                 strict: bool | None = None) -> tuple[settings.Settings, topology.Topology | None]:
+    """Before a CLI job starts its ranks, what each would fail on reading its settings, as one
+    line and exit 2 here: the ARFUSE_* values, ARFUSE_FAULTS, the ARFUSE_TOPOLOGY file (which
+    is returned, or None)."""
+    conf = settings.load(backend=backend, strict=strict)
+    faults.parse(conf.faults)
+    return conf, topology.load(conf.topology_path) if conf.topology_path else None
+
+
 def check_job(backend: str | None, strict: bool | None, world_size: int, device: str,
               spec: Spec) -> None:
-    """Before a CLI job starts its ranks: what they would each fail on is one line and exit 2
-    here (bad settings, ARFUSE_TOPOLOGY, a plan that cannot run, CUDA that is not there)."""
-    conf = settings.load(backend=backend, strict=strict)
+    """``job_settings``, and a plan that cannot run or CUDA that is not there."""
+    conf, file_topology = job_settings(backend, strict)
     if device == "cuda":
         import torch
 
         if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
             raise ValueError(f"--device cuda: this machine has {torch.cuda.device_count()} "
                              f"usable CUDA device(s) for {world_size} ranks")
-    topo = (topology.load(conf.topology_path) if conf.topology_path
-            else topology.this_machine(world_size, device))
-    resolve(conf, topo, spec)
+    resolve(conf, file_topology or topology.this_machine(world_size, device), spec)
 
 
 def run(args: argparse.Namespace) -> int:
