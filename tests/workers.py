@@ -761,7 +761,7 @@ def shm_create_with_a_silent_peer(rank: int, world: int, directory: str) -> str:
     from arfuse.backends.shm import workspace as shm_workspace
     from arfuse.spec import Spec
 
-    ctx = negotiate.make_context(None, "cpu", settings.load(timeout_s=1.0))
+    ctx = negotiate.make_context(negotiate.join(None), "cpu", settings.load(timeout_s=1.0))
     ctx.channel.next_epoch()
     ctx.channel.begin("n1/shm")
     if rank != 0:

@@ -15,11 +15,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from . import catalog, faults, log, policy, topology
 from .backends.base import Backend, Workspace
-from .errors import CollectiveTimeout, CreationFailed, NegotiationError
+from .errors import CollectiveTimeout, CreationFailed, NegotiationError, PeerAborted
 from .policy import Plan
 from .rendezvous import Channel
 from .settings import Settings
@@ -116,10 +116,22 @@ def forget_all_groups() -> None:
             channel.store = None
 
 
-def make_context(group: Any, device: str | None, settings: Settings) -> GroupContext:
-    """Rank, size, device and the shared channel of ``group`` (``None``: WORLD, or one
-    process); bad arguments are errors that name them."""
-    import torch
+@dataclass(frozen=True)
+class Member:
+    """This rank in a group before any of its settings are known: enough to exchange with the
+    other ranks (rank, size, the group's channel)."""
+
+    group: Any  # torch.distributed.ProcessGroup, or None for a single process
+    rank: int
+    world_size: int
+    key: str
+    channel: Channel
+
+
+def join(group: Any) -> Member:
+    """This rank of ``group`` (``None``: WORLD, or one process) and the group's channel. Only a
+    ``group`` that is not a process group of this process fails here: with no group there is
+    nobody to tell."""
     import torch.distributed as dist
 
     if group is None and dist.is_available() and dist.is_initialized():
@@ -134,22 +146,31 @@ def make_context(group: Any, device: str | None, settings: Settings) -> GroupCon
         if rank < 0:
             raise ValueError("group: this process is not a member of the given group")
         store = dist.distributed_c10d._get_process_group_store(group)
-    if device is None:
-        device = _device_of(group)
-    elif device not in topology.DEVICES:
-        raise ValueError(f"device={device!r} is not valid; use one of "
-                         f"{', '.join(topology.DEVICES)}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but this process has no usable CUDA device "
-                         "(torch.cuda.is_available() is False); use device='cpu'")
     key = group_key(group)
     with _channels_lock:
         channel = _channels.get(key)
         if channel is None or channel.world_size != world or channel.rank != rank:
             channel = _channels[key] = Channel(store, f"arfuse/{key}", rank, world)
         channel.store = store
-    return GroupContext(group=group, rank=rank, world_size=world, device=device, key=key,
-                        channel=channel, settings=settings, faults=faults.parse(settings.faults))
+    return Member(group, rank, world, key, channel)
+
+
+def make_context(member: Member, device: str | None, settings: Settings) -> GroupContext:
+    """The member's context under ``settings``: its device (``None``: the group's) and the
+    settings' faults; bad values are errors that name them."""
+    import torch
+
+    if device is None:
+        device = _device_of(member.group)
+    elif device not in topology.DEVICES:
+        raise ValueError(f"device={device!r} is not valid; use one of "
+                         f"{', '.join(topology.DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but this process has no usable CUDA device "
+                         "(torch.cuda.is_available() is False); use device='cpu'")
+    return GroupContext(group=member.group, rank=member.rank, world_size=member.world_size,
+                        device=device, key=member.key, channel=member.channel,
+                        settings=settings, faults=faults.parse(settings.faults))
 
 
 def _device_of(group: Any) -> str:
@@ -185,6 +206,8 @@ def backend_instance(name: str) -> Backend | str:
 
 
 def _local_payload(ctx: GroupContext, spec: Spec) -> dict[str, Any]:
+    """This rank's facts, topology file, backend table and local checks (what ``negotiate``
+    gathers; the request itself was agreed when the op opened)."""
     settings = ctx.settings
     facts = topology.local_facts(ctx.device)
     file_topology = (topology.load(settings.topology_path).to_dict()
@@ -198,12 +221,10 @@ def _local_payload(ctx: GroupContext, spec: Spec) -> dict[str, Any]:
         if why:
             blocked[name] = why
     return {
-        "spec": asdict(spec),
-        "settings": {"backend": settings.backend, "strict": settings.strict,
-                     "replicated_residual": settings.replicated_residual},
         "facts": asdict(facts),
         "file_topology": file_topology,
         "blocked": blocked,
+        "backends": {d.name: d.implementation for d in catalog.descriptors()},
     }
 
 
@@ -252,22 +273,44 @@ def _blocked(payloads: list[dict[str, Any]]) -> dict[str, str]:
     return merged
 
 
+def _agree_on_backends(payloads: list[dict[str, Any]]) -> None:
+    """Every rank must have the same table of backends (``arfuse.register`` on some ranks
+    only would make them resolve different plans and wait for each other in vain)."""
+    tables = [p["backends"] for p in payloads]
+    if all(table == tables[0] for table in tables):
+        return
+    problems = []
+    for name in sorted({name for table in tables for name in table}):
+        have = [r for r, table in enumerate(tables) if name in table]
+        kinds = {table[name] for table in tables if name in table}
+        if len(have) < len(tables):
+            lack = [r for r in range(len(tables)) if r not in have]
+            problems.append(f"backend {name!r} is registered on ranks {have} but not on "
+                            f"ranks {lack}")
+        elif len(kinds) > 1:
+            problems.append(f"backend {name!r} has different implementations: "
+                            + "; ".join(f"rank {r}: {table[name]}"
+                                        for r, table in enumerate(tables)))
+    raise NegotiationError("ranks have different backends: " + "; ".join(problems)
+                           + ". Register (arfuse.register) the same backends on every rank")
+
+
 def negotiate(ctx: GroupContext, spec: Spec) -> Outcome:
-    """Collective: every rank ends with the same backend, or every rank raises."""
+    """Collective, in the epoch the op opened in: every rank ends with the same backend, or
+    every rank raises."""
     started = time.perf_counter()
-    epoch = ctx.channel.next_epoch()
-    payloads = ctx.all_gather("facts", _local_payload(ctx, spec))
+    epoch = ctx.channel.epoch
+    value, error = attempt_locally(lambda: _local_payload(ctx, spec))
+    payloads = exchange_verdicts(ctx.channel, ctx.timeout_s, "facts", value, error)
     try:
-        _agree(payloads, "spec", "specs (max_token_num, hidden_dim, dtype, quant)")
-        _agree(payloads, "settings", "settings (ARFUSE_BACKEND / ARFUSE_STRICT / "
-               "ARFUSE_REPLICATED_RESIDUAL or their keywords)")
+        _agree_on_backends(payloads)
         topo = topology_of(ctx, payloads)
         blocked = _blocked(payloads)
         # an explicit backend that cannot run, or strict with nothing fused: every rank's
         # verdict from the same facts, raised together like the facts' own errors
         plan = policy.resolve(ctx.settings, topo, spec, blocked)
     except (NegotiationError, ValueError) as exc:
-        fail_together(ctx, "facts", exc)
+        fail_together(ctx.channel, ctx.timeout_s, "facts", exc)
     log.once(_level(ctx, logging.INFO), (ctx.key, spec, ctx.settings.backend),
              "arfuse group %s: plan for %s\n%s", ctx.key, _spec_text(spec), plan.explain())
     attempts: list[Attempt] = []
@@ -284,18 +327,74 @@ def negotiate(ctx: GroupContext, spec: Spec) -> Outcome:
         log.logger.log(_level(ctx, logging.WARNING), "arfuse group %s: %s; trying the next "
                        "candidate", ctx.key, attempt.describe())
     tried = "; ".join(a.describe() for a in attempts)
-    fail_together(ctx, "end", NegotiationError(
+    fail_together(ctx.channel, ctx.timeout_s, "end", NegotiationError(
         f"arfuse group {ctx.key}: no candidate could be created on every rank ({tried})"
         + (" and ARFUSE_STRICT=1 forbids the unfused path" if ctx.settings.strict else "")))
 
 
-def fail_together(ctx: GroupContext, phase: str, error: Exception) -> NoReturn:
+def fail_together(channel: Channel, timeout_s: float, phase: str,
+                  error: BaseException) -> NoReturn:
     """Every rank reached the same verdict from the same facts; wait until all have read them
     before raising, so that no rank's exit (rank 0 hosts the store) cuts another off mid-read."""
-    ctx.channel.begin(f"{ctx.channel.scope}/fail")
+    channel.begin(f"{channel.scope}/fail")
     with contextlib.suppress(Exception):
-        ctx.barrier(f"{phase}-ack")
+        channel.barrier(f"{phase}-ack", timeout_s)
     raise error
+
+
+# --- local failures travel like facts -----------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def attempt_locally(step: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    """Run a rank's local step before an exchange: its value, or the error it raised (which
+    ``exchange_verdicts`` then tells every rank instead of leaving them waiting)."""
+    try:
+        return step(), None
+    except Exception as exc:
+        return None, exc
+
+
+def exchange_verdicts(channel: Channel, timeout_s: float, phase: str, value: Any,
+                      error: BaseException | None) -> list[Any]:
+    """Collective: every rank's ``value``. A rank whose local step failed (``error``) sends
+    that instead; then every rank raises together, that rank its own error and the others
+    ``PeerAborted`` naming it and why, and every rank has made the same exchange (the group's
+    exchange count stays in step)."""
+    mine = {"error": "" if error is None else _error_text(error), "value": value}
+    payloads = channel.all_gather(phase, mine, timeout_s, abortable=False)
+    refused = {rank: p["error"] for rank, p in enumerate(payloads) if p["error"]}
+    if refused:
+        reasons = "; ".join(f"rank {rank}: {why}" for rank, why in sorted(refused.items()))
+        fail_together(channel, timeout_s, phase, error if error is not None else PeerAborted(
+            f"arfuse: rank(s) {', '.join(map(str, sorted(refused)))} of the group failed "
+            f"locally in phase {phase!r}, so no rank goes on ({reasons})"))
+    return [p["value"] for p in payloads]
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:2000]
+
+
+def request_of(ctx: GroupContext, spec: Spec) -> dict[str, Any]:
+    """What every rank of one construction must ask alike."""
+    settings = ctx.settings
+    return {"spec": asdict(spec), "device": ctx.device,
+            "settings": {"backend": settings.backend, "strict": settings.strict,
+                         "replicated_residual": settings.replicated_residual}}
+
+
+def agree_on_request(channel: Channel, timeout_s: float, requests: list[dict[str, Any]]) -> None:
+    """Every rank asked for the same spec, device and settings, else every rank raises
+    ``NegotiationError`` together."""
+    try:
+        _agree(requests, "spec", "specs (max_token_num, hidden_dim, dtype, quant)")
+        _agree(requests, "device", "devices")
+        _agree(requests, "settings", "settings (ARFUSE_BACKEND / ARFUSE_STRICT / "
+               "ARFUSE_REPLICATED_RESIDUAL or their keywords)")
+    except NegotiationError as exc:
+        fail_together(channel, timeout_s, "open", exc)
 
 
 def _try(ctx: GroupContext, backend: Backend,

@@ -43,15 +43,20 @@ class FusedAllReduce:
                  quant: str | None = None, *, strict: bool | None = None,
                  timeout_s: float | None = None, device: str | None = None,
                  replicated_residual: bool | str | None = None) -> None:
-        conf = settings_mod.load(backend=backend, strict=strict, timeout_s=timeout_s,
-                                 replicated_residual=replicated_residual)
-        log.configure(conf.log_level)
-        spec = Spec(max_tokens=max_token_num, hidden=hidden_dim, dtype=parse_dtype(dtype),
-                    quant=parse_quant(quant))
+        def request() -> tuple[settings_mod.Settings, Spec]:
+            conf = settings_mod.load(backend=backend, strict=strict, timeout_s=timeout_s,
+                                     replicated_residual=replicated_residual)
+            log.configure(conf.log_level)
+            return conf, Spec(max_tokens=max_token_num, hidden=hidden_dim,
+                              dtype=parse_dtype(dtype), quant=parse_quant(quant))
+
+        # collective even when this rank's arguments or settings are bad: every rank then
+        # raises together (the others PeerAborted), and no rank waits for another
+        lease = REGISTRY.acquire(group, request, device, timeout_s)
+        conf, spec = lease.ctx.settings, lease.spec
         self.spec = spec
         self._replicated_residual = bool(conf.replicated_residual)
         self._check_residual = conf.replicated_residual == "check"
-        lease = REGISTRY.acquire(group, spec, conf, device)
         self._lease: Lease | None = lease
         outcome = lease.entry.outcome
         ws = outcome.workspace

@@ -17,11 +17,14 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import log, negotiate
+from . import settings as settings_mod
 from .backends.base import Workspace
+from .errors import NegotiationError
 from .negotiate import GroupContext, Outcome
 from .settings import Settings
 from .spec import Spec
@@ -37,6 +40,7 @@ class Entry:
 
     key: EntryKey
     outcome: Outcome
+    epoch: int  # the group's negotiation that made it: the same number on every rank
     users: int = 0
     superseded: bool = False
 
@@ -51,6 +55,8 @@ class Lease:
 
     entry: Entry
     ctx: GroupContext
+    spec: Spec  # what the op asked for (the workspace may hold more)
+    opened: int  # the group's exchange epoch this op was made in: its number on every rank
     reused: bool
     released: bool = field(default=False)
 
@@ -60,41 +66,71 @@ class Registry:
         self._lock = threading.RLock()
         self._entries: dict[EntryKey, list[Entry]] = {}
 
-    def acquire(self, group: Any, spec: Spec, settings: Settings,
-                device: str | None = None) -> Lease:
-        """Collective: a covering workspace of the group, or a newly negotiated one."""
+    def acquire(self, group: Any, request: Callable[[], tuple[Settings, Spec]],
+                device: str | None = None, timeout_s: float | None = None) -> Lease:
+        """Collective: a covering workspace of the group, or a newly negotiated one.
+
+        ``request`` gives this rank's settings and spec; whatever it (or this rank's context)
+        raises is exchanged first, so every rank raises together instead of the others
+        waiting (``negotiate.exchange_verdicts``). ``timeout_s``: the wait for that exchange
+        when the settings themselves are what failed."""
         with self._lock:
-            ctx = negotiate.make_context(group, device, settings)
-            # a workspace serves only requests negotiated under the same settings and topology
-            # file, and waits with the timeout of the op that made it (its context's)
-            key = (ctx.key, str(device_of(ctx.device)), settings.backend, settings.strict,
-                   settings.topology_path, settings.replicated_residual, settings.timeout_s)
-            live = self._entries.setdefault(key, [])
-            for entry in live:
-                if not entry.superseded and entry.workspace.spec.covers(spec):
-                    entry.users += 1
-                    log.logger.debug("arfuse group %s: reusing the %s workspace for %s",
-                                     ctx.key, entry.workspace.backend, spec)
-                    return Lease(entry, ctx, reused=True)
-            same_shape = [e for e in live if not e.superseded
-                          and e.workspace.spec.dtype == spec.dtype
-                          and e.workspace.spec.hidden == spec.hidden]
-            high_water = max([spec.max_tokens] + [e.workspace.spec.max_tokens
-                                                  for e in same_shape])
+            member = negotiate.join(group)
+            member.channel.next_epoch()  # one per construction, on every rank alike
             try:
-                outcome = negotiate.negotiate(ctx, replace(spec, max_tokens=high_water))
+                return self._acquire(member, request, device, timeout_s)
             except BaseException:
-                self._forget_if_unused(ctx.key)
+                self._forget_if_unused(member.key)
                 raise
-            entry = Entry(key, outcome, users=1)
-            for old in same_shape:
-                old.superseded = True
-                log.logger.log(logging.INFO if ctx.rank == 0 else logging.DEBUG,
-                               "arfuse group %s: workspace for %d tokens replaced by one for "
-                               "%d (it is freed when its last user closes)", ctx.key,
-                               old.workspace.spec.max_tokens, high_water)
-            live.append(entry)
-            return Lease(entry, ctx, reused=False)
+
+    def _acquire(self, member: negotiate.Member, request: Callable[[], tuple[Settings, Spec]],
+                 device: str | None, timeout_s: float | None) -> Lease:
+        def local() -> tuple[GroupContext, Spec, EntryKey, Entry | None]:
+            settings, spec = request()
+            ctx = negotiate.make_context(member, device, settings)
+            key = _entry_key(ctx)
+            return ctx, spec, key, self._covering(key, spec)
+
+        found, error = negotiate.attempt_locally(local)
+        timeout = (found[0].timeout_s if found is not None
+                   else settings_mod.fallback_timeout(timeout_s))
+        mine = None if found is None else {
+            "request": negotiate.request_of(found[0], found[1]),
+            "reuse": None if found[3] is None else found[3].epoch}
+        shared = negotiate.exchange_verdicts(member.channel, timeout, "open", mine, error)
+        assert found is not None  # a rank whose local step failed raised above
+        ctx, spec, key, entry = found
+        negotiate.agree_on_request(member.channel, timeout, [p["request"] for p in shared])
+        _agree_on_reuse(ctx, [p["reuse"] for p in shared])
+        if entry is not None:
+            entry.users += 1
+            log.logger.debug("arfuse group %s: reusing the %s workspace for %s", ctx.key,
+                             entry.workspace.backend, spec)
+            return Lease(entry, ctx, spec, ctx.channel.epoch, reused=True)
+        return self._negotiate(ctx, spec, key)
+
+    def _covering(self, key: EntryKey, spec: Spec) -> Entry | None:
+        for entry in self._entries.get(key, []):
+            if not entry.superseded and entry.workspace.spec.covers(spec):
+                return entry
+        return None
+
+    def _negotiate(self, ctx: GroupContext, spec: Spec, key: EntryKey) -> Lease:
+        live = self._entries.setdefault(key, [])
+        same_shape = [e for e in live if not e.superseded
+                      and e.workspace.spec.dtype == spec.dtype
+                      and e.workspace.spec.hidden == spec.hidden]
+        high_water = max([spec.max_tokens] + [e.workspace.spec.max_tokens for e in same_shape])
+        outcome = negotiate.negotiate(ctx, replace(spec, max_tokens=high_water))
+        entry = Entry(key, outcome, epoch=ctx.channel.epoch, users=1)
+        for old in same_shape:
+            old.superseded = True
+            log.logger.log(logging.INFO if ctx.rank == 0 else logging.DEBUG,
+                           "arfuse group %s: workspace for %d tokens replaced by one for "
+                           "%d (it is freed when its last user closes)", ctx.key,
+                           old.workspace.spec.max_tokens, high_water)
+        live.append(entry)
+        return Lease(entry, ctx, spec, ctx.channel.epoch, reused=False)
 
     def release(self, lease: Lease) -> None:
         """Drop one user; the workspace is destroyed when its last user is gone."""
@@ -134,6 +170,29 @@ class Registry:
                     log.logger.warning("arfuse: destroying %s raised %s: %s",
                                        entry.workspace.backend, type(exc).__name__, exc)
             negotiate.forget_all_groups()
+
+
+def _entry_key(ctx: GroupContext) -> EntryKey:
+    """A workspace serves only requests negotiated under the same settings and topology file,
+    and waits with the timeout of the op that made it (its context's)."""
+    settings = ctx.settings
+    return (ctx.key, str(device_of(ctx.device)), settings.backend, settings.strict,
+            settings.topology_path, settings.replicated_residual, settings.timeout_s)
+
+
+def _agree_on_reuse(ctx: GroupContext, verdicts: list[int | None]) -> None:
+    """Every rank reuses the same workspace (named by the negotiation that made it) or every
+    rank negotiates: registries that differ (ops closed on some ranks only, different
+    timeouts or topology paths) fail on every rank together instead of some ranks waiting."""
+    if all(v == verdicts[0] for v in verdicts):
+        return
+    said = "; ".join(f"rank {r}: " + ("negotiate a new workspace" if v is None else
+                                      f"reuse the workspace of negotiation {v}")
+                     for r, v in enumerate(verdicts))
+    negotiate.fail_together(ctx.channel, ctx.timeout_s, "open", NegotiationError(
+        f"arfuse group {ctx.key}: the ranks' workspaces of this group differ ({said}); every "
+        "rank must make and close the same ops with the same settings (ARFUSE_TIMEOUT_S, "
+        "ARFUSE_TOPOLOGY included)"))
 
 
 REGISTRY = Registry()

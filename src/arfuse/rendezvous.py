@@ -47,6 +47,11 @@ class Channel:
         self._written: list[str] = []      # keys this rank set in the current negotiation
         self._stale: list[str] = []        # ... and in the one before, deleted when safe
 
+    @property
+    def epoch(self) -> int:
+        """The current negotiation's number (every rank counts alike)."""
+        return self._epoch
+
     def next_epoch(self) -> int:
         """A new negotiation: every rank counts the same collective calls, so the same epoch."""
         self._epoch += 1

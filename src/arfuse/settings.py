@@ -100,6 +100,20 @@ def check(key: str, value: object, label: str) -> None:
         raise TypeError(f"{label} must be a str or None")
 
 
+def fallback_timeout(value: object) -> float:
+    """``value`` when it is a valid timeout, else ``ARFUSE_TIMEOUT_S`` when that is, else the
+    default: for a wait that must happen even when the settings are what failed."""
+    try:
+        check("timeout_s", value, "timeout_s")
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        pass
+    try:
+        return from_env().timeout_s
+    except (TypeError, ValueError):
+        return DEFAULT_TIMEOUT_S
+
+
 def from_env(env: Mapping[str, str] | None = None) -> Settings:
     """Read the ``ARFUSE_*`` variables; a bad value is an error naming its variable."""
     env = os.environ if env is None else env

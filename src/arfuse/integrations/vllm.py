@@ -30,7 +30,7 @@ import importlib
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from types import ModuleType
 from typing import Any
@@ -220,26 +220,15 @@ def _forget_if_unused(key: str) -> None:
         negotiate.forget_group(key)
 
 
-def _local_view(ctx: GroupContext, conf: settings_mod.Settings) -> dict[str, Any]:
-    """This rank's setting, facts and topology file; a local error travels in the payload, so
-    every rank fails together instead of the others waiting out the deadline."""
-    view: dict[str, Any] = {"setting": None, "error": "", "facts": None, "file_topology": None}
-    try:
-        view["setting"] = backend_setting()
-        if conf.topology_path:
-            view["file_topology"] = topology_mod.load(conf.topology_path).to_dict()
-        view["facts"] = asdict(topology_mod.local_facts(ctx.device))
-    except Exception as exc:
-        view["error"] = str(exc) or type(exc).__name__
-    return view
+def _local_view(ctx: GroupContext) -> dict[str, Any]:
+    """This rank's setting, facts and topology file (what ``_decide`` exchanges)."""
+    path = ctx.settings.topology_path
+    return {"setting": backend_setting(),
+            "file_topology": topology_mod.load(path).to_dict() if path else None,
+            "facts": asdict(topology_mod.local_facts(ctx.device))}
 
 
 def _agreed_setting(ctx: GroupContext, payloads: list[dict[str, Any]]) -> str:
-    errors = {rank: p["error"] for rank, p in enumerate(payloads) if p["error"]}
-    if errors:
-        own = errors.get(ctx.rank)
-        raise ValueError(own if own is not None else "; ".join(
-            f"rank {rank}: {why}" for rank, why in sorted(errors.items())))
     settings = [p["setting"] for p in payloads]
     if any(s != settings[0] for s in settings):
         values = "; ".join(f"rank {rank}: {s!r}" for rank, s in enumerate(settings))
@@ -255,24 +244,45 @@ def drop_in_timeout_s() -> float:
     return DROP_IN_TIMEOUT_S
 
 
-def _decide(group: Any, device: str | None) -> GroupDecision:
-    """Collective on ``group``: every rank sends its setting and facts through the group's own
-    store, under the drop-in's deadline, and every rank applies vLLM's rule to the same facts."""
-    conf = settings_mod.load(timeout_s=drop_in_timeout_s())
-    log.configure(conf.log_level)
-    ctx = negotiate.make_context(group, device, conf)
+def _fallback_timeout_s() -> float:
+    """The drop-in's wait for a rank whose own settings are what failed."""
     try:
-        view = _local_view(ctx, conf)
-        epoch = ctx.channel.next_epoch()
-        ctx.channel.begin(f"n{epoch}/vllm")
-        payloads = ctx.all_gather("facts", view)
+        return drop_in_timeout_s()
+    except (TypeError, ValueError):
+        return DROP_IN_TIMEOUT_S
+
+
+def _decide(group: Any, device: str | None,
+            check: Callable[[], None] = lambda: None) -> GroupDecision:
+    """Collective on ``group``: every rank sends its setting and facts through the group's own
+    store, under the drop-in's deadline, and every rank applies vLLM's rule to the same facts.
+    ``check``: the caller's checks of its arguments; what it (or this rank's settings) raises
+    travels in the exchange, so every rank fails together instead of the others waiting."""
+    member = negotiate.join(group)
+    epoch = member.channel.next_epoch()
+    member.channel.begin(f"n{epoch}/vllm")
+
+    def local() -> tuple[GroupContext, dict[str, Any]]:
+        check()
+        conf = settings_mod.load(timeout_s=drop_in_timeout_s())
+        log.configure(conf.log_level)
+        ctx = negotiate.make_context(member, device, conf)
+        return ctx, _local_view(ctx)
+
+    try:
+        found, error = negotiate.attempt_locally(local)
+        timeout = found[0].timeout_s if found is not None else _fallback_timeout_s()
+        payloads = negotiate.exchange_verdicts(member.channel, timeout, "facts",
+                                               None if found is None else found[1], error)
+        assert found is not None  # a rank whose local step failed raised above
+        ctx = found[0]
         try:
             setting = _agreed_setting(ctx, payloads)
             topo = negotiate.topology_of(ctx, payloads)
         except (NegotiationError, ValueError) as exc:
-            negotiate.fail_together(ctx, "facts", exc)
+            negotiate.fail_together(ctx.channel, ctx.timeout_s, "facts", exc)
     finally:
-        _forget_if_unused(ctx.key)
+        _forget_if_unused(member.key)
     backend, allow = choose_backend(setting, topo)
     log.once(_level(ctx.rank, logging.INFO), (ctx.key, setting, backend, allow, topo.node_count),
              "arfuse vLLM drop-in, group %s (%d ranks, %d node(s), SM %s): %s=%s -> backend %s, "
@@ -358,6 +368,13 @@ def _drop_dead() -> None:
         held.op.close()
 
 
+def _failure_key(group: Any, spec: Spec) -> tuple[str, str, int, str]:
+    """(group, the raw setting: an invalid one is an error every rank reports together,
+    hidden, dtype)."""
+    return (negotiate.group_key(group), os.environ.get(ENV_BACKEND, DEFAULT_BACKEND),
+            spec.hidden, spec.dtype)
+
+
 def _acquire(group: Any, world_size: int, rank: int, max_token_num: int, hidden_dim: int,
              dtype: Any, quant: bool, device: str | None,
              need: int = 0) -> FusedAllReduce | None:
@@ -367,22 +384,29 @@ def _acquire(group: Any, world_size: int, rank: int, max_token_num: int, hidden_
     FlashInfer (the getters: the fusion pass calls up to ``max_token_num``); the communicator
     gates each call on the capacity itself."""
     group = _normalize(group)
-    spec = Spec(max_tokens=max_token_num, hidden=hidden_dim, dtype=parse_dtype(dtype))
-    with _lock:
-        found = _covering(group, spec, need)
-        if found is not None:
-            return found.op
-        _drop_dead()
+    spec, spec_error = negotiate.attempt_locally(
+        lambda: Spec(max_tokens=max_token_num, hidden=hidden_dim, dtype=parse_dtype(dtype)))
+
+    def check() -> None:
+        """This rank's arguments, checked where every rank learns the verdict (``_decide``)."""
+        if spec_error is not None:
+            raise spec_error
         own_rank, own_size = _rank_and_size(group)
         if (world_size, rank) != (own_size, own_rank):
             raise ValueError(f"world_size={world_size}, rank={rank} do not match the group "
                              f"passed (rank {own_rank} of {own_size}); arfuse uses the group")
-        # the raw value: an invalid one is an error every rank reports together (``_decide``)
-        key = (negotiate.group_key(group), os.environ.get(ENV_BACKEND, DEFAULT_BACKEND),
-               spec.hidden, spec.dtype)
-        if key in _failed and max_token_num >= _failed[key]:
-            return None
-        decision = _decide(group, device)
+
+    with _lock:
+        if spec is not None:
+            found = _covering(group, spec, need)
+            if found is not None:
+                return found.op
+            if max_token_num >= _failed.get(_failure_key(group, spec), max_token_num + 1):
+                return None
+        _drop_dead()
+        decision = _decide(group, device, check)
+        assert spec is not None  # this rank's check raised above otherwise
+        key = _failure_key(group, spec)
         if decision.backend == "trtllm" and decision.topology.node_count > 1:
             raise ValueError(_TRTLLM_MULTI_NODE_QUANT if quant else _TRTLLM_MULTI_NODE)
         if decision.backend is None or decision.topology.device != "cuda":

@@ -1,0 +1,66 @@
+"""Per-rank bodies for the tests of what the ranks of a group must agree on before and during
+calls: a rank's local error at construction, ops that pair across one another, the backend
+table, quantisation and layout of a call."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+def _outcome(make: Any) -> str:
+    try:
+        made = make()
+    except Exception as exc:  # the test checks the class and the text
+        return f"{type(exc).__name__}: {exc}"
+    close = getattr(made, "close", None)
+    if close is not None:
+        close()
+    return "made"
+
+
+def local_error_then_recovery(rank: int, world: int, bad_rank: int, bad: dict[str, Any],
+                              env: dict[str, str]) -> dict[str, str]:
+    """Rank ``bad_rank`` makes its op with ``bad`` keywords or ``env``, the others with valid
+    ones; then every rank makes valid ops and calls them (twice over, ``destroy_all`` between):
+    what each step gave on this rank."""
+    import arfuse
+
+    good = {"max_token_num": 8, "hidden_dim": 64, "dtype": torch.float32, "timeout_s": 30.0}
+    report: dict[str, str] = {}
+    saved = {name: os.environ.get(name) for name in env}
+    if rank == bad_rank:
+        os.environ.update(env)
+    try:
+        report["bad"] = _outcome(lambda: arfuse.FusedAllReduce(
+            **({**good, **bad} if rank == bad_rank else good)))
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    for step in ("after", "after destroy_all"):
+        comm = arfuse.FusedAllReduce(**good)
+        out = comm(torch.full((2, 64), float(rank + 1))).out
+        report[step] = f"{comm.backend}: {out[0, 0].item():g}"
+        comm.close()
+        arfuse.destroy_all()
+    return report
+
+
+def vllm_local_error_then_recovery(rank: int, world: int) -> dict[str, str]:
+    """The vLLM drop-in's getter with a wrong rank on rank 1 (a local ValueError), then right."""
+    from arfuse.integrations import vllm
+
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    report = {"bad": _outcome(lambda: vllm.get_fi_ar_workspace(
+        world, rank if rank == 0 else 0, 8, 64, torch.float32, group))}
+    report["after"] = repr(vllm.get_fi_ar_workspace(world, rank, 8, 64, torch.float32, group))
+    report["resolve"] = repr(vllm.resolve_fi_ar_backend(group))
+    vllm.destroy_fi_ar_workspace()
+    return report

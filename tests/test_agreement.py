@@ -1,0 +1,48 @@
+"""What the ranks of a group must agree on, and what happens when they do not: every rank
+raises together, at once, and the group stays usable."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import agreement_workers as aw
+from harness import run_ranks, values
+
+BAD_LOCAL = [
+    ({"hidden_dim": 0}, {}, "ValueError", "hidden=0"),
+    ({}, {"ARFUSE_BACKEND": "bogus"}, "ValueError", "ARFUSE_BACKEND='bogus'"),
+    ({}, {"ARFUSE_FAULTS": "shm.nowhere@1=raise"}, "ValueError", "ARFUSE_FAULTS clause"),
+    ({}, {"ARFUSE_TIMEOUT_S": "-1"}, "ValueError", "ARFUSE_TIMEOUT_S=-1"),
+    ({"device": "tpu"}, {}, "ValueError", "device='tpu'"),
+]
+
+
+@pytest.mark.parametrize(("bad", "env", "kind", "text"), BAD_LOCAL,
+                         ids=["hidden", "backend-env", "faults-env", "timeout-env", "device"])
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_local_error_on_one_rank_fails_every_rank_at_once_and_leaves_the_group_usable(
+        bad: dict[str, Any], env: dict[str, str], kind: str, text: str, bad_rank: int) -> None:
+    """The rank with the bad argument or setting raises its own error; the other learns it at
+    once (``PeerAborted`` naming that rank and why, not a ``NegotiationTimeout`` after its
+    30 s); every later op of the group, before and after ``destroy_all``, works."""
+    results = values(run_ranks(aw.local_error_then_recovery, 2, bad_rank, bad, env,
+                               timeout=120))
+    for rank, report in enumerate(results):
+        if rank == bad_rank:
+            assert report["bad"].startswith(f"{kind}: ") and text in report["bad"], report
+        else:
+            assert report["bad"].startswith("PeerAborted: "), report
+            assert f"rank(s) {bad_rank} of the group failed locally" in report["bad"]
+            assert text in report["bad"], report
+        assert report["after"] == report["after destroy_all"] == "shm: 3", report
+
+
+def test_the_vllm_drop_in_tells_every_rank_of_a_local_error() -> None:
+    results = values(run_ranks(aw.vllm_local_error_then_recovery, 2, timeout=120))
+    assert results[1]["bad"].startswith("ValueError: world_size=2, rank=0 do not match")
+    assert results[0]["bad"].startswith("PeerAborted: "), results[0]
+    for report in results:
+        assert report["after"] == "None"  # no CUDA here: vLLM runs unfused, on every rank
+    assert results[0]["resolve"] == results[1]["resolve"]
