@@ -53,9 +53,9 @@ def local_error_then_recovery(rank: int, world: int, bad_rank: int, bad: dict[st
 
 def vllm_local_error_then_recovery(rank: int, world: int) -> dict[str, str]:
     """The vLLM drop-in's getter with a wrong rank on rank 1 (a local ValueError), then right."""
-    from arfuse.integrations import vllm
-
     import torch.distributed as dist
+
+    from arfuse.integrations import vllm
 
     group = dist.group.WORLD
     report = {"bad": _outcome(lambda: vllm.get_fi_ar_workspace(
