@@ -345,11 +345,14 @@ def test_ranks_that_disagree_on_the_replicated_residual_fail_to_negotiate() -> N
             message
 
 
-@pytest.mark.parametrize("same", [True, False])
-def test_replicated_residual_check_compares_the_ranks_residuals_every_call(same: bool) -> None:
+@pytest.mark.parametrize(("same", "change"), [(True, "none"), (False, "one"),
+                                            (False, "cancelling"), (False, "swapped")])
+def test_replicated_residual_check_compares_the_ranks_residuals_every_call(
+        same: bool, change: str) -> None:
     """"check": the promise, verified across ranks before each call; residuals that differ
-    are a ValueError on every rank, and the group stays in step for the next call."""
-    results = values(run_ranks(workers.residual_check, 2, same))
+    are a ValueError on every rank, and the group stays in step for the next call. Changes
+    that a sum of the values (weighted by position or not) cannot see are caught too."""
+    results = values(run_ranks(workers.residual_check, 2, same, 10, 1040, change))
     world = 2
     for got in results:
         assert got["promised"] and got["after"] == float(sum(range(1, world + 1)))
@@ -360,6 +363,18 @@ def test_replicated_residual_check_compares_the_ranks_residuals_every_call(same:
             assert "ranks [1] differ from rank 0" in got["error"], got
             assert "replicated_residual='check'" in got["error"]
         assert got["stats"]["calls"] == (2 if same else 1)
+
+
+@pytest.mark.parametrize("change", ["one", "cancelling", "swapped"])
+def test_residual_digest_sees_every_change_of_the_bytes(change: str) -> None:
+    from arfuse.ops import residual_digest
+
+    residual = torch.randn(10, 1040, generator=torch.Generator().manual_seed(5)).bfloat16()
+    changed = residual.clone()
+    workers.change_residual(changed, change)
+    assert not torch.equal(changed, residual)
+    assert not torch.equal(residual_digest(changed), residual_digest(residual))
+    assert torch.equal(residual_digest(residual.clone()), residual_digest(residual))
 
 
 @pytest.mark.parametrize("backend", ["shm", "torch"])

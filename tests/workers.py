@@ -638,10 +638,11 @@ def replicated_residual_disagreement(rank: int, world: int) -> str:
 
 
 def residual_check(rank: int, world: int, same: bool, tokens: int = 10,
-                   hidden: int = 1040) -> dict[str, Any]:
-    """replicated_residual="check": residuals the same on every rank (``same``) or differing
-    in one element on the last rank; the outputs, or the error, of a call and of the call
-    after it (the group must still be in step)."""
+                   hidden: int = 1040, change: str = "one") -> dict[str, Any]:
+    """replicated_residual="check": residuals the same on every rank (``same``) or, on the
+    last rank, changed (``change``: ``one`` element +1; ``cancelling``: the bit patterns of
+    three neighbours +1, -2, +1; ``swapped``: two elements 8191 apart exchanged); the outputs,
+    or the error, of a call and of the call after it (the group must still be in step)."""
     import arfuse
 
     comm = arfuse.FusedAllReduce(max_token_num=tokens, hidden_dim=hidden, dtype=torch.bfloat16,
@@ -650,7 +651,7 @@ def residual_check(rank: int, world: int, same: bool, tokens: int = 10,
     gen = torch.Generator().manual_seed(5)
     residual = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
     if not same and rank == world - 1:
-        residual[tokens - 1, 3] += 1
+        change_residual(residual, change)
     x = torch.full((tokens, hidden), float(rank + 1), dtype=torch.bfloat16)
     weight = torch.ones(hidden, dtype=torch.bfloat16)
     report: dict[str, Any] = {"promised": comm.replicated_residual}
@@ -666,6 +667,22 @@ def residual_check(rank: int, world: int, same: bool, tokens: int = 10,
     comm.close()
     return report
 
+
+
+def change_residual(residual: torch.Tensor, change: str) -> None:
+    """Change ``residual`` in place as ``residual_check`` describes."""
+    flat = residual.view(-1)
+    if change == "one":
+        residual[-1, 3] += 1
+    elif change == "cancelling":
+        bits = flat.view(torch.int16)
+        bits[3] += 1
+        bits[4] -= 2
+        bits[5] += 1
+    elif change == "swapped":
+        flat[3], flat[3 + 8191] = flat[3 + 8191].clone(), flat[3].clone()
+    else:
+        raise ValueError(f"change={change!r}")
 
 
 def release_during_operator_call(rank: int, world: int) -> dict[str, Any]:

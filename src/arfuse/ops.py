@@ -9,6 +9,8 @@ counted in ``stats()``.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import replace
 from typing import Any
 
@@ -232,14 +234,12 @@ class FusedAllReduce:
 
 
 def residual_digest(residual: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums that differ, but for a vanishing chance, when two residuals' bytes
-    differ: the sum of their elements' bit patterns weighted by position, and their plain sum
-    (wrapping int64 arithmetic, the same on every rank), on the residual's device."""
-    flat = residual.contiguous().view(-1)
-    as_ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    values = flat.view(as_ints[flat.element_size()]).to(torch.int64)
-    weights = torch.arange(values.numel(), device=values.device, dtype=torch.int64) % 8191 + 1
-    return torch.stack([(values * weights).sum(), values.sum()])
+    """BLAKE2b-128 of the residual's bytes (row-major, as stored), as two int64: residuals that
+    differ in any byte give different digests except with a chance of about 2**-128 (a
+    cryptographic hash: no change of the values, however arranged, cancels out)."""
+    data = residual.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    first, second = struct.unpack("<qq", hashlib.blake2b(data, digest_size=16).digest())
+    return torch.tensor([first, second], dtype=torch.int64, device=residual.device)
 
 
 def check_replicated(call: CallArgs, ctx: Any, backend: str, call_number: int) -> None:
