@@ -46,3 +46,27 @@ def test_the_vllm_drop_in_tells_every_rank_of_a_local_error() -> None:
     for report in results:
         assert report["after"] == "None"  # no CUDA here: vLLM runs unfused, on every rank
     assert results[0]["resolve"] == results[1]["resolve"]
+
+
+QUANTISED_CASES = {
+    "none vs fp8": [(None, "swizzled_128x4"), ("fp8", "swizzled_128x4")],
+    "fp8 vs fp8_dynamic": [("fp8", "swizzled_128x4"), ("fp8_dynamic", "swizzled_128x4")],
+    "nvfp4 swizzled vs linear": [("nvfp4", "swizzled_128x4"), ("nvfp4", "linear")],
+}
+
+
+@pytest.mark.parametrize("case", sorted(QUANTISED_CASES))
+@pytest.mark.parametrize(("backend", "tokens"), [("torch", 2), ("shm", 2), ("shm", 8)],
+                         ids=["torch", "shm", "shm-over-capacity"])
+def test_calls_that_differ_in_quantisation_or_layout_fail_on_every_rank(
+        case: str, backend: str, tokens: int) -> None:
+    """R11 on every path: the quantisation (and NVFP4's scale layout) is part of the call's
+    descriptor also where the backend quantises as a step of its own (torch, and a call over
+    capacity, which runs there): ``MismatchedCall`` on every rank, and the next call works."""
+    results = values(run_ranks(aw.quantised_calls_that_differ, 2, backend, tokens,
+                               QUANTISED_CASES[case], timeout=120))
+    for report in results:
+        assert report["backend"] == backend, report
+        assert report["call"].startswith("MismatchedCall: "), report
+        assert report["after"] == "2", report  # normed to 1; its fp8 code with scale 0.5: 2
+    assert results[0]["call"] == results[1]["call"]

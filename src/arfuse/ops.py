@@ -192,13 +192,13 @@ class FusedAllReduce:
         return ws.run(call)
 
     def _fused_quant(self, ws: Workspace, quant: str) -> bool:
-        """Whether ``ws`` fuses ``quant`` on this group: decided per quantisation asked for in
-        a call (not per spec), so ranks that reach the kernel by different paths agree."""
+        """Whether ``ws`` takes ``quant`` itself on this group: decided per quantisation asked
+        for in a call (not per spec), so ranks that reach the kernel by different paths agree."""
         key = (ws.backend, quant)
         fused = self._fuses.get(key)
         if fused is None:
-            fused = self._fuses[key] = ws.fuses_quant and ws.descriptor.fuses_quant(
-                self._topology, replace(self.spec, quant=quant))
+            fused = self._fuses[key] = ws.runs_quant(self._topology,
+                                                     replace(self.spec, quant=quant))
         return fused
 
     def _unfused_workspace(self) -> Workspace:

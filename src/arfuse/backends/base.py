@@ -38,6 +38,12 @@ class Workspace(ABC):
     def descriptor(self) -> BackendDescriptor:
         return catalog.get(self.backend)
 
+    def runs_quant(self, topology: Any, spec: Spec) -> bool:
+        """Whether ``run`` takes a call quantised as ``spec.quant`` itself (it fuses that
+        quantisation on this topology); otherwise the op runs the call without it and
+        quantises after."""
+        return self.fuses_quant and self.descriptor.fuses_quant(topology, spec)
+
     @property
     def fast_call(self) -> Any:
         """An optional entry that checks and runs a call in one step (no Python on the hot

@@ -68,6 +68,11 @@ class TorchWorkspace(Workspace):
     def poison(self) -> None:
         self._poisoned = True
 
+    def runs_quant(self, topology: Any, spec: Spec) -> bool:
+        """Always: the reference epilogue quantises, and the call's descriptor must carry the
+        quantisation and its layout so ranks that differ in them fail together (R11)."""
+        return True
+
     def _gather(self, x: torch.Tensor, phase: str) -> torch.Tensor:
         """``[world, T, H]`` of every rank's ``x``, within the deadline; a timeout leaves the
         group out of step, so this workspace refuses every later call."""
