@@ -148,7 +148,9 @@ class Recorder:
 
 
 def decided(topology: Topology, setting: str = "auto") -> Any:
-    def fake_decide(group: Any, device: str | None) -> dropin.GroupDecision:
+    def fake_decide(group: Any, device: str | None,
+                    check: Any = lambda: None) -> dropin.GroupDecision:
+        check()  # the caller's argument checks run where the real exchange runs them
         backend, allow = dropin.choose_backend(setting, topology)
         fake_decide.devices.append(device)  # type: ignore[attr-defined]
         return dropin.GroupDecision(setting, topology, backend, allow, "g", 0)

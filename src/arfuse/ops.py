@@ -238,7 +238,7 @@ def residual_digest(residual: torch.Tensor) -> torch.Tensor:
     differ in any byte give different digests except with a chance of about 2**-128 (a
     cryptographic hash: no change of the values, however arranged, cancels out)."""
     data = residual.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-    first, second = struct.unpack("<qq", hashlib.blake2b(data, digest_size=16).digest())
+    first, second = struct.unpack("<qq", hashlib.blake2b(data.data, digest_size=16).digest())
     return torch.tensor([first, second], dtype=torch.int64, device=residual.device)
 
 
