@@ -91,3 +91,24 @@ def quantised_calls_that_differ(rank: int, world: int, backend: str, tokens: int
     report["stats"] = repr(comm.stats())
     comm.close()
     return report
+
+
+def backend_registered_on_one_rank(rank: int, world: int) -> str:
+    """Rank 0 registers a backend the others lack, then every rank makes an op."""
+    import arfuse
+
+    if rank == 0:
+        arfuse.register(arfuse.BackendDescriptor(
+            name="extra", fused=True, devices=("cpu",), auto_rank=None,
+            implementation="arfuse.backends.torch_dist.workspace:TorchBackend"))
+    return _outcome(lambda: arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64,
+                                                  dtype=torch.float32, timeout_s=30.0))
+
+
+def unfused_backend_blocked(rank: int, world: int) -> str:
+    """``torch.probe@1=raise`` with ARFUSE_BACKEND=torch: the one backend asked for is blocked
+    on rank 1."""
+    import arfuse
+
+    return _outcome(lambda: arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64,
+                                                  dtype=torch.float32, timeout_s=30.0))

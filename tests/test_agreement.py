@@ -70,3 +70,17 @@ def test_calls_that_differ_in_quantisation_or_layout_fail_on_every_rank(
         assert report["call"].startswith("MismatchedCall: "), report
         assert report["after"] == "2", report  # normed to 1; its fp8 code with scale 0.5: 2
     assert results[0]["call"] == results[1]["call"]
+
+
+def test_a_backend_registered_on_some_ranks_only_fails_on_every_rank_at_once() -> None:
+    for report in values(run_ranks(aw.backend_registered_on_one_rank, 2, timeout=120)):
+        assert report.startswith("NegotiationError: ranks have different backends"), report
+        assert "backend 'extra' is registered on ranks [0] but not on ranks [1]" in report
+
+
+def test_the_unfused_backend_blocked_by_a_local_check_is_not_used() -> None:
+    """What the plan lists as blocked is never used, the unfused backend included."""
+    env = {"ARFUSE_BACKEND": "torch", "ARFUSE_FAULTS": "torch.probe@1=raise"}
+    for report in values(run_ranks(aw.unfused_backend_blocked, 2, env=env, timeout=120)):
+        assert report.startswith("ValueError: no backend can run"), report
+        assert "torch: rank 1: local check failed: InjectedFault" in report, report

@@ -143,15 +143,21 @@ def resolve(settings: Settings, topology: Topology, spec: Spec,
         if explicit and why:
             warnings.append(f"requested backend {name!r} cannot run here: {why}")
 
-    unfused_allowed = not settings.strict or requested == catalog.UNFUSED
-    unfused_reason = ("unfused: all-reduce then the epilogue; runs everywhere" if unfused_allowed
-                      else "ARFUSE_STRICT=1 forbids the unfused fallback")
-    candidates.append(Candidate(catalog.UNFUSED, unfused_allowed, unfused_reason))
+    strict_forbids = settings.strict and requested != catalog.UNFUSED
+    unfused_blocked = blocked.get(catalog.UNFUSED, "")  # a local check: fault injection
+    unfused_reason = ("ARFUSE_STRICT=1 forbids the unfused fallback" if strict_forbids
+                      else unfused_blocked or "unfused: all-reduce then the epilogue; runs "
+                      "everywhere")
+    candidates.append(Candidate(catalog.UNFUSED, not strict_forbids and not unfused_blocked,
+                                unfused_reason))
 
     viable = [c for c in candidates if c.viable]
     if not viable:
-        reasons = "; ".join(f"{c.backend}: {c.reason}" for c in candidates[:-1])
-        raise ValueError(f"ARFUSE_STRICT=1 and no fused backend can run here ({reasons})")
+        if strict_forbids:
+            reasons = "; ".join(f"{c.backend}: {c.reason}" for c in candidates[:-1])
+            raise ValueError(f"ARFUSE_STRICT=1 and no fused backend can run here ({reasons})")
+        reasons = "; ".join(f"{c.backend}: {c.reason}" for c in candidates)
+        raise ValueError(f"no backend can run here ({reasons})")
     chosen = viable[0]
     chosen_descriptor = catalog.get(chosen.backend)
     fused_viable = [c for c in viable if catalog.get(c.backend).fused]
