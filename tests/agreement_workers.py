@@ -112,3 +112,56 @@ def unfused_backend_blocked(rank: int, world: int) -> str:
 
     return _outcome(lambda: arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64,
                                                   dtype=torch.float32, timeout_s=30.0))
+
+
+def ops_called_in_other_orders(rank: int, world: int, backend: str,
+                               hidden_b: int) -> dict[str, Any]:
+    """Two ops on one group, A (hidden 64) and B (``hidden_b``: 64 shares A's workspace);
+    rank 0 calls A then B, the others B then A. What each call gave, what a call of each op
+    gave afterwards, and a fresh op after ``destroy_all``."""
+    import arfuse
+
+    def make(hidden: int) -> Any:
+        return arfuse.FusedAllReduce(max_token_num=8, hidden_dim=hidden, dtype=torch.float32,
+                                     backend=backend, strict=backend != "torch",
+                                     timeout_s=30.0)
+
+    def call(op: Any, hidden: int) -> str:
+        try:
+            out = op(torch.full((2, hidden), float(rank + 1))).out
+        except Exception as exc:  # the test checks the class and the text
+            return f"{type(exc).__name__}: {exc}"
+        return f"{out[0, 0].item():g}"
+
+    ops = {"A": (make(64), 64), "B": (make(hidden_b), hidden_b)}
+    order = ["A", "B"] if rank == 0 else ["B", "A"]
+    report: dict[str, Any] = {"path": getattr(ops["A"][0].workspace, "path", backend),
+                              "shared": ops["A"][0].workspace is ops["B"][0].workspace}
+    report["first"] = call(*ops[order[0]])
+    report["second"] = call(*ops[order[1]])
+    report["A after"] = call(*ops["A"])
+    report["B after"] = call(*ops["B"])
+    arfuse.destroy_all()
+    report["fresh"] = call(make(hidden_b), hidden_b)
+    arfuse.destroy_all()
+    return report
+
+
+def ranks_in_different_modes(rank: int, world: int) -> dict[str, str]:
+    """Rank 1 forces two-shot through the workspace's test hook, rank 0 keeps one-shot."""
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,
+                                 backend="shm", strict=True, timeout_s=30.0)
+    if rank == 1:
+        comm.workspace.set_mode("twoshot")  # type: ignore[attr-defined]
+    report: dict[str, str] = {}
+    try:
+        comm(torch.ones(4, 64))
+        report["call"] = "returned"
+    except Exception as exc:  # the test checks the class and the text
+        report["call"] = f"{type(exc).__name__}: {exc}"
+    comm.workspace.set_mode(None)  # type: ignore[attr-defined]
+    report["after"] = f"{comm(torch.ones(1, 64)).out[0, 0].item():g}"
+    comm.close()
+    return report

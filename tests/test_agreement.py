@@ -84,3 +84,39 @@ def test_the_unfused_backend_blocked_by_a_local_check_is_not_used() -> None:
     for report in values(run_ranks(aw.unfused_backend_blocked, 2, env=env, timeout=120)):
         assert report.startswith("ValueError: no backend can run"), report
         assert "torch: rank 1: local check failed: InjectedFault" in report, report
+
+
+@pytest.mark.parametrize(("backend", "env"), [("shm", {}), ("shm", {"ARFUSE_SHM_PURE_TORCH": "1"}),
+                                              ("torch", {})], ids=["shm", "pure-torch", "torch"])
+@pytest.mark.parametrize("hidden_b", [64, 128], ids=["one-workspace", "two-workspaces"])
+def test_ops_called_in_other_orders_are_a_mismatched_call_on_every_rank(
+        backend: str, env: dict[str, str], hidden_b: int) -> None:
+    """Rank 0 calls op A then op B, rank 1 B then A: ``MismatchedCall`` on every rank at once
+    (not a timeout after 30 s naming a live rank, and no call of A paired with one of B).
+    Ops that share a workspace (or, on torch, the process group) differ in the op their
+    descriptors name: the group stays in step. Ops in two shm workspaces wait in different
+    segments: each rank sees the other in a call there, and both workspaces are out of step
+    (``WorkspaceBroken``) until the ops are closed."""
+    results = values(run_ranks(aw.ops_called_in_other_orders, 2, backend, hidden_b, env=env,
+                               timeout=150))
+    in_step = hidden_b == 64 or backend == "torch"
+    for report in results:
+        assert report["shared"] == (hidden_b == 64), report
+        assert report["first"].startswith("MismatchedCall: "), report
+        if in_step:
+            assert "they differ in" in report["first"] or "differ from rank 0" in report["first"]
+            assert "op=" in report["first"], report
+            assert report["second"].startswith("MismatchedCall: "), report
+            assert report["A after"] == report["B after"] == "3", report
+        else:
+            assert "called their ops in different orders" in report["first"], report
+            for step in ("second", "A after", "B after"):
+                assert report[step].startswith("WorkspaceBroken: "), (step, report)
+        assert report["fresh"] == "3", report
+
+
+def test_ranks_forced_into_different_modes_are_a_mismatched_call() -> None:
+    for report in values(run_ranks(aw.ranks_in_different_modes, 2, timeout=120)):
+        assert report["call"].startswith("MismatchedCall: "), report
+        assert "they differ in mode;" in report["call"], report
+        assert report["after"] == "2", report

@@ -136,6 +136,8 @@ def test_mismatch_messages_are_the_same_text_in_cpp_and_python() -> None:
                                                                                 False),
          shm_layout.descriptor(4, 1, 2048, 2, 1, True)],
         [shm_layout.descriptor(0, 2, 7, 1, 0, False)] * 2,
+        [shm_layout.descriptor(40, 2, 64, 0, 0, True, twoshot=True, op=2**31 - 1),
+         shm_layout.descriptor(40, 2, 64, 0, 0, True, twoshot=False, op=5)],
     ]
     for call, found in enumerate(descriptors, start=1):
         assert module.mismatch_message(call, found) == shm_layout.mismatch_message(call, found)
@@ -144,7 +146,11 @@ def test_mismatch_messages_are_the_same_text_in_cpp_and_python() -> None:
     text = shm_layout.mismatch_message(3, descriptors[1])
     assert "they differ in dtype, pattern, quant, layout;" in text
     assert "rank 0: tokens=4 dtype=bf16 hidden=2048 pattern=norm+residual quant=nvfp4 " \
-           "layout=swizzled_128x4; rank 1:" in text
+           "layout=swizzled_128x4 mode=oneshot op=0; rank 1:" in text
+    text = shm_layout.mismatch_message(4, descriptors[3])
+    assert "they differ in mode, op;" in text
+    assert "rank 0: tokens=40 dtype=fp32 hidden=64 pattern=plain quant=none mode=twoshot " \
+           f"op={2**31 - 1}; rank 1:" in text
 
 
 # --- bad calls: the fast path declines exactly what call_checks refuses -------------------------

@@ -25,6 +25,9 @@ FP32_MAX = 3.4028234663852886e38
 FP32_TINY = 1.401298464324817e-45  # the smallest positive fp32 (subnormal)
 
 Span = tuple[int, int]
+# Ops are numbered by the group's construction count (the same on every rank), modulo this + 1:
+# the number a call's descriptor carries
+MAX_OP = (1 << 31) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +44,7 @@ class CallArgs:
     layout: str = "swizzled_128x4"
     out: torch.Tensor | None = None
     residual_out: torch.Tensor | None = None
+    op: int = 0  # the op making the call, numbered alike on every rank (its descriptor names it)
 
     @property
     def tokens(self) -> int:
@@ -48,7 +52,7 @@ class CallArgs:
 
     def without_quant(self) -> CallArgs:
         return CallArgs(self.x, self.residual, self.weight, self.eps, self.weight_bias, None,
-                        None, self.layout, self.out, self.residual_out)
+                        None, self.layout, self.out, self.residual_out, self.op)
 
 
 def real_number(value: Any, name: str) -> float:
@@ -108,7 +112,7 @@ class OpShape:
 
 def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, weight_bias: Any,
                quant: Any, scale: Any, layout: Any, out: Any, residual_out: Any,
-               shared: Span | None, slot_start: int | None) -> CallArgs:
+               shared: Span | None, slot_start: int | None, op: int = 0) -> CallArgs:
     """Every rule of one call. ``shared``: the memory the peers read during a call (no argument
     may lie there, except ``x`` starting exactly at ``slot_start``, the next input slot)."""
     _check_x(shape, x)
@@ -150,7 +154,7 @@ def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, wei
             layout_name = check_layout(layout)
     _check_memory(x, residual, weight, out, residual_out, shared, slot_start)
     return CallArgs(x, residual, weight, eps_f, bias_f, quant_name, scale_f, layout_name, out,
-                    residual_out)
+                    residual_out, op)
 
 
 def _check_x(shape: OpShape, x: Any) -> None:

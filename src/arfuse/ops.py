@@ -19,7 +19,7 @@ import torch
 from . import catalog, collective, faults, log
 from . import settings as settings_mod
 from .backends.base import Workspace
-from .call_checks import CallArgs, OpShape, check_call
+from .call_checks import MAX_OP, CallArgs, OpShape, check_call
 from .dtypes import parse_dtype
 from .epilogue import FusedOutput, quantize
 from .errors import CallTimeout, MismatchedCall, WorkspaceBroken
@@ -60,6 +60,7 @@ class FusedAllReduce:
         self._replicated_residual = bool(conf.replicated_residual)
         self._check_residual = conf.replicated_residual == "check"
         self._lease: Lease | None = lease
+        self._op = lease.opened & MAX_OP  # what this op's calls say they are, on every rank
         outcome = lease.entry.outcome
         ws = outcome.workspace
         self._ws: Workspace | None = ws
@@ -151,7 +152,7 @@ class FusedAllReduce:
         fast = self._fast
         if fast is not None:
             result: FusedOutput | None = fast(x, residual, weight, eps, weight_bias, quant,
-                                              scale, layout, out, residual_out)
+                                              scale, layout, out, residual_out, self._op)
             if result is not None:
                 self._fast_calls += 1
                 return result
@@ -167,7 +168,7 @@ class FusedAllReduce:
         shared = ws.shared_span()
         slot = ws.input_slot_start() if shared is not None else None
         call = check_call(self._shape, x, residual, weight, eps, weight_bias, quant, scale,
-                          layout, out, residual_out, shared, slot)
+                          layout, out, residual_out, shared, slot, self._op)
         if self._broken:
             raise WorkspaceBroken.after("arfuse", self._broken, group_out_of_step=True)
         if self._check_residual:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...call_checks import MAX_OP
 from ...sizing import ceil_div, round_up
 
 CACHE_LINE = 64
@@ -43,7 +44,10 @@ DESC_QUANT_HIGH_SHIFT = 37                            # 1 bit: the quant code's 
 # 4 fp8_dynamic
 WAITERS_OFFSET = 40                                   # into a flag's line: int32, ranks asleep
 CPU_OFFSET = 44                                       # into an arrival line: int32, its CPU
+DESC_MODE_SHIFT = 38                                  # 1 bit: two-shot
 DESC_DTYPE_SHIFT = 40                                 # 2 bits: the dtype's kernel code
+DESC_OP_SHIFT = 32                                    # word 1: hidden below, the op above
+MAX_HIDDEN = (1 << 31) - 1
 PATTERN_PLAIN = 0                                     # all-reduce only
 PATTERN_NORM = 1                                      # + RMSNorm
 PATTERN_NORM_RESIDUAL = 2                             # + residual + RMSNorm
@@ -51,24 +55,29 @@ PATTERN_NORM_RESIDUAL = 2                             # + residual + RMSNorm
 _DTYPE_NAMES = ("bf16", "fp16", "fp32")
 _PATTERN_NAMES = ("plain", "norm", "norm+residual")
 _QUANT_NAMES = ("none", "fp8", "nvfp4", "other", "fp8_dynamic")
-_FIELDS = ("tokens", "dtype", "hidden", "pattern", "quant", "layout")
+_FIELDS = ("tokens", "dtype", "hidden", "pattern", "quant", "layout", "mode", "op")
 
 
 def descriptor(tokens: int, dtype_code: int, hidden: int, pattern: int, quant_code: int,
-               swizzled: bool) -> tuple[int, int]:
-    """The two words a rank publishes for a call (the kernel's ``descriptor_word``)."""
+               swizzled: bool, twoshot: bool = False, op: int = 0) -> tuple[int, int]:
+    """The two words a rank publishes for a call (the kernel's ``descriptor_word`` and
+    ``descriptor_word1``), as signed int64 like the segment holds them."""
     layout_bit = 1 if quant_code == 2 and swizzled else 0
     word0 = (min(tokens, 0xFFFFFFFF) << DESC_TOKENS_SHIFT | pattern << DESC_PATTERN_SHIFT
              | (quant_code & 3) << DESC_QUANT_SHIFT | (quant_code >> 2) << DESC_QUANT_HIGH_SHIFT
-             | layout_bit << DESC_LAYOUT_SHIFT | dtype_code << DESC_DTYPE_SHIFT)
-    return word0, hidden
+             | layout_bit << DESC_LAYOUT_SHIFT | int(twoshot) << DESC_MODE_SHIFT
+             | dtype_code << DESC_DTYPE_SHIFT)
+    word1 = (hidden & 0xFFFFFFFF) | (op & MAX_OP) << DESC_OP_SHIFT
+    return word0, word1 - (1 << 64) if word1 >= 1 << 63 else word1
 
 
 def _fields(word0: int, word1: int) -> tuple[int, ...]:
-    return ((word0 >> DESC_TOKENS_SHIFT) & 0xFFFFFFFF, (word0 >> DESC_DTYPE_SHIFT) & 3, word1,
-            (word0 >> DESC_PATTERN_SHIFT) & 3,
+    word1 &= (1 << 64) - 1
+    return ((word0 >> DESC_TOKENS_SHIFT) & 0xFFFFFFFF, (word0 >> DESC_DTYPE_SHIFT) & 3,
+            word1 & 0xFFFFFFFF, (word0 >> DESC_PATTERN_SHIFT) & 3,
             ((word0 >> DESC_QUANT_SHIFT) & 3) | (((word0 >> DESC_QUANT_HIGH_SHIFT) & 1) << 2),
-            (word0 >> DESC_LAYOUT_SHIFT) & 1)
+            (word0 >> DESC_LAYOUT_SHIFT) & 1, (word0 >> DESC_MODE_SHIFT) & 1,
+            (word1 >> DESC_OP_SHIFT) & MAX_OP)
 
 
 def _name(names: tuple[str, ...], value: int) -> str:
@@ -76,13 +85,14 @@ def _name(names: tuple[str, ...], value: int) -> str:
 
 
 def describe_descriptor(word0: int, word1: int) -> str:
-    """``tokens=1 dtype=fp32 hidden=64 pattern=plain quant=none`` (as the kernel writes it)."""
-    tokens, dtype, hidden, pattern, quant, swizzled = _fields(word0, word1)
+    """``tokens=1 dtype=fp32 hidden=64 pattern=plain quant=none mode=oneshot op=3`` (as the
+    kernel writes it)."""
+    tokens, dtype, hidden, pattern, quant, swizzled, twoshot, op = _fields(word0, word1)
     text = (f"tokens={tokens} dtype={_name(_DTYPE_NAMES, dtype)} hidden={hidden} "
             f"pattern={_name(_PATTERN_NAMES, pattern)} quant={_name(_QUANT_NAMES, quant)}")
     if quant == 2:
         text += " layout=" + ("swizzled_128x4" if swizzled else "linear")
-    return text
+    return text + f" mode={'twoshot' if twoshot else 'oneshot'} op={op}"
 
 
 def mismatch_message(call: int, descriptors: list[tuple[int, int]]) -> str:

@@ -19,6 +19,7 @@ import platform
 import secrets
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,17 @@ def _store_mode_code(mode: str) -> int:
     if mode not in STORE_MODES:
         raise ValueError(f"mode={mode!r} is not valid; use one of {', '.join(STORE_MODES)}")
     return STORE_MODES.index(mode)
+
+
+# Every live workspace of each group in this process (by group key): a rank waiting in a call
+# of one looks at the others for peers that are in a call there (ops called in another order)
+_GROUP_WORKSPACES: dict[str, weakref.WeakSet[ShmWorkspace]] = {}
+_GROUP_NUMBERS: dict[str, int] = {}
+
+
+def _group_number(key: str) -> int:
+    """A number per group of this process (from 1), for the kernel's ``set_group``."""
+    return _GROUP_NUMBERS.setdefault(key, len(_GROUP_NUMBERS) + 1)
 
 
 # the kernel's quant codes (3: a quantisation it does not run, in an announced call)
@@ -142,12 +154,14 @@ class ShmWorkspace(Workspace):
         self._broken = ""  # the pure-torch path's failure, once it had one
         # the pure-torch path runs one call at a time, as the kernel does (comm.h: call_mutex_)
         self._call_lock = threading.Lock()
+        _GROUP_WORKSPACES.setdefault(ctx.key, weakref.WeakSet()).add(self)
         if self.kernel is not None:
             self._comm = self.kernel.ShmComm(
                 self._base, ctx.world_size, ctx.rank, spec.max_tokens, spec.hidden,
                 DTYPES[spec.dtype].code, HEADER_BYTES, layout.slot_bytes,
                 layout.input_bytes, ctx.timeout_s, ONESHOT_MAX_BYTES)
             self._comm.set_result_type(FusedOutput)
+            self._comm.set_group(_group_number(ctx.key))
             self._comm.set_replicated_residual(bool(ctx.settings.replicated_residual))
         if self._comm is None:
             self.use_pure_path()
@@ -328,7 +342,7 @@ class ShmWorkspace(Workspace):
         return FusedOutput(*self._comm.run(call.x, call.residual, call.weight, call.eps,
                                            call.weight_bias, _QUANT_CODE[call.quant],
                                            call.scale or 0.0, call.layout == "swizzled_128x4",
-                                           call.out, call.residual_out))
+                                           call.out, call.residual_out, call.op))
 
     def input_slot_start(self) -> int:
         view = self._view_or_private()
@@ -377,7 +391,7 @@ class ShmWorkspace(Workspace):
         timeout (R11). Every rank announces the same calls (it is collective)."""
         pattern, quant, swizzled = self._shape_codes(call)
         if self._comm is not None:
-            self._comm.announce(call.tokens, pattern, quant, swizzled)
+            self._comm.announce(call.tokens, pattern, quant, swizzled, call.op)
             return
         with self._call_lock:
             if self._broken:
@@ -411,8 +425,9 @@ class ShmWorkspace(Workspace):
 
     def _descriptor(self, call: CallArgs) -> tuple[int, int]:
         pattern, quant, swizzled = self._shape_codes(call)
+        # the pure-torch path runs every call one-shot
         return descriptor(call.tokens, DTYPES[self.spec.dtype].code, self.spec.hidden, pattern,
-                          quant, swizzled)
+                          quant, swizzled, twoshot=False, op=call.op)
 
     def _wait(self, flags: torch.Tensor, seq: int) -> None:
         deadline = time.monotonic() + self.ctx.timeout_s
@@ -424,10 +439,40 @@ class ShmWorkspace(Workspace):
             spins += 1
             if spins > 100:
                 time.sleep(0)
-            if spins % 256 == 0 and time.monotonic() > deadline:
-                error = CallTimeout("call", self.backend, silent, self.ctx.timeout_s)
-                self._broken = str(error)
-                raise error
+            if spins % 256 == 0:
+                self._look_elsewhere(silent, seq)
+                if time.monotonic() > deadline:
+                    error = CallTimeout("call", self.backend, silent, self.ctx.timeout_s)
+                    self._broken = str(error)
+                    raise error
+
+    def _arrivals(self) -> torch.Tensor:
+        """Every rank's arrival flag (its last call number) on this rank's view."""
+        lines = self._view_or_private()[ARRIVE_OFFSET:ARRIVE_OFFSET + MAX_WORLD * CACHE_LINE]
+        return lines.view(torch.int64).view(MAX_WORLD, -1)[:, 0]
+
+    def _look_elsewhere(self, silent: list[int], seq: int) -> None:
+        """The pure-torch path's form of the kernel's ``look_elsewhere``: a silent peer in a
+        call of another workspace of this group that this rank has not made yet called the
+        ops in another order; both workspaces are out of step then."""
+        for other in list(_GROUP_WORKSPACES.get(self.ctx.key, ())):
+            if other is self or other.destroyed or other._broken or other._comm is not None:
+                continue
+            flags = other._arrivals()
+            mine = int(flags[self.ctx.rank])
+            ahead = [r for r in silent if int(flags[r]) > mine]
+            if not ahead:
+                continue
+            peer, theirs = ahead[0], int(flags[ahead[0]])
+            why = (f"arfuse shm: the ranks of the group called their ops in different orders: "
+                   f"rank {peer} is in call {theirs} of another workspace of this group "
+                   f"(hidden={other.spec.hidden} dtype={other.spec.dtype}) while this rank "
+                   f"waits for it in call {seq} of this one (hidden={self.spec.hidden} "
+                   f"dtype={self.spec.dtype}); every rank must call the ops of a group in the "
+                   "same order. Both workspaces are out of step now and refuse later calls: "
+                   + WorkspaceBroken.ADVICE)
+            other._broken = self._broken = why
+            raise MismatchedCall(why)
 
     def _free(self) -> None:
         if self._comm is not None:  # a FusedAllReduce may still hold its entry point

@@ -33,9 +33,6 @@ from ...spec import LAYOUTS, Spec
 from ...torch_types import device_of
 from ..base import Backend, Workspace
 
-_DESCRIPTOR_FIELDS = ("tokens", "hidden", "dtype", "pattern")
-
-
 _NORMS = ("plain all-reduce", "+ RMSNorm", "+ residual + RMSNorm")
 # (quant, nvfp4 layout) -> code; one entry per distinct output format
 _QUANT_FORMATS: tuple[tuple[str | None, str | None], ...] = (
@@ -84,20 +81,23 @@ class TorchWorkspace(Workspace):
             raise
 
     def _check_agreement(self, call: CallArgs) -> None:
-        """R11: every rank's (tokens, hidden, dtype, pattern) must be the same."""
+        """R11: every rank's (tokens, hidden, dtype, pattern, op) must be the same: the op
+        too, since all ops of a process group share its collectives."""
         mine = torch.tensor([[call.tokens, call.x.shape[1], DTYPES[self.spec.dtype].code,
-                              pattern_code(call)]], dtype=torch.int64, device=call.x.device)
-        every = self._gather(mine, "call-descriptor").view(self.ctx.world_size, 4).tolist()
+                              pattern_code(call), call.op]], dtype=torch.int64,
+                            device=call.x.device)
+        every = self._gather(mine, "call-descriptor").view(self.ctx.world_size, 5).tolist()
         if all(row == every[0] for row in every):
             return
         names = {d.code: name for name, d in DTYPES.items()}
         lines = [f"rank {r}: tokens={row[0]} hidden={row[1]} dtype={names.get(row[2], row[2])}"
-                 f" pattern={describe_pattern(row[3])}" for r, row in enumerate(every)]
+                 f" pattern={describe_pattern(row[3])} op={row[4]}"
+                 for r, row in enumerate(every)]
         differ = [r for r, row in enumerate(every) if row != every[0]]
         raise MismatchedCall(f"arfuse torch: the ranks of call {self._calls} passed different "
                              f"arguments (ranks {differ} differ from rank 0): "
-                             + "; ".join(lines) + ". Every rank must call with the same tokens, "
-                             "dtype, hidden size and pattern")
+                             + "; ".join(lines) + ". Every rank must call the same op with the "
+                             "same tokens, dtype, hidden size and pattern")
 
     def validate(self) -> None:
         # Every rank contributes rank+1 in a known pattern; everyone checks the same sum.

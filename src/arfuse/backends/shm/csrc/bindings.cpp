@@ -166,6 +166,10 @@ py::dict layout_constants() {
   d["WAITERS_OFFSET"] = layout::kWaitersOffset;
   d["CPU_OFFSET"] = layout::kCpuOffset;
   d["DESC_DTYPE_SHIFT"] = layout::kDescDtypeShift;
+  d["DESC_MODE_SHIFT"] = layout::kDescModeShift;
+  d["DESC_OP_SHIFT"] = layout::kDescOpShift;
+  d["MAX_HIDDEN"] = layout::kMaxHidden;
+  d["MAX_OP"] = layout::kMaxOp;
   d["PATTERN_PLAIN"] = layout::kPatternPlain;
   d["PATTERN_NORM"] = layout::kPatternNorm;
   d["PATTERN_NORM_RESIDUAL"] = layout::kPatternNormResidual;
@@ -265,18 +269,25 @@ void bind_comm(py::module_& m) {
       .def("set_oneshot_max_bytes", &ShmComm::set_oneshot_max_bytes)
       .def("oneshot", &ShmComm::oneshot)
       .def("next_input_offset", &ShmComm::next_input_offset)
-      .def("call", &ShmComm::call)
+      .def("call", &ShmComm::call, py::arg("x"), py::arg("residual"), py::arg("weight"),
+           py::arg("eps"), py::arg("weight_bias"), py::arg("quant"), py::arg("scale"),
+           py::arg("layout"), py::arg("out"), py::arg("residual_out"), py::arg("op") = 0)
       .def("run", [](ShmComm& comm, const at::Tensor& x, const std::optional<at::Tensor>& residual,
                      const std::optional<at::Tensor>& weight, double eps, double weight_bias,
                      int64_t quant, double scale, bool swizzled,
                      const std::optional<at::Tensor>& out,
-                     const std::optional<at::Tensor>& residual_out) {
+                     const std::optional<at::Tensor>& residual_out, int64_t op) {
+        Numbers n = numbers_of(eps, weight_bias, quant, scale, swizzled);
+        n.op = op;
         std::array<at::Tensor, 4> r =
-            comm.run(tensors_of(x, residual, weight, out, residual_out),
-                     numbers_of(eps, weight_bias, quant, scale, swizzled), true);
+            comm.run(tensors_of(x, residual, weight, out, residual_out), n, true);
         return std::vector<at::Tensor>(r.begin(), r.end());
-      })
-      .def("announce", &ShmComm::announce)
+      }, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+           py::arg("weight_bias"), py::arg("quant"), py::arg("scale"), py::arg("swizzled"),
+           py::arg("out"), py::arg("residual_out"), py::arg("op") = 0)
+      .def("announce", &ShmComm::announce, py::arg("tokens"), py::arg("pattern"),
+           py::arg("quant"), py::arg("swizzled"), py::arg("op") = 0)
+      .def("set_group", &ShmComm::set_group)
       .def("set_result_type", &ShmComm::set_result_type)
       .def("invalidate", &ShmComm::invalidate)
       .def("set_timing", &ShmComm::set_timing)

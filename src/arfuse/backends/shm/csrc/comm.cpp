@@ -98,6 +98,8 @@ ShmComm::ShmComm(int64_t base, int64_t world, int64_t rank, int64_t max_tokens, 
   TORCH_CHECK(max_tokens_ >= 1 && max_tokens_ <= layout::kMaxTokens,
               "arfuse shm: max_tokens must be 1..", layout::kMaxTokens);
   TORCH_CHECK(dtype_ >= kBF16 && dtype_ <= kFP32, "arfuse shm: bad dtype code");
+  TORCH_CHECK(hidden_ >= 1 && hidden_ <= layout::kMaxHidden, "arfuse shm: hidden must be 1..",
+              layout::kMaxHidden);
   TORCH_CHECK(header_bytes >= layout::kVoteOffset + layout::kMaxWorld * layout::kVoteBuckets,
               "arfuse shm: the header is too small for the copy-mode votes");
   elem_ = dtype_ == kFP32 ? 4 : 2;
@@ -114,6 +116,7 @@ ShmComm::ShmComm(int64_t base, int64_t world, int64_t rank, int64_t max_tokens, 
       layout::round_up(header_bytes + world * layout::kBuffers * slot_bytes, layout::kPage);
   waiter_.seg = &seg_;
   waiter_.timeout_s = timeout_s;
+  waiter_.look_elsewhere = [this](const std::vector<int>& silent) { look_elsewhere(silent); };
 #if defined(__linux__)
   seg_.cpu(seg_.rank)->store(sched_getcpu(), std::memory_order_relaxed);  // before any call
 #endif
@@ -169,16 +172,25 @@ void ShmComm::invalidate(const std::string& why) {
   py::gil_scoped_release no_gil;
   const std::lock_guard<std::mutex> one_call(call_mutex_);
   fail(why);
+  const std::lock_guard<std::mutex> table(g_comms_mutex);  // no one reads the segment after
+  mapped_ = false;
 }
 
 void ShmComm::set_base(int64_t base) {
   py::gil_scoped_release no_gil;
   const std::lock_guard<std::mutex> one_call(call_mutex_);
+  const std::lock_guard<std::mutex> table(g_comms_mutex);
   seg_.base = reinterpret_cast<char*>(base);
 }
 
+void ShmComm::set_group(int64_t group) {
+  const std::lock_guard<std::mutex> table(g_comms_mutex);
+  group_ = group;
+}
+
 void ShmComm::fail(const std::string& why) {
-  broken_ = why;
+  const std::lock_guard<std::mutex> lock(broken_mutex_);
+  if (!failed()) broken_ = why;  // the first failure is the one to report
   failed_.store(true, std::memory_order_release);
 }
 
@@ -341,10 +353,13 @@ bool ShmComm::take_numbers(bool norm, py::handle eps, py::handle weight_bias, py
 py::object ShmComm::call(py::handle x_obj, py::handle residual_obj, py::handle weight_obj,
                          py::handle eps_obj, py::handle bias_obj, py::handle quant_obj,
                          py::handle scale_obj, py::handle layout_obj, py::handle out_obj,
-                         py::handle residual_out_obj) {
+                         py::handle residual_out_obj, int64_t op) {
   Tensors t;
   Numbers n;
-  if (failed() || !THPVariable_Check(x_obj.ptr())) return py::none();
+  if (failed() || !THPVariable_Check(x_obj.ptr()) || op < 0 || op > layout::kMaxOp) {
+    return py::none();
+  }
+  n.op = op;
   t.x = &THPVariable_Unpack(x_obj.ptr());
   if (x_problem(*t.x, true) || !take_tensor(weight_obj, &t.weight) ||
       !take_tensor(residual_obj, &t.residual) || tensors_problem(t)) {
@@ -383,6 +398,7 @@ std::array<at::Tensor, 4> ShmComm::run(const Tensors& t, const Numbers& n, bool 
   const char* why = x_problem(*t.x, false);
   if (!why) why = tensors_problem(t);
   if (!why) why = numbers_problem(t.weight != nullptr, n);
+  if (!why && (n.op < 0 || n.op > layout::kMaxOp)) why = "op must be 0..2147483647";
   if (!why && !failed()) why = memory_problem(t);
   TORCH_CHECK_VALUE(why == nullptr, "arfuse shm: ", why);
   return execute(t, n, release_gil);
@@ -390,33 +406,101 @@ std::array<at::Tensor, 4> ShmComm::run(const Tensors& t, const Numbers& n, bool 
 
 // ---- one call --------------------------------------------------------------------------------
 
+// The same advice as errors.WorkspaceBroken.ADVICE (tests/test_negotiation.py checks it).
+const char* const kAdvice =
+    "close every FusedAllReduce of this group on every rank (arfuse.destroy_all() closes all), "
+    "then create new ones";
+
 void ShmComm::throw_broken() const {
-  // the same advice as errors.WorkspaceBroken.ADVICE (tests/test_negotiation.py checks it)
+  std::string why;
+  {
+    const std::lock_guard<std::mutex> lock(broken_mutex_);
+    why = broken_;
+  }
   throw ShmError(ShmError::kBroken, "arfuse shm: this workspace is unusable after an earlier "
-                 "failure (" + broken_ + "); close every FusedAllReduce of this group on "
-                 "every rank (arfuse.destroy_all() closes all), then create new ones");
+                 "failure (" + why + "); " + kAdvice);
+}
+
+// Between sleeps of a wait in call seq_: a silent peer that is in a call of another workspace
+// of this group which this rank has not made yet called the ops in another order than this
+// rank (in program order it could not be there otherwise). Each rank of the two sees it, so
+// every rank raises; both workspaces are out of step (a rank's arrival stands in each) and
+// refuse later calls.
+void ShmComm::look_elsewhere(const std::vector<int>& silent) const {
+  if (silent.empty()) return;
+  std::vector<std::shared_ptr<ShmComm>> seen;  // released after the lock: a last owner's
+                                               // destructor takes it
+  ShmComm* other = nullptr;
+  int peer = -1;
+  int64_t peer_call = 0, words[2] = {0, 0};
+  {
+    const std::lock_guard<std::mutex> table(g_comms_mutex);
+    if (group_ == 0) return;
+    for (const auto& entry : g_comms) {
+      std::shared_ptr<ShmComm> sib = entry.second.lock();
+      if (!sib) continue;
+      seen.push_back(sib);
+      if (sib.get() == this || sib->group_ != group_ || !sib->mapped_ || sib->failed() ||
+          sib->seg_.world != seg_.world) {
+        continue;
+      }
+      const Segment& s = sib->seg_;
+      const int64_t mine = s.flag(0, seg_.rank)->load(std::memory_order_acquire) /
+                           layout::kProgressUnits;
+      for (int j : silent) {
+        const int64_t theirs = s.flag(0, j)->load(std::memory_order_acquire) /
+                               layout::kProgressUnits;
+        if (theirs > mine) {
+          other = sib.get();
+          peer = j;
+          peer_call = theirs;
+          words[0] = s.descriptor(j, theirs)[0].load(std::memory_order_relaxed);
+          words[1] = s.descriptor(j, theirs)[1].load(std::memory_order_relaxed);
+          break;
+        }
+      }
+      if (other != nullptr) break;
+    }
+  }
+  if (other == nullptr) return;
+  const std::atomic<int64_t>* own = seg_.descriptor(seg_.rank, seq_);
+  std::ostringstream ss;
+  ss << "arfuse shm: the ranks of the group called their ops in different orders: rank "
+     << peer << " is in call " << peer_call << " of another workspace of this group ("
+     << describe_descriptor(words[0], words[1]) << ") while this rank waits for it in call "
+     << seq_ << " of this one (" << describe_descriptor(own[0].load(), own[1].load())
+     << "); every rank must call the ops of a group in the same order. Both workspaces are "
+        "out of step now and refuse later calls: " << kAdvice;
+  other->fail(ss.str());
+  ShmError error(ShmError::kMismatch, ss.str());
+  error.breaks = true;
+  throw error;
 }
 
 // A timeout or a dead peer leaves the group out of step: no later call may touch it. A mismatch
 // is found by every rank at the same point of the same call, before any rank reads a peer's
 // data, so the group stays in step and the next call may go ahead.
 void ShmComm::remember_failure(const ShmError& e) {
-  if (e.kind != ShmError::kMismatch) fail(e.what());
+  if (e.kind != ShmError::kMismatch || e.breaks) fail(e.what());
 }
 
-void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t quant, bool swizzled) {
+void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t quant, bool swizzled,
+                       int64_t op) {
   TORCH_CHECK_VALUE(tokens >= 0 && pattern >= layout::kPatternPlain &&
                         pattern <= layout::kPatternNormResidual && quant >= kNone &&
-                        quant <= kFP8Dynamic,
-                    "arfuse shm: announce needs tokens >= 0, pattern 0..2 and quant 0..4");
-  const int64_t word0 = descriptor_word(tokens, pattern, quant, swizzled, dtype_);
+                        quant <= kFP8Dynamic && op >= 0 && op <= layout::kMaxOp,
+                    "arfuse shm: announce needs tokens >= 0, pattern 0..2, quant 0..4 and op "
+                    "0..2147483647");
+  const int64_t word0 =
+      descriptor_word(tokens, pattern, quant, swizzled, dtype_, !oneshot(tokens));
+  const int64_t word1 = descriptor_word1(hidden_, op);
   py::gil_scoped_release no_gil;
   const std::lock_guard<std::mutex> one_call(call_mutex_);
   if (failed()) throw_broken();
   try {
     const int64_t seq = ++seq_;
-    publish_descriptor(seg_, seq, word0, hidden_);
-    meet_without_data(seg_, waiter_, seq, word0, hidden_);
+    publish_descriptor(seg_, seq, word0, word1);
+    meet_without_data(seg_, waiter_, seq, word0, word1);
   } catch (const ShmError& e) {
     remember_failure(e);
     throw;
@@ -456,6 +540,7 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
   Call c;
   c.tokens = tokens;
   c.hidden = hidden_;
+  c.op = n.op;
   c.residual = t.residual ? t.residual->data_ptr() : nullptr;
   c.weight = t.weight ? t.weight->data_ptr() : nullptr;
   c.eps = float(n.eps);
@@ -525,11 +610,13 @@ void ShmComm::exchange_once(const void* x, Call& c, bool copy, const CopyTuner::
                     scratch_.data());
   }
   const int64_t seq = ++seq_;
+  const bool twoshot = c.tokens > 0 && !oneshot(c.tokens);
   const Exchange e{seg_, waiter_, tuner_, c, x, seq, hidden_ * elem_, copy, plan.streaming,
-                   plan.decide, descriptor_word(c, dtype_), hidden_};
+                   plan.decide, descriptor_word(c, dtype_, twoshot),
+                   descriptor_word1(hidden_, c.op)};
   publish_descriptor(seg_, seq, e.word0, e.word1);  // before any progress is announced
   if (c.tokens == 0) run_empty(e);
-  else if (oneshot(c.tokens)) run_oneshot<D>(e);
+  else if (!twoshot) run_oneshot<D>(e);
   else run_twoshot<D>(e);
 }
 

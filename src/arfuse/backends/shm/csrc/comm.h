@@ -57,6 +57,7 @@ struct Numbers {  // the scalars of one call
   double eps = 1e-6, weight_bias = 0.0, scale = 0.0;  // scale: unused by fp8_dynamic
   int quant = kNone;  // kNone, kFP8, kNVFP4 or kFP8Dynamic
   bool swizzled = true;
+  int64_t op = 0;  // the op making the call: its descriptor names it (0..layout::kMaxOp)
 };
 
 // The fp32 limits of call_checks.fp32_number: eps and an NVFP4 scale >= the smallest positive
@@ -100,14 +101,18 @@ class ShmComm {
 
   py::object call(py::handle x, py::handle residual, py::handle weight, py::handle eps,
                   py::handle weight_bias, py::handle quant, py::handle scale,
-                  py::handle layout, py::handle out, py::handle residual_out);
+                  py::handle layout, py::handle out, py::handle residual_out, int64_t op);
   // (out, residual_out, quant_out, scale_out), the absent ones undefined (None in Python).
   std::array<at::Tensor, 4> run(const Tensors& t, const Numbers& n, bool release_gil);
   // Meet the group with the descriptor of a call this rank runs elsewhere (over capacity, on
   // the unfused backend): a group whose calls differ raises MismatchedCall here, on every
   // rank, instead of waiting in two backends. pattern: layout::kPattern*; quant: 0 none,
   // 1 fp8, 2 nvfp4, 3 a quantisation the kernel does not run, 4 fp8_dynamic.
-  void announce(int64_t tokens, int64_t pattern, int64_t quant, bool swizzled);
+  void announce(int64_t tokens, int64_t pattern, int64_t quant, bool swizzled, int64_t op);
+  // The group this workspace belongs to (a number the Python side gives each group of the
+  // process): a rank waiting in a call looks at the other workspaces of its group for peers
+  // that are in a call there instead (ops called in another order), see look_elsewhere.
+  void set_group(int64_t group);
 
   // Seconds the last call spent in the kernel proper (outputs, exchange, epilogue), once
   // timing is on: what the op costs on top of it is its interface overhead (arfuse bench
@@ -160,6 +165,7 @@ class ShmComm {
   py::object make_result(std::array<at::Tensor, 4>& r) const;
   std::array<at::Tensor, 4> execute(const Tensors& t, const Numbers& n, bool release_gil);
   [[noreturn]] void throw_broken() const;
+  void look_elsewhere(const std::vector<int>& silent) const;
   void remember_failure(const ShmError& e);
   Call make_call(const Tensors& t, const Numbers& n, std::array<at::Tensor, 4>* r);
   template <int D> void exchange(const void* x, Call& c);
@@ -195,11 +201,18 @@ class ShmComm {
   py::object result_type_;
   // Why this workspace refuses every call once it does (a timeout, a dead peer, destroyed):
   // written and read under call_mutex_ only; failed_ says whether, without the lock.
+  // Written under broken_mutex_ (a peer's look_elsewhere may break this workspace while
+  // another thread runs a call here); failed_ says whether, without the lock.
+  mutable std::mutex broken_mutex_;
   std::string broken_;
   std::atomic<bool> failed_{false};
   bool failed() const { return failed_.load(std::memory_order_acquire); }
-  void fail(const std::string& why);  // under call_mutex_
+  void fail(const std::string& why);
   int64_t handle_ = 0;
+  // Under the handle table's mutex: the group, and whether the segment is still mapped (the
+  // other workspaces of the group read it while they wait).
+  int64_t group_ = 0;
+  bool mapped_ = true;
 };
 
 }  // namespace arfuse

@@ -45,7 +45,14 @@ constexpr int kDescQuantHighShift = 37;  // 1 bit: the quant code's bit 2
 // 4 fp8_dynamic
 constexpr int64_t kWaitersOffset = 40;  // bytes into a flag's line: int32, ranks asleep on it
 constexpr int64_t kCpuOffset = 44;      // bytes into an arrival line: int32, the rank's CPU
+constexpr int kDescModeShift = 38;    // 1 bit: two-shot (0: one-shot, or a call without data)
 constexpr int kDescDtypeShift = 40;   // 2 bits: 0 bf16, 1 fp16, 2 fp32
+// Word 1: the hidden size in its low 32 bits, the op that makes the call above them (31 bits:
+// the group's construction count, the same on every rank; 0 for torch.ops calls), so calls
+// of two ops that share a workspace do not pair.
+constexpr int kDescOpShift = 32;
+constexpr int64_t kMaxHidden = (int64_t(1) << 31) - 1;
+constexpr int64_t kMaxOp = (int64_t(1) << 31) - 1;
 constexpr int kPatternPlain = 0;      // all-reduce only
 constexpr int kPatternNorm = 1;       // + RMSNorm
 constexpr int kPatternNormResidual = 2;  // + residual + RMSNorm

@@ -11,7 +11,7 @@ const char* name_of(int64_t value, const char* const* names, int count) {
 }
 
 struct Fields {  // a descriptor, decoded
-  int64_t tokens, pattern, quant, layout, dtype, hidden;
+  int64_t tokens, pattern, quant, layout, dtype, hidden, mode, op;
 };
 
 Fields decode(int64_t word0, int64_t word1) {
@@ -20,7 +20,8 @@ Fields decode(int64_t word0, int64_t word1) {
   return {(word0 >> layout::kDescTokensShift) & 0xffffffffLL,
           (word0 >> layout::kDescPatternShift) & 3, quant,
           (word0 >> layout::kDescLayoutShift) & 1, (word0 >> layout::kDescDtypeShift) & 3,
-          word1};
+          word1 & 0xffffffffLL, (word0 >> layout::kDescModeShift) & 1,
+          int64_t(uint64_t(word1) >> layout::kDescOpShift) & layout::kMaxOp};
 }
 
 }  // namespace
@@ -36,16 +37,19 @@ std::string describe_descriptor(int64_t word0, int64_t word1) {
      << " hidden=" << f.hidden << " pattern=" << name_of(f.pattern, patterns, 3)
      << " quant=" << name_of(f.quant, quants, 5);
   if (f.quant == kNVFP4) ss << " layout=" << (f.layout ? "swizzled_128x4" : "linear");
+  ss << " mode=" << (f.mode ? "twoshot" : "oneshot") << " op=" << f.op;
   return ss.str();
 }
 
 std::string mismatch_message(int64_t call, const std::vector<std::pair<int64_t, int64_t>>& d) {
   static const char* const field_names[] = {"tokens", "dtype", "hidden", "pattern", "quant",
-                                            "layout"};
+                                            "layout", "mode", "op"};
+  constexpr int kFields = 8;
   std::vector<Fields> fields;
   for (const auto& words : d) fields.push_back(decode(words.first, words.second));
   auto value = [](const Fields& f, int i) {
-    const int64_t all[] = {f.tokens, f.dtype, f.hidden, f.pattern, f.quant, f.layout};
+    const int64_t all[] = {f.tokens, f.dtype, f.hidden, f.pattern, f.quant, f.layout, f.mode,
+                           f.op};
     return all[i];
   };
   std::ostringstream ss;
@@ -53,7 +57,7 @@ std::string mismatch_message(int64_t call, const std::vector<std::pair<int64_t, 
      << "; every rank raises this before any rank reads a peer's data, so the workspace "
         "stays usable for calls that match): they differ in ";
   bool first = true;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < kFields; ++i) {
     bool differs = false;
     for (const Fields& f : fields) differs |= value(f, i) != value(fields[0], i);
     if (!differs) continue;
@@ -141,8 +145,9 @@ void Waiter::sleep_on(int which, int j, int64_t target, int only, double deadlin
     if (f->load(std::memory_order_acquire) >= target) return;
     now = mono_now();
     if (now > deadline) timed_out(which, target, only);
-    if (check_pids && now >= next_look) {  // a /proc read per slice, not per wake-up
-      check_alive(which, target, only);
+    if (now >= next_look) {  // a /proc read per slice, not per wake-up
+      if (check_pids) check_alive(which, target, only);
+      if (look_elsewhere) look_elsewhere(silent_ranks(which, target, only));
       next_look = now + kSliceS;
     }
   }

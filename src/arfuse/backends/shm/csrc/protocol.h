@@ -41,6 +41,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -99,6 +100,9 @@ class ShmError : public std::runtime_error {
   Kind kind;
   std::vector<int> silent;  // the ranks that did not answer (kTimeout)
   double timeout_s;
+  // A mismatch found while the ranks were in different workspaces (ops called in another
+  // order): the workspaces are out of step, unlike a mismatch of one call's descriptors.
+  bool breaks = false;
 };
 
 // Addresses in the segment (see layout.h).
@@ -142,19 +146,27 @@ struct Segment {
 // ---- call descriptors (R11) ------------------------------------------------------------------
 
 inline int64_t descriptor_word(int64_t tokens, int64_t pattern, int64_t quant, bool swizzled,
-                               int dtype) {
+                               int dtype, bool twoshot) {
   const int64_t layout_bit = quant == kNVFP4 && swizzled ? 1 : 0;
   return (std::min<int64_t>(tokens, 0xffffffffLL) << layout::kDescTokensShift) |
          (pattern << layout::kDescPatternShift) | ((quant & 3) << layout::kDescQuantShift) |
          ((quant >> 2) << layout::kDescQuantHighShift) |
-         (layout_bit << layout::kDescLayoutShift) | (int64_t(dtype) << layout::kDescDtypeShift);
+         (layout_bit << layout::kDescLayoutShift) |
+         (int64_t(twoshot ? 1 : 0) << layout::kDescModeShift) |
+         (int64_t(dtype) << layout::kDescDtypeShift);
 }
 
-inline int64_t descriptor_word(const Call& c, int dtype) {
+inline int64_t descriptor_word(const Call& c, int dtype, bool twoshot) {
   const int64_t pattern = c.weight == nullptr ? layout::kPatternPlain
                           : c.residual != nullptr ? layout::kPatternNormResidual
                                                   : layout::kPatternNorm;
-  return descriptor_word(c.tokens, pattern, c.quant, c.swizzled, dtype);
+  return descriptor_word(c.tokens, pattern, c.quant, c.swizzled, dtype, twoshot);
+}
+
+// Word 1 of a descriptor: the hidden size and the op.
+inline int64_t descriptor_word1(int64_t hidden, int64_t op) {
+  return int64_t(uint64_t(hidden & 0xffffffffLL) |
+                 (uint64_t(op & layout::kMaxOp) << layout::kDescOpShift));
 }
 
 // "tokens=1 dtype=fp32 hidden=64 pattern=plain quant=none" (layout.py: describe_descriptor).
@@ -260,6 +272,9 @@ class Waiter {
   double timeout_s = 0.0;
   bool check_pids = false;
   std::vector<int64_t> pids, starts;
+  // Looks, between sleeps, whether the silent ranks are in a call of another workspace of
+  // this group (ops called in another order on some rank); throws ShmError then.
+  std::function<void(const std::vector<int>& silent)> look_elsewhere;
 
   void wait_all(int which, int64_t target) const {
     for (int j = 0; j < seg->world; ++j) {
