@@ -12,7 +12,6 @@ import math
 import os
 import sys
 import threading
-import time
 import types
 from collections.abc import Callable
 from dataclasses import replace
@@ -335,9 +334,7 @@ def test_a_raise_on_one_rank_is_a_failed_vote_for_all_within_the_timeout(
         ctx.channel.begin("n1/mnnvl")
         return _try(ctx, MnnvlBackend(), spec)
 
-    started = time.monotonic()
-    results = on_ranks(contexts, attempt)
-    assert time.monotonic() - started < 5  # far inside the 20 s timeout: nobody waited it out
+    results = on_ranks(contexts, attempt)  # PeerAborted below: nobody waited the 20 s out
     assert sorted(fake.entered) == [0, 1, 2, 3]
     for attempt_result, workspace in results:
         assert workspace is None and not attempt_result.ok
@@ -400,12 +397,11 @@ def test_a_raise_between_exchanges_releases_the_peers_too(
         ctx.channel.begin("n1/trtllm")
         return _try(ctx, TrtllmBackend(), Spec(max_tokens=8, hidden=64))
 
-    started = time.monotonic()
     results = on_ranks(contexts, attempt)
-    assert time.monotonic() - started < 5
     for attempt_result, workspace in results:
         assert workspace is None and attempt_result.phase == "create"
         assert "MemoryError" in attempt_result.failures[2]
+        assert not any("Timeout" in why for why in attempt_result.failures.values())
         assert set(attempt_result.failures) == {0, 1, 2, 3}
 
 
@@ -503,10 +499,8 @@ def test_channel_comm_exchanges_end_at_the_groups_timeout() -> None:
             self._group = group
 
     comm = fi_comm.channel_comm(contexts[0], "mnnvl", TorchDistBackend)
-    started = time.monotonic()
-    with pytest.raises(Exception, match=r"rank\(s\) 1"):
+    with pytest.raises(Exception, match=r"timed out after 0.5s .*rank\(s\) 1"):
         comm.allgather("handle")
-    assert time.monotonic() - started < 5
 
 
 # --- the local check: multicast agreed before any creation -------------------------------------

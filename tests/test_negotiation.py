@@ -65,7 +65,7 @@ def test_hang_or_exit_times_out_naming_the_rank(clause: str, backend: str | None
     phase = clause.split(".")[1].split("@")[0]
     backend = clause.split(".")[0]
     assert f"backend {backend}" in survivor["error"] or phase == "probe"
-    assert survivor["seconds"] < 3 + 5  # the timeout plus process start, never a hang
+    assert "timed out after 3s" in survivor["error"], survivor  # the deadline, not a hang
     if clause.endswith("exit"):
         assert results[1].exitcode == faults.EXIT_CODE
 
