@@ -165,3 +165,33 @@ def ranks_in_different_modes(rank: int, world: int) -> dict[str, str]:
     report["after"] = f"{comm(torch.ones(1, 64)).out[0, 0].item():g}"
     comm.close()
     return report
+
+
+def store_keys_after_a_call_timeout(rank: int, world: int) -> dict[str, bool]:
+    """Rank 0's torch call times out (rank 1 never calls): whether the key it left in the
+    group's store is there, and whether it is still there once the next op has been made."""
+    import time
+
+    import torch.distributed as dist
+
+    import arfuse
+
+    store = dist.distributed_c10d._get_process_group_store(dist.group.WORLD)
+    comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,
+                                 backend="torch", timeout_s=1.0)
+    key = f"arfuse/{comm.workspace.ctx.key}/timeout/call-descriptor/1/0"
+    report: dict[str, bool] = {}
+    if rank == 0:
+        try:
+            comm(torch.ones(2, 64))
+        except arfuse.CallTimeout:
+            report["timed out"] = True
+        report["left"] = store.check([key])
+    else:
+        time.sleep(4.0)  # past rank 0's timeout and its look at the others
+    # the next ops of the group (shm: no collective on the process group)
+    for _ in range(2):
+        arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,
+                              backend="shm", timeout_s=30.0).close()
+    report["after"] = store.check([key])
+    return report

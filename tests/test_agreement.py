@@ -120,3 +120,9 @@ def test_ranks_forced_into_different_modes_are_a_mismatched_call() -> None:
         assert report["call"].startswith("MismatchedCall: "), report
         assert "they differ in mode;" in report["call"], report
         assert report["after"] == "2", report
+
+
+def test_a_call_timeout_leaves_no_key_in_the_store_past_the_next_ops() -> None:
+    results = values(run_ranks(aw.store_keys_after_a_call_timeout, 2, timeout=120))
+    assert results[0]["timed out"] and results[0]["left"], results
+    assert not results[0]["after"] and not results[1]["after"], results

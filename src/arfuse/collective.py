@@ -8,6 +8,7 @@ by the op's residual check; negotiation has its own channel (``rendezvous``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import time
 from typing import Any
 
@@ -33,6 +34,8 @@ def wait_within_deadline(work: Any, ctx: Any, phase: str, backend: str, call: in
             time.sleep(0.0002)
         work.wait()
     except Exception as exc:
+        if ctx.group is not None:
+            keep_for_the_process(ctx.group)
         detail = f" (call {call})" + (
             "" if isinstance(exc, TimeoutError) else
             f"; the process group reported {type(exc).__name__}: {str(exc)[:200]}")
@@ -40,14 +43,30 @@ def wait_within_deadline(work: Any, ctx: Any, phase: str, backend: str, call: in
                           detail=detail) from None
 
 
+_kept: list[int] = []
+
+
+def keep_for_the_process(group: Any) -> None:
+    """Never free ``group``: its abandoned collective stays queued in the backend (gloo), and
+    the backend's destructor waits for it, which held the process's exit until the process
+    group's own timeout (torch's default: 30 minutes). A group out of step is of no further
+    use (``WorkspaceBroken.GROUP_ADVICE``), so it lives until the process ends, unfreed; one
+    reference the interpreter cannot drop at shutdown (a list would be cleared then)."""
+    if id(group) in _kept:
+        return
+    _kept.append(id(group))
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
 def silent_ranks(ctx: Any, phase: str, call: int) -> list[int] | None:
     """Ranks that timed out at this call say so in the store; the others are silent."""
     store = ctx.channel.store
     if store is None:
         return None
-    prefix = f"{ctx.channel.prefix}/timeout/{phase}/{call}"
+    key = f"timeout/{phase}/{call}"
+    prefix = f"{ctx.channel.prefix}/{key}"
     with contextlib.suppress(Exception):
-        store.set(f"{prefix}/{ctx.rank}", "1")
+        ctx.channel.post(f"{key}/{ctx.rank}", "1")
         time.sleep(SILENT_GRACE_S)
         return [r for r in range(ctx.world_size) if not store.check([f"{prefix}/{r}"])]
     return None

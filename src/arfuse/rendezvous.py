@@ -70,6 +70,12 @@ class Channel:
         self.store.set(key, value)
         self._written.append(key)
 
+    def post(self, key: str, value: str) -> None:
+        """Set a key of this channel's prefix outside the exchanges (what a rank that timed out
+        in a call says); deleted like the exchanges' keys, once the next negotiation is under
+        way on every rank."""
+        self._set(f"{self.prefix}/{key}", value)
+
     def abort(self, reason: str) -> None:
         """Tell the group this rank failed in the current scope (no-op alone)."""
         if self.world_size > 1:
