@@ -295,7 +295,10 @@ def fail_together(ctx: GroupContext, phase: str, error: Exception) -> NoReturn:
     ctx.channel.begin(f"{ctx.channel.scope}/fail")
     with contextlib.suppress(Exception):
         ctx.barrier(f"{phase}-ack")
-    raise error
+    try:
+        raise error
+    finally:  # its traceback holds this frame: no reference cycle through this variable
+        del error
 
 
 def _try(ctx: GroupContext, backend: Backend,
