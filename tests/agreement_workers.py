@@ -4,6 +4,7 @@ table, quantisation and layout of a call."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -195,3 +196,24 @@ def store_keys_after_a_call_timeout(rank: int, world: int) -> dict[str, bool]:
                               backend="shm", timeout_s=30.0).close()
     report["after"] = store.check([key])
     return report
+
+
+def contexts_left_after_a_local_error(rank: int, world: int) -> dict[str, int]:
+    """Rank 1 makes its op with a bad hidden size; with the cyclic collector off, how many
+    group contexts and members each rank still holds once the error is handled (0: nothing
+    waits for a garbage collection)."""
+    import gc
+
+    import arfuse
+    from arfuse.negotiate import GroupContext, Member
+
+    gc.collect()
+    gc.disable()
+    try:
+        with contextlib.suppress(ValueError, arfuse.PeerAborted):
+            arfuse.FusedAllReduce(max_token_num=8, hidden_dim=0 if rank == 1 else 64,
+                                  dtype=torch.float32, timeout_s=30.0)
+        left = sum(isinstance(o, (GroupContext, Member)) for o in gc.get_objects())
+    finally:
+        gc.enable()
+    return {"left": left}

@@ -126,3 +126,8 @@ def test_a_call_timeout_leaves_no_key_in_the_store_past_the_next_ops() -> None:
     results = values(run_ranks(aw.store_keys_after_a_call_timeout, 2, timeout=120))
     assert results[0]["timed out"] and results[0]["left"], results
     assert not results[0]["after"] and not results[1]["after"], results
+
+
+def test_a_local_error_leaves_no_reference_cycle_holding_the_group() -> None:
+    for report in values(run_ranks(aw.contexts_left_after_a_local_error, 2, timeout=120)):
+        assert report == {"left": 0}, report

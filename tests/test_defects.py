@@ -225,7 +225,7 @@ def test_a_full_shm_dir_is_reported_in_kib_not_as_zero_mib(monkeypatch: pytest.M
     from arfuse.backends.shm import workspace as shm_workspace
     from arfuse.spec import Spec
 
-    monkeypatch.setattr(shm_workspace, "SHM_DIR", tmp_path)
+    monkeypatch.setenv("ARFUSE_SHM_DIR", str(tmp_path))
     monkeypatch.setattr(shm_workspace.os, "statvfs",
                         lambda _path: SimpleNamespace(f_bavail=16, f_frsize=4096))
     reason = shm_workspace.ShmBackend().blocker(SimpleNamespace(world_size=2),

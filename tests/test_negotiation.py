@@ -204,3 +204,40 @@ def test_ops_with_other_timeouts_do_not_share_a_workspace() -> None:
     finally:
         for op in (long, short, same):
             op.close()
+
+
+class _PeerThatAnswersThenAborts:
+    """A store where, while rank 0 is between its look for the peer's value and its look for
+    the peer's abort, the peer posts its value, finishes the exchange and announces a failure
+    of a later step (a rank descheduled between the two looks sees exactly this)."""
+
+    def __init__(self, phase_key: str, abort_key: str) -> None:
+        self.data: dict[str, bytes] = {}
+        self.phase_key, self.abort_key = phase_key, abort_key
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        present = all(k in self.data for k in keys)
+        if keys == [self.phase_key] and not present:
+            self.data[self.phase_key] = json.dumps("peer's value").encode()
+            self.data[self.abort_key] = b"MemoryError: after the exchange"
+        return present
+
+    def delete_key(self, key: str) -> bool:
+        return self.data.pop(key, None) is not None
+
+
+def test_a_peer_that_answered_then_failed_counts_as_answered() -> None:
+    """Rank 1 posted its value and only then failed a later step: the exchange has its value
+    (no PeerAborted), as it would had rank 0 looked a moment later."""
+    from arfuse.rendezvous import Channel
+
+    store = _PeerThatAnswersThenAborts("t/n1/shm/shm-mapped/1", "t/n1/shm/abort/1")
+    channel = Channel(store, "t", 0, 2)
+    channel.begin("n1/shm")
+    assert channel.all_gather("shm-mapped", "mine", 5.0) == ["mine", "peer's value"]

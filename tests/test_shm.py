@@ -4,6 +4,7 @@ bit-identical ranks, and its failure modes (killed ranks, leftover segments)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -143,17 +144,150 @@ def test_no_segment_outlives_the_job() -> None:
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("arfuse-")]
 
 
-def test_stale_segment_of_a_dead_creator_is_cleaned(tmp_path) -> None:
+def _segment_file(path: Path, pid: int, start: int, pidns: int | None = None) -> Path:
+    """A file with a segment's header naming creator (pid, start)."""
+    from arfuse.backends.shm import workspace as shm
+    from arfuse.backends.shm.layout import SEGMENT_VERSION, SegmentId
+
+    pidns = shm.pid_namespace() if pidns is None else pidns
+    path.write_bytes(SegmentId(SEGMENT_VERSION, pid, start, pidns).encode() + bytes(4096))
+    return path
+
+
+DEAD = (999999999, 1)  # above the kernel's pid limit: never a live process
+
+
+def test_the_sweep_removes_only_segments_whose_header_names_a_dead_creator(
+        tmp_path: Path) -> None:
     from arfuse.backends.shm import workspace as shm
 
-    stale = tmp_path / "arfuse-999999999-1-deadbeef0000"
-    stale.write_bytes(b"x")
-    pid, start = shm.process_identity()
-    live = tmp_path / f"arfuse-{pid}-{start}-cafe00000000"
-    live.write_bytes(b"x")
+    me = shm.process_identity()
+    dead = _segment_file(tmp_path / "arfuse-999999999-1-deadbeef0000", *DEAD)
+    renamed = _segment_file(tmp_path / "arfuse-copy", *DEAD)  # the header counts, not the name
+    live = _segment_file(tmp_path / f"arfuse-{me[0]}-{me[1]}-cafe00000000", *me)
+    elsewhere = _segment_file(tmp_path / "arfuse-999999999-1-0e0e", *DEAD,
+                              pidns=shm.pid_namespace() + 1)  # pids this process cannot judge
+    outside = _segment_file(tmp_path.parent / f"{tmp_path.name}-outside", *DEAD)
+    (tmp_path / "arfuse-999999999-1-5e5e").symlink_to(outside)
+    os.mkfifo(tmp_path / "arfuse-999999999-1-f1f0")
+    (tmp_path / "arfuse-999999999-1-d1d1").mkdir()
+    (tmp_path / "arfuse-1-1-notes.txt").write_text("a user's notes")
+    (tmp_path / "arfuse-2024-12-report.csv").write_text("a,b\n")
+    (tmp_path / "arfuse-999999999-1-short").write_bytes(b"x")
+    before = set(os.listdir(tmp_path))
     removed = shm.clean_stale_segments(tmp_path)
-    assert removed == [stale.name]
-    assert live.exists() and not stale.exists()
+    assert sorted(removed) == sorted([dead.name, renamed.name])
+    assert set(os.listdir(tmp_path)) == before - set(removed)
+    assert live.exists() and elsewhere.exists() and outside.exists()
+    outside.unlink()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_the_sweep_leaves_another_users_segment(tmp_path: Path) -> None:
+    from arfuse.backends.shm import workspace as shm
+
+    theirs = _segment_file(tmp_path / "arfuse-999999999-1-0be0", *DEAD)
+    os.chown(theirs, 65534, 65534)
+    assert shm.clean_stale_segments(tmp_path) == [] and theirs.exists()
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_shm_dir_variable_means_unset(monkeypatch: pytest.MonkeyPatch, value: str,
+                                              tmp_path: Path) -> None:
+    from arfuse.backends.shm import workspace as shm
+
+    monkeypatch.setenv("ARFUSE_SHM_DIR", str(tmp_path))
+    assert shm.segment_dir() == tmp_path  # read at each use
+    monkeypatch.setenv("ARFUSE_SHM_DIR", value)
+    assert shm.segment_dir() == Path("/dev/shm")
+
+
+def test_user_files_in_the_working_directory_survive_an_empty_shm_dir(tmp_path: Path) -> None:
+    """ARFUSE_SHM_DIR= (set, empty) once meant the working directory: segments were made
+    there and the sweep deleted files merely named like them."""
+    for name in ("arfuse-1-1-notes.txt", "arfuse-2024-12-report.csv", "arfuse-3-4-x"):
+        (tmp_path / name).write_text("the user's")
+    listings = values(run_ranks(workers.create_with_user_files_in_the_working_directory, 2,
+                                str(tmp_path), env={"ARFUSE_SHM_DIR": ""}))
+    expected = ["arfuse-1-1-notes.txt", "arfuse-2024-12-report.csv", "arfuse-3-4-x"]
+    assert listings == [expected, expected]
+    assert all((tmp_path / name).read_text() == "the user's" for name in expected)
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_a_slot_view_outlives_close_reading_zeros_and_frees_with_its_last_view(
+        pure: bool) -> None:
+    """close() while the caller still holds a view from input_buffer(): the view stays
+    readable and writable (it reads zeros: the segment's pages were replaced by this
+    process's own), the segment itself is let go at once, and the addresses are freed when
+    the last view goes (reference counts alone, no garbage collection)."""
+    env = {"ARFUSE_SHM_PURE_TORCH": "1"} if pure else {}
+    results = run_ranks(workers.slot_view_after_close, 2, env=env, timeout=90)
+    assert [r.exitcode for r in results] == [0, 0], results  # was -11 (SIGSEGV) on both
+    for report in values(results):
+        assert report["path"] == ("pure-torch" if pure else "c++")
+        assert report["out"] == 4 * 64 * 3 and not report["out_in_segment"]
+        assert report["read_after_close"] == 0
+        assert report["written_after_close"] == 4 * 64 * 5
+        assert report["held_after_close"] == {"fds": [], "maps": []}
+        assert report["mapped_while_viewed"] == report["segment_bytes"]
+        # the allocator may reuse some of the freed addresses, never all of them at once
+        assert report["mapped_after_last_view"] < report["segment_bytes"] // 2, report
+
+
+@pytest.mark.parametrize(("phase", "fails"), [("shm-name", "exchange"),
+                                              ("shm-opened", "exchange"),
+                                              ("shm-mapped", "exchange"),
+                                              ("shm-mapped", "cleanup")])
+def test_a_peer_failing_creation_leaves_the_others_no_descriptor_mapping_or_file(
+        tmp_path: Path, phase: str, fails: str) -> None:
+    """Rank 1 fails at a step of the shm creation (announcing it, so the others stop waiting
+    there with PeerAborted; or after mapping, and then freeing raises too): right after the
+    failed attempt, without a garbage collection, the healthy ranks hold no descriptor and no
+    mapping of the segment, and nothing is left in the directory. A failure while freeing
+    does not keep the failing rank from giving its reason in the exchange."""
+    env = {"ARFUSE_SHM_DIR": str(tmp_path), "ARFUSE_TIMEOUT_S": "20"}
+    results = values(run_ranks(workers.peer_fails_in_shm_exchange, 3, phase, str(tmp_path),
+                               fails, env=env, timeout=90))
+    for rank in (0, 2):
+        report = results[rank]
+        assert report["backend"] == "torch", report
+        assert report["held"] == {"fds": [], "maps": []}, report
+        assert report["left"] == [], report
+        assert "rank 1: MemoryError" in report["attempts"][0], report
+    if fails == "cleanup":  # the healthy ranks answered, only rank 1 failed
+        assert "rank 0" not in results[0]["attempts"][0], results[0]
+
+
+@pytest.mark.parametrize(("named", "point", "left"), [
+    ("never", "shm-name", 0), ("never", "shm-opened", 0), ("never", "shm-mapped", 0),
+    ("for a peer", "named", 1), ("for a peer", "shm-named-opened", 0),
+    ("from the start", "shm-name", 1), ("from the start", "shm-opened", 0)])
+def test_what_a_creator_killed_during_creation_leaves(tmp_path: Path, named: str, point: str,
+                                                      left: int) -> None:
+    """SIGKILL of rank 0 inside creation. A segment that never has a name cannot remain. One
+    that has a name (for a peer in another pid namespace, or on a filesystem without unnamed
+    files) remains only while the name exists and not every rank has it open; then the next
+    creation's sweep (or arfuse doctor) removes it. Once every rank has it open, a surviving
+    rank removes the name itself."""
+    from arfuse.backends.shm import workspace as shm
+
+    env = {"ARFUSE_SHM_DIR": str(tmp_path), "ARFUSE_TIMEOUT_S": "10"}
+    results = run_ranks(workers.creator_killed_at, 2, point, named, env=env, timeout=90)
+    assert results[0].exitcode == -9, results
+    assert results[1].ok and results[1].value != "created", results
+    remaining = sorted(os.listdir(tmp_path))
+    assert len(remaining) == left, remaining
+    assert shm.clean_stale_segments(tmp_path) == remaining
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("named", ["never", "for a peer", "from the start"])
+def test_every_way_of_opening_the_segment_works_and_leaves_no_name(tmp_path: Path,
+                                                                   named: str) -> None:
+    env = {"ARFUSE_SHM_DIR": str(tmp_path)}
+    for report in values(run_ranks(workers.shm_segment_named, 2, named, env=env)):
+        assert report == {"out": 2 * 64 * 2, "left": []}, report
 
 
 def test_no_segment_left_when_a_peer_never_answers_creation(tmp_path) -> None:

@@ -117,6 +117,26 @@ def test_every_layout_constant_of_the_kernel_is_the_python_one() -> None:
     assert python_side == set(constants), python_side ^ set(constants)
 
 
+def test_the_segment_identity_is_where_the_kernel_layout_puts_it() -> None:
+    """Line 0 as Python writes it, read at the kernel's offsets: the magic, the version and
+    the creator, all before the first rank's identity line."""
+    import struct
+
+    constants = kernel().layout_constants()
+    data = shm_layout.SegmentId(constants["SEGMENT_VERSION"], 1234, 5678, 42).encode()
+    assert len(data) == constants["SEGMENT_ID_BYTES"] <= constants["IDENTITY_OFFSET"]
+    fields = {name: struct.unpack_from("<q", data, constants[f"{name}_OFFSET"])[0]
+              for name in ("MAGIC", "VERSION", "CREATOR_PID", "CREATOR_START",
+                           "CREATOR_PIDNS")}
+    assert fields == {"MAGIC": constants["SEGMENT_MAGIC"],
+                      "VERSION": constants["SEGMENT_VERSION"], "CREATOR_PID": 1234,
+                      "CREATOR_START": 5678, "CREATOR_PIDNS": 42}
+    assert struct.pack("<q", constants["SEGMENT_MAGIC"]) == b"arfuseSM"
+    assert shm_layout.SegmentId.decode(data) == shm_layout.SegmentId(
+        constants["SEGMENT_VERSION"], 1234, 5678, 42)
+    assert shm_layout.SegmentId.decode(bytes(len(data))) is None  # no magic: not a segment
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 16])
 @pytest.mark.parametrize(("max_tokens", "hidden", "elem"), [(1, 1, 2), (7, 37, 4),
                                                             (2048, 4096, 2), (130, 1040, 2)])

@@ -556,10 +556,9 @@ def peer_rates(rank: int, world: int, blocked: int | None, directory: str) -> di
     write (a full or missing ARFUSE_SHM_DIR)."""
     from pathlib import Path
 
-    from arfuse.backends.shm import workspace
     from arfuse.cli import bench
 
-    workspace.SHM_DIR = Path(directory) / ("missing" if rank == blocked else "")
+    os.environ["ARFUSE_SHM_DIR"] = str(Path(directory) / ("missing" if rank == blocked else ""))
     rates = bench.peer_rates(1 << 16, copy_rate=1e12, tag=4242)
     torch.distributed.barrier()
     return {"rate": None if rates is None else (rates.read, rates.shared_write),
@@ -839,3 +838,193 @@ def rank_with_an_exit_handler(rank: int, world: int, directory: str) -> int:
 
     atexit.register(Path(directory, f"rank{rank}").write_text, "ran")
     return 0
+
+
+def _mapped_bytes(start: int, end: int) -> int:
+    """How many of the addresses [start, end) this process has mapped."""
+    covered = 0
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        low, high = (int(a, 16) for a in line.split()[0].split("-"))
+        covered += max(0, min(high, end) - max(low, start))
+    return covered
+
+
+def _segments_held() -> dict[str, list[str]]:
+    """This process's descriptors and mappings of arfuse segments (as the leak check sees them)."""
+    from arfuse.cli.scenario import fd_targets, is_segment, mapped_segments
+
+    return {"fds": sorted(t for t in fd_targets().values() if is_segment(t)),
+            "maps": mapped_segments()}
+
+
+def slot_view_after_close(rank: int, world: int) -> dict[str, Any]:
+    """A call from this rank's slot, then close() while the slot's view is still held: what
+    the view reads, whether this process still maps the segment, and whether the addresses
+    are freed once the view goes (no garbage collection: reference counts alone)."""
+    import gc
+
+    import arfuse
+
+    gc.disable()
+    comm = arfuse.FusedAllReduce(max_token_num=1024, hidden_dim=1024, dtype=torch.float32,
+                                 backend="shm", strict=True)
+    path = comm.workspace.path  # type: ignore[attr-defined]
+    start, end = comm.workspace.shared_span()  # type: ignore[union-attr]
+    buf = comm.input_buffer(4)[:, :64]  # a view of a view
+    buf.fill_(rank + 1.0)
+    out = comm(comm.input_buffer(4)).out
+    torch.distributed.barrier()  # every rank is out of its call
+    comm.close()
+    report: dict[str, Any] = {
+        "path": path, "out": out.sum().item(), "out_in_segment": start <= out.data_ptr() < end,
+        "read_after_close": buf.sum().item()}
+    buf.fill_(5.0)  # writable too: the process's own memory now
+    report["written_after_close"] = buf.sum().item()
+    report["held_after_close"] = _segments_held()
+    report["segment_bytes"] = end - start
+    report["mapped_while_viewed"] = _mapped_bytes(start, end)
+    del buf
+    report["mapped_after_last_view"] = _mapped_bytes(start, end)
+    gc.enable()
+    return report
+
+
+def peer_fails_in_shm_exchange(rank: int, world: int, phase: str, directory: str,
+                               fails: str) -> dict[str, Any]:
+    """Rank 1 fails at the shm creation exchange ``phase``: with ``fails="exchange"`` it
+    announces a failure instead of its value (the others see ``PeerAborted`` there); with
+    ``fails="cleanup"`` its mapped workspace fails and then freeing it raises too. What the
+    other ranks hold of segments right after the failed attempt (no garbage collection), their
+    attempts, and what is left in ``directory`` (ARFUSE_SHM_DIR)."""
+    import gc
+
+    import arfuse
+    from arfuse import negotiate
+    from arfuse.backends.shm import workspace as shm
+
+    gc.disable()
+    if rank == 1 and fails == "exchange":
+        original = negotiate.GroupContext.all_gather
+
+        def all_gather(self: Any, name: str, value: Any, backend: str = "-",
+                       abortable: bool = True) -> list[Any]:
+            if name == phase:
+                self.channel.abort(f"MemoryError: injected before {phase}")
+                raise MemoryError(f"injected before {phase}")
+            return original(self, name, value, backend, abortable)
+
+        negotiate.GroupContext.all_gather = all_gather  # type: ignore[method-assign]
+    if rank == 1 and fails == "cleanup":
+        free = shm.ShmWorkspace._free
+
+        def publish_identity(self: Any) -> None:
+            raise MemoryError("injected after mapping")
+
+        def failing_free(self: Any) -> None:
+            free(self)
+            raise RuntimeError("injected: freeing raised")
+
+        shm.ShmWorkspace.publish_identity = publish_identity  # type: ignore[method-assign]
+        shm.ShmWorkspace._free = failing_free  # type: ignore[method-assign]
+    comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32)
+    report: dict[str, Any] = {"backend": comm.backend, "held": _segments_held(),
+                              "attempts": [a.describe() for a in comm.attempts]}
+    comm.close()
+    torch.distributed.barrier()
+    report["left"] = sorted(os.listdir(directory))
+    gc.enable()
+    return report
+
+
+def creator_killed_at(rank: int, world: int, point: str, named: str) -> str:
+    """Rank 0 SIGKILLs itself at ``point`` of the shm creation (after the exchange of that
+    name returned; "named": right after it gave the segment a name); the others report what
+    they raised. ``named``: "never" (the usual way), "for a peer" (rank 1 acts as if in
+    another pid namespace, so rank 0 names the segment for it) or "from the start" (rank 0's
+    filesystem has no unnamed files)."""
+    import errno
+    import signal
+
+    import arfuse
+    from arfuse import negotiate
+    from arfuse.backends.shm import workspace as shm
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if rank == 1 and named == "for a peer":
+        namespace = shm.pid_namespace()
+        shm.pid_namespace = lambda: namespace + 1  # type: ignore[assignment]
+    if rank == 0:
+        link, all_gather, open_ = shm.os.link, negotiate.GroupContext.all_gather, shm.os.open
+
+        def link_then(*args: Any, **kwargs: Any) -> None:
+            link(*args, **kwargs)
+            if point == "named":
+                die()
+
+        def open_then(path: Any, flags: int, *args: Any) -> int:
+            if named == "from the start" and flags & os.O_TMPFILE == os.O_TMPFILE:
+                raise OSError(errno.EOPNOTSUPP, "no unnamed files here")
+            return open_(path, flags, *args)
+
+        def all_gather_then(self: Any, name: str, *args: Any, **kwargs: Any) -> list[Any]:
+            if name == point == "shm-name" and named == "from the start":
+                die()  # named, the peers not told
+            got = all_gather(self, name, *args, **kwargs)
+            if name == point:
+                die()
+            return got
+
+        shm.os.link = link_then  # type: ignore[assignment]
+        shm.os.open = open_then  # type: ignore[assignment]
+        negotiate.GroupContext.all_gather = all_gather_then  # type: ignore[method-assign]
+    try:
+        arfuse.FusedAllReduce(max_token_num=64, hidden_dim=64, dtype=torch.float32,
+                              backend="shm", strict=True)
+    except Exception as exc:  # the test checks that the creator's death was noticed
+        return type(exc).__name__
+    return "created"
+
+
+def shm_segment_named(rank: int, world: int, named: str) -> dict[str, Any]:
+    """A shm op made the way ``named`` says (as in ``creator_killed_at``) and used: its result
+    and whether anything is left in the directory."""
+    import errno
+
+    import arfuse
+    from arfuse.backends.shm import workspace as shm
+
+    if rank == 1 and named == "for a peer":
+        namespace = shm.pid_namespace()
+        shm.pid_namespace = lambda: namespace + 1  # type: ignore[assignment]
+    if rank == 0 and named == "from the start":
+        open_ = shm.os.open
+
+        def open_then(path: Any, flags: int, *args: Any) -> int:
+            if flags & os.O_TMPFILE == os.O_TMPFILE:
+                raise OSError(errno.EOPNOTSUPP, "no unnamed files here")
+            return open_(path, flags, *args)
+
+        shm.os.open = open_then  # type: ignore[assignment]
+    comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,
+                                 backend="shm", strict=True)
+    left = sorted(os.listdir(shm.segment_dir()))
+    out = comm(torch.ones(2, 64)).out
+    comm.close()
+    return {"out": out.sum().item(), "left": left}
+
+
+def create_with_user_files_in_the_working_directory(rank: int, world: int,
+                                                    directory: str) -> list[str]:
+    """Ranks run in ``directory`` (their working directory), ARFUSE_SHM_DIR set but empty: a
+    shm op is made, used and closed; what ``directory`` holds after."""
+    import arfuse
+
+    os.chdir(directory)
+    comm = arfuse.FusedAllReduce(max_token_num=4, hidden_dim=32, dtype=torch.float32,
+                                 backend="shm", strict=True)
+    comm(torch.ones(1, 32))
+    comm.close()
+    torch.distributed.barrier()
+    return sorted(os.listdir(directory))

@@ -301,7 +301,10 @@ def negotiate(ctx: GroupContext, spec: Spec) -> Outcome:
     started = time.perf_counter()
     epoch = ctx.channel.epoch
     value, error = attempt_locally(lambda: _local_payload(ctx, spec))
-    payloads = exchange_verdicts(ctx.channel, ctx.timeout_s, "facts", value, error)
+    try:
+        payloads = exchange_verdicts(ctx.channel, ctx.timeout_s, "facts", value, error)
+    finally:  # no reference cycle through the error this frame's traceback holds
+        del error
     try:
         _agree_on_backends(payloads)
         topo = topology_of(ctx, payloads)
@@ -339,7 +342,10 @@ def fail_together(channel: Channel, timeout_s: float, phase: str,
     channel.begin(f"{channel.scope}/fail")
     with contextlib.suppress(Exception):
         channel.barrier(f"{phase}-ack", timeout_s)
-    raise error
+    try:
+        raise error
+    finally:  # its traceback holds this frame: no reference cycle through this variable
+        del error
 
 
 # --- local failures travel like facts -----------------------------------------------------------
@@ -363,13 +369,17 @@ def exchange_verdicts(channel: Channel, timeout_s: float, phase: str, value: Any
     ``PeerAborted`` naming it and why, and every rank has made the same exchange (the group's
     exchange count stays in step)."""
     mine = {"error": "" if error is None else _error_text(error), "value": value}
-    payloads = channel.all_gather(phase, mine, timeout_s, abortable=False)
-    refused = {rank: p["error"] for rank, p in enumerate(payloads) if p["error"]}
-    if refused:
-        reasons = "; ".join(f"rank {rank}: {why}" for rank, why in sorted(refused.items()))
-        fail_together(channel, timeout_s, phase, error if error is not None else PeerAborted(
-            f"arfuse: rank(s) {', '.join(map(str, sorted(refused)))} of the group failed "
-            f"locally in phase {phase!r}, so no rank goes on ({reasons})"))
+    try:
+        payloads = channel.all_gather(phase, mine, timeout_s, abortable=False)
+        refused = {rank: p["error"] for rank, p in enumerate(payloads) if p["error"]}
+        if refused:
+            reasons = "; ".join(f"rank {rank}: {why}" for rank, why in sorted(refused.items()))
+            fail_together(channel, timeout_s, phase, error if error is not None else
+                          PeerAborted(f"arfuse: rank(s) {', '.join(map(str, sorted(refused)))}"
+                                      f" of the group failed locally in phase {phase!r}, so no "
+                                      f"rank goes on ({reasons})"))
+    finally:  # raised, its traceback holds this frame: no reference cycle through it
+        del error
     return [p["value"] for p in payloads]
 
 

@@ -97,7 +97,10 @@ class Registry:
         mine = None if found is None else {
             "request": negotiate.request_of(found[0], found[1]),
             "reuse": None if found[3] is None else found[3].epoch}
-        shared = negotiate.exchange_verdicts(member.channel, timeout, "open", mine, error)
+        try:
+            shared = negotiate.exchange_verdicts(member.channel, timeout, "open", mine, error)
+        finally:  # no reference cycle through the error this frame's traceback holds
+            del error
         assert found is not None  # a rank whose local step failed raised above
         ctx, spec, key, entry = found
         negotiate.agree_on_request(member.channel, timeout, [p["request"] for p in shared])

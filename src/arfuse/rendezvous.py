@@ -118,7 +118,10 @@ class Channel:
                 break
             if abortable:
                 for r in pending:
-                    if store.check([self._key("abort", r)]):
+                    # a rank posts its value before it can abort, so one that did both since
+                    # the look above has answered: its value counts, not its later failure
+                    if store.check([self._key("abort", r)]) and not store.check(
+                            [self._key(phase, r)]):
                         reason = store.get(self._key("abort", r)).decode(errors="replace")
                         raise PeerAborted(f"rank {r} failed: {reason}")
             if time.monotonic() > deadline:

@@ -443,16 +443,17 @@ def peer_rates(size: int, copy_rate: float, tag: int, repeats: int = 16) -> Peer
     Collective: every rank calls it with the same arguments."""
     import torch.distributed as dist
 
-    from ..backends.shm.workspace import SHM_DIR
+    from ..backends.shm.workspace import segment_dir
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    directory = segment_dir()
     size = max(size, 4096)
     if world < 2:
         return PeerRates(read=copy_rate, shared_write=copy_rate)
     flag_bytes = 4096  # the flag's own page, ahead of the buffer
 
     def path(r: int) -> Path:
-        return SHM_DIR / f"arfuse-bench-{tag}-{r}-{size}"
+        return directory / f"arfuse-bench-{tag}-{r}-{size}"
 
     reserved = 1
     try:  # reserved, not sparse: a full directory is an error here, not a SIGBUS at a store

@@ -76,11 +76,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"  shm kernel: {kernel}")
     if module is not None:
         print(f"  own outputs: {_output_stores(module)}")
+    directory = shm.segment_dir()
     try:
-        stat = os.statvfs(shm.SHM_DIR)
-        print(f"  {shm.SHM_DIR}: {stat.f_bavail * stat.f_frsize / 2**30:.1f} GiB free")
+        stat = os.statvfs(directory)
+        print(f"  {directory}: {stat.f_bavail * stat.f_frsize / 2**30:.1f} GiB free")
     except OSError as exc:
-        print(f"  {shm.SHM_DIR}: not usable ({exc.strerror})")
+        print(f"  {directory}: not usable ({exc.strerror})")
     blocked = installation_blockers()
     spec = Spec(max_tokens=2048, hidden=4096, dtype="bf16")
     print("\n  backend  can run here  why")

@@ -55,7 +55,8 @@ _STEP_KINDS = ("create", "call", "close", "destroy_all", "sleep", "kill", "exit"
 _TOP_KEYS = {"name", "summary", "cases", "rows", "requirements", "level", "limit_s", "note",
              "decide", "reuse", "ranks", "groups", "settings", "faults", "env_by_rank",
              "topology", "topology_file", "shm_tmpfs", "spec", "steps", "expect"}
-SEGMENT_NAME = re.compile(r"/arfuse-\d+-\d+-[0-9a-f]+(?: \(deleted\))?$")
+NAMED_SEGMENT = re.compile(r"arfuse-\d+-\d+-[0-9a-f]+")
+UNNAMED_FILE = re.compile(r"#\d+")  # an O_TMPFILE file, as /proc shows it
 _JOB_ENTRY = "from arfuse.cli.scenario import job_main; job_main()"
 
 
@@ -263,24 +264,34 @@ def fd_targets() -> dict[int, str]:
 
 
 def segment_modes() -> list[int]:
-    """Permission bits of every arfuse segment this process holds open (0o600 expected)."""
-    modes = []
-    for fd, target in fd_targets().items():
-        if SEGMENT_NAME.search(target):
-            with contextlib.suppress(OSError):
-                st = os.stat(f"/proc/self/fd/{fd}")
-                if st.st_uid == os.getuid():
-                    modes.append(st.st_mode & 0o777)
-                else:
-                    modes.append(-1)
-    return modes
+    """Permission bits of the segment of every live shm workspace of this process (0o600
+    expected; -1: another user's), as each saw its file before it closed the descriptor."""
+    from .. import registry
+    from ..backends.shm.workspace import ShmWorkspace
+
+    return [ws.segment_mode for ws in registry.REGISTRY.workspaces()
+            if isinstance(ws, ShmWorkspace)]
+
+
+def is_segment(path: str) -> bool:
+    """Whether a file /proc shows (a descriptor's target, a mapping's path) is a shm segment:
+    named ``arfuse-<pid>-<start>-<hex>``, or unnamed (``#<inode>``) in the segment
+    directory."""
+    directory, _, name = path.removesuffix(" (deleted)").rpartition("/")
+    if NAMED_SEGMENT.fullmatch(name):
+        return True
+    if not UNNAMED_FILE.fullmatch(name):
+        return False
+    from ..backends.shm.workspace import segment_dir
+
+    return directory == os.path.realpath(segment_dir())
 
 
 def mapped_segments() -> list[str]:
     with contextlib.suppress(OSError):
-        return [line.split()[-2] if line.endswith("(deleted)") else line.split()[-1]
-                for line in Path("/proc/self/maps").read_text().splitlines()
-                if SEGMENT_NAME.search(line)]
+        paths = [fields[5] for line in Path("/proc/self/maps").read_text().splitlines()
+                 if len(fields := line.split(maxsplit=5)) == 6]
+        return [p.removesuffix(" (deleted)") for p in paths if is_segment(p)]
     return []
 
 
@@ -307,8 +318,16 @@ class LeakBaseline:
     tasks: int = field(default_factory=task_count)
 
     def leaks(self) -> list[str]:
-        """What is held now and was not before (segments, descriptors, threads, children)."""
+        """What is held now and was not before (segments, descriptors, threads, children),
+        looked at before any garbage collection: what only a cyclic collection frees stays
+        until the collector happens to run, so it is a leak too (and said so)."""
+        held = self._held()
         gc.collect()
+        after = set(self._held())
+        return [what if what in after else f"{what} (until a cyclic garbage collection)"
+                for what in held]
+
+    def _held(self) -> list[str]:
         found = []
         maps = mapped_segments()
         if maps:
@@ -514,11 +533,14 @@ class RankProgram:
                 break
         self.ops.clear()
         registry.destroy_all()
-        gc.collect()
+        held = [sys.getrefcount(g) for g in groups]  # before any collection, as leaks() looks
         leaks = baseline.leaks()
         after = [sys.getrefcount(g) for g in groups]
         if after != refs:
             leaks.append(f"references to the process group(s): {after} > {refs} before")
+        elif held != refs:
+            leaks.append(f"references to the process group(s): {held} > {refs} before (until "
+                         "a cyclic garbage collection)")
         self.emit({"final": True, "rank": self.rank, "leaks": leaks})
 
     # --- steps ----------------------------------------------------------------------------------
@@ -622,10 +644,11 @@ def _fill_before_create(leave_bytes: int) -> None:
     original = shm_ws.ShmBackend.create
 
     def create(self: Any, ctx: Any, spec: Any) -> Any:
-        st = os.statvfs(shm_ws.SHM_DIR)
+        directory = shm_ws.segment_dir()
+        st = os.statvfs(directory)
         free = st.f_bavail * st.f_frsize
         if free > leave_bytes:
-            fd = os.open(shm_ws.SHM_DIR / "filler", os.O_CREAT | os.O_RDWR, 0o600)
+            fd = os.open(directory / "filler", os.O_CREAT | os.O_RDWR, 0o600)
             try:
                 os.posix_fallocate(fd, 0, free - leave_bytes)
             finally:
@@ -638,8 +661,8 @@ def _fill_before_create(leave_bytes: int) -> None:
 
 def _rank_main(scn: dict[str, Any], rank: int, world: int, port: int, env: dict[str, str],
                report_path: str, init_timeout_s: float) -> None:
-    """Entry of a forked rank: its own environment first (``ARFUSE_SHM_DIR`` is read when the
-    shm backend is imported), then the process group, then the steps."""
+    """Entry of a forked rank: its own environment first, then the process group, then the
+    steps."""
     os.environ.update(env)
     die_with_parent()
     code = 0
@@ -877,8 +900,6 @@ def run_job(scn: Scenario, deadline_s: float, tmp: Path | None = None) -> dict[s
             d.mkdir(parents=True, exist_ok=True)
         import torch  # noqa: F401  (loaded once, shared by the forked ranks)
 
-        if "arfuse.backends.shm.workspace" in sys.modules:
-            raise RuntimeError("the shm backend was imported before the ranks' ARFUSE_SHM_DIR")
         if not any(e.get("ARFUSE_SHM_PURE_TORCH") == "1" for e in envs):
             from ..backends.shm import build as shm_build
 

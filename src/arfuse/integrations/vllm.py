@@ -272,8 +272,11 @@ def _decide(group: Any, device: str | None,
     try:
         found, error = negotiate.attempt_locally(local)
         timeout = found[0].timeout_s if found is not None else _fallback_timeout_s()
-        payloads = negotiate.exchange_verdicts(member.channel, timeout, "facts",
-                                               None if found is None else found[1], error)
+        try:
+            payloads = negotiate.exchange_verdicts(member.channel, timeout, "facts",
+                                                   None if found is None else found[1], error)
+        finally:  # no reference cycle through the error this frame's traceback holds
+            del error
         assert found is not None  # a rank whose local step failed raised above
         ctx = found[0]
         try:

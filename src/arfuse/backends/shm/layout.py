@@ -1,11 +1,12 @@
 """Byte layout of the shm segment, as the kernel sees it (``csrc/layout.h`` holds the same
 numbers; tests/test_shm_kernel_contract.py checks that the two agree).
 
-Header page: line 0 unused, then per rank one line each of process identity, arrival flag and
-done flag, then the copy-mode votes. A rank's arrival line holds its flag (int64 at byte 0) and,
-beside it, the descriptor of its current call, one per call parity (R11: every rank compares
-every descriptor before it waits for any block), the count of ranks asleep on the flag (futex
-waits; the done line has one at the same offset) and the CPU the rank last started a call on.
+Header page: line 0 the segment's own identity (magic, version, creator), then per rank one
+line each of process identity, arrival flag and done flag, then the copy-mode votes. A rank's
+arrival line holds its flag (int64 at byte 0) and, beside it, the descriptor of its current
+call, one per call parity (R11: every rank compares every descriptor before it waits for any
+block), the count of ranks asleep on the flag (futex waits; the done line has one at the same
+offset) and the CPU the rank last started a call on.
 Then, per rank and per buffer (double-buffered, so no trailing barrier), an input slot of
 ``max_tokens`` rows and a result slot for the sums of the rows that rank owns in two-shot mode
 (``ceil(max_tokens / world)`` rows).
@@ -13,7 +14,9 @@ Then, per rank and per buffer (double-buffered, so no trailing barrier), an inpu
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ...call_checks import MAX_OP
 from ...sizing import ceil_div, round_up
@@ -23,6 +26,17 @@ PAGE = 4096
 HEADER_BYTES = PAGE
 BUFFERS = 2
 MAX_WORLD = 16
+# Line 0: the segment's identity, written by its creator before the segment has a name, so that
+# the sweep of stale segments removes only what is provably arfuse's and provably abandoned.
+# int64 fields; these five stay at these offsets in every version.
+SEGMENT_MAGIC = 0x4D53657375667261                    # the bytes b"arfuseSM", little-endian
+SEGMENT_VERSION = 1                                   # the version of this layout
+MAGIC_OFFSET = 0
+VERSION_OFFSET = 8
+CREATOR_PID_OFFSET = 16
+CREATOR_START_OFFSET = 24                             # clock ticks after boot (/proc/PID/stat)
+CREATOR_PIDNS_OFFSET = 32                             # inode of the creator's /proc/self/ns/pid
+SEGMENT_ID_BYTES = 40
 IDENTITY_OFFSET = CACHE_LINE                          # MAX_WORLD lines: pid, start time
 ARRIVE_OFFSET = CACHE_LINE * (1 + MAX_WORLD)          # MAX_WORLD lines: arrival flags
 DONE_OFFSET = CACHE_LINE * (1 + 2 * MAX_WORLD)        # MAX_WORLD lines: done flags
@@ -104,6 +118,35 @@ def mismatch_message(call: int, descriptors: list[tuple[int, int]]) -> str:
     return (f"arfuse shm: the ranks of the group called with different arguments (call {call}; "
             "every rank raises this before any rank reads a peer's data, so the workspace "
             f"stays usable for calls that match): they differ in {', '.join(differ)}{ranks}")
+
+
+@dataclass(frozen=True)
+class SegmentId:
+    """Line 0 of a segment: who made it, in which layout version."""
+
+    version: int
+    pid: int
+    start: int
+    pidns: int
+
+    _FIELDS: ClassVar[tuple[tuple[str, int], ...]] = (
+        ("version", VERSION_OFFSET), ("pid", CREATOR_PID_OFFSET),
+        ("start", CREATOR_START_OFFSET), ("pidns", CREATOR_PIDNS_OFFSET))
+
+    def encode(self) -> bytes:
+        data = bytearray(SEGMENT_ID_BYTES)
+        struct.pack_into("<q", data, MAGIC_OFFSET, SEGMENT_MAGIC)
+        for name, offset in self._FIELDS:
+            struct.pack_into("<q", data, offset, getattr(self, name))
+        return bytes(data)
+
+    @classmethod
+    def decode(cls, data: bytes) -> SegmentId | None:
+        """The identity in the first bytes of a file, or ``None`` when it has no arfuse magic."""
+        if len(data) < SEGMENT_ID_BYTES or struct.unpack_from("<q", data, MAGIC_OFFSET)[0] \
+                != SEGMENT_MAGIC:
+            return None
+        return cls(*(struct.unpack_from("<q", data, offset)[0] for _name, offset in cls._FIELDS))
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,14 @@ py::dict layout_constants() {
   d["HEADER_BYTES"] = layout::kHeaderBytes;
   d["BUFFERS"] = layout::kBuffers;
   d["MAX_WORLD"] = layout::kMaxWorld;
+  d["SEGMENT_MAGIC"] = layout::kSegmentMagic;
+  d["SEGMENT_VERSION"] = layout::kSegmentVersion;
+  d["MAGIC_OFFSET"] = layout::kMagicOffset;
+  d["VERSION_OFFSET"] = layout::kVersionOffset;
+  d["CREATOR_PID_OFFSET"] = layout::kCreatorPidOffset;
+  d["CREATOR_START_OFFSET"] = layout::kCreatorStartOffset;
+  d["CREATOR_PIDNS_OFFSET"] = layout::kCreatorPidnsOffset;
+  d["SEGMENT_ID_BYTES"] = layout::kSegmentIdBytes;
   d["IDENTITY_OFFSET"] = layout::kIdentityOffset;
   d["ARRIVE_OFFSET"] = layout::kArriveOffset;
   d["DONE_OFFSET"] = layout::kDoneOffset;

@@ -2,14 +2,16 @@
 // for Python; tests/test_shm_kernel_contract.py checks every one of them through
 // layout_constants() (bindings.cpp), so change both or neither.
 //
-// Header page: line 0 unused, then per rank one cache line each of process identity (written
-// by Python), arrival flag and done flag, then the copy-mode votes. A rank's arrival line holds
-// its flag (int64 at byte 0) and, beside it, the descriptor of its current call (one per call
-// parity, so a rank that has moved on to the next call never overwrites the descriptor a
-// slower peer is still comparing), then the count of ranks asleep on the flag (int32, futex
-// waits; the done line has one at the same offset) and the CPU the rank last started a call
-// on (int32). Then, per rank and per buffer, an input slot of max_tokens
-// rows and a result slot for the two-shot sums of the rows that rank owns.
+// Header page: line 0 the segment's identity (magic, layout version, creator; written by
+// Python before the segment has a name, read by the sweep of stale segments), then per rank
+// one cache line each of process identity (written by Python), arrival flag and done flag,
+// then the copy-mode votes. A rank's arrival line holds its flag (int64 at byte 0) and,
+// beside it, the descriptor of its current call (one per call parity, so a rank that has
+// moved on to the next call never overwrites the descriptor a slower peer is still
+// comparing), then the count of ranks asleep on the flag (int32, futex waits; the done line
+// has one at the same offset) and the CPU the rank last started a call on (int32). Then, per
+// rank and per buffer, an input slot of max_tokens rows and a result slot for the two-shot
+// sums of the rows that rank owns.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +24,15 @@ constexpr int64_t kPage = 4096;
 constexpr int64_t kHeaderBytes = kPage;
 constexpr int64_t kBuffers = 2;
 constexpr int kMaxWorld = 16;
+// Line 0, int64 fields (these five stay at these offsets in every version).
+constexpr int64_t kSegmentMagic = 0x4D53657375667261;  // the bytes "arfuseSM", little-endian
+constexpr int64_t kSegmentVersion = 1;
+constexpr int64_t kMagicOffset = 0;
+constexpr int64_t kVersionOffset = 8;
+constexpr int64_t kCreatorPidOffset = 16;
+constexpr int64_t kCreatorStartOffset = 24;  // clock ticks after boot (/proc/PID/stat)
+constexpr int64_t kCreatorPidnsOffset = 32;  // inode of the creator's /proc/self/ns/pid
+constexpr int64_t kSegmentIdBytes = 40;
 constexpr int64_t kIdentityOffset = kCacheLine;                         // pid, start time
 constexpr int64_t kArriveOffset = kCacheLine * (1 + kMaxWorld);         // arrival flags
 constexpr int64_t kDoneOffset = kCacheLine * (1 + 2 * kMaxWorld);       // done flags
@@ -57,6 +68,8 @@ constexpr int kPatternPlain = 0;      // all-reduce only
 constexpr int kPatternNorm = 1;       // + RMSNorm
 constexpr int kPatternNormResidual = 2;  // + residual + RMSNorm
 
+static_assert(kCreatorPidnsOffset + 8 == kSegmentIdBytes && kSegmentIdBytes <= kIdentityOffset,
+              "the segment's identity must fit in line 0");
 static_assert(kVoteOffset + kMaxWorld * kVoteBuckets <= kHeaderBytes,
               "the copy-mode votes must fit in the header page");
 static_assert(kDescOffset + kBuffers * kDescBytes <= kWaitersOffset &&

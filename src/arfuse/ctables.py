@@ -1,0 +1,67 @@
+"""Constants the C++ kernel and Python both need, read from the kernel's own headers.
+
+The segment layout, the call signature and the fp32 limits are ``constexpr`` lines in
+``backends/shm/csrc/*.h``; the kernel compiles them and Python reads the same lines here, so
+there is one copy of each number (the pure-torch path, the policy and the call checks need
+them where no compiler exists). Only the simple form is read: ``constexpr <int64_t | int |
+double> kName = <expression of numbers and earlier names>;`` with ``+ - * / << |``,
+parentheses and ``int64_t(...)``; anything else in a header is ignored.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import operator
+import re
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent / "backends" / "shm" / "csrc"
+_LINE = re.compile(r"^\s*(?:inline\s+)?constexpr\s+(?:int64_t|int|double)\s+(k\w+)\s*=\s*"
+                   r"([^;]+);", re.MULTILINE)
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+              ast.LShift: operator.lshift, ast.BitOr: operator.or_}
+
+
+def _evaluate(node: ast.AST, known: dict[str, int | float], where: str) -> int | float:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
+            and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in known:
+        return known[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand, known, where)
+    if isinstance(node, ast.BinOp):
+        left, right = _evaluate(node.left, known, where), _evaluate(node.right, known, where)
+        if isinstance(node.op, ast.Div):  # C++: integer division of integers
+            both_ints = isinstance(left, int) and isinstance(right, int)
+            return left // right if both_ints else left / right  # type: ignore[operator]
+        op = _OPERATORS.get(type(node.op))
+        if op is not None:
+            return op(left, right)  # type: ignore[no-any-return]
+    raise ValueError(f"{where}: cannot read {ast.unparse(node)!r} (only numbers, earlier "
+                     "constants and + - * / << | are read)")
+
+
+@functools.cache
+def header(name: str) -> dict[str, int | float]:
+    """Every ``constexpr`` constant of ``csrc/<name>`` by its C++ name (``kCacheLine``...)."""
+    path = CSRC / name
+    known: dict[str, int | float] = {}
+    for constant, expression in _LINE.findall(path.read_text()):
+        text = re.sub(r"\bint64_t\s*\(", "(", expression)
+        text = re.sub(r"(?<=\d)(?:LL|ULL|ll|u|U)\b", "", text)
+        tree = ast.parse(text.strip(), mode="eval")
+        known[constant] = _evaluate(tree.body, known, f"{path.name}: {constant}")
+    return known
+
+
+def int_constant(name: str, constant: str) -> int:
+    value = header(name)[constant]
+    if not isinstance(value, int):
+        raise TypeError(f"{name}: {constant} is not an integer constant")
+    return value
+
+
+def float_constant(name: str, constant: str) -> float:
+    return float(header(name)[constant])
