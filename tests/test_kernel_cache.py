@@ -1,15 +1,23 @@
 """The kernel cache is private: a cached binary or directory that another user owns, or that
-group or others may write, is never loaded (the kernel is built elsewhere, and the log says
-why); the cache directory is created with mode 0700; every source and header is in the key.
+group or others may write, is never loaded, nor one under a directory or symbolic link that
+another user could change (the kernel is built elsewhere, and the log says why); what was
+checked is what is loaded, however the path changes meanwhile; the cache directory is created
+with mode 0700; every source and header is in the key.
 
-No compiler runs here: ``_import`` and ``cpp_extension.load`` are replaced by recorders."""
+The kernel's compiler never runs here: ``cpp_extension.load`` is replaced by a recorder, and so
+is ``_import`` except where a tiny shared object shows whose code ran."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import signal
 import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,23 +27,33 @@ import pytest
 from arfuse.backends.shm import build as shm_build
 
 OTHER_UID = 12345
+NOBODY = 65534  # a real second user, for the processes that race the loader
 
 
 class Recorder:
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records what would be imported and where the kernel would be built: the real paths of
+    the files and directories meant, resolved when called (the loader may name them by an
+    open descriptor, whose name means nothing once it is closed)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, record_imports: bool = True) -> None:
         self.imported: list[Path] = []
+        self.import_paths: list[str] = []
         self.built_in: list[Path] = []
+        self.build_paths: list[str] = []
         from torch.utils import cpp_extension
 
-        monkeypatch.setattr(shm_build, "_import", self._import)
+        if record_imports:
+            monkeypatch.setattr(shm_build, "_import", self._import)
         monkeypatch.setattr(cpp_extension, "load", self._load)
 
-    def _import(self, name: str, path: Path) -> ModuleType:
-        self.imported.append(Path(path))
+    def _import(self, name: str, path: str) -> ModuleType:
+        self.import_paths.append(str(path))
+        self.imported.append(Path(os.path.realpath(path)))
         return ModuleType(name)
 
     def _load(self, name: str, build_directory: str, **_: Any) -> ModuleType:
-        self.built_in.append(Path(build_directory))
+        self.build_paths.append(build_directory)
+        self.built_in.append(Path(os.path.realpath(build_directory)))
         return ModuleType(name)
 
 
@@ -125,6 +143,7 @@ def test_own_private_cache_entry_is_loaded(cache: tuple[Path, Path, Path],
     module, why = shm_build._build()
     assert module is not None and why == ""
     assert recorder.imported == [binary]
+    assert recorder.import_paths[0].startswith("/proc/self/fd/"), "not loaded from what was checked"
     assert recorder.built_in == []
 
 
@@ -138,6 +157,7 @@ def test_cache_directory_is_created_private(cache: tuple[Path, Path, Path],
     finally:
         os.umask(old)
     assert recorder.built_in == [entry]
+    assert recorder.build_paths[0].startswith("/proc/self/fd/"), "not built in what was checked"
     for path in (root, entry):
         info = path.stat()
         assert info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) == 0o700, path
@@ -159,3 +179,229 @@ def test_every_source_and_header_is_in_the_build_key(tmp_path: Path,
         assert shm_build.build_key() != key, f"editing {path.name} does not change the key"
         path.write_bytes(original)
     assert shm_build.build_key() == key
+
+
+def shared_parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> Path:
+    """``tmp_path/name``, made the cache root's parent (the cache inside it, planted)."""
+    parent = tmp_path / name
+    parent.mkdir()
+    root = parent / "cache"
+    monkeypatch.setenv("ARFUSE_CACHE_DIR", str(root))
+    entry = root / f"shm-{shm_build.build_key()}"
+    plant(root, entry, entry / f"arfuse_shm_{shm_build.build_key()}.so")
+    return parent
+
+
+@pytest.mark.parametrize("how", ["other owner", "mode 0777", "group-writable 0770"])
+def test_a_cache_under_a_directory_another_user_can_change_is_refused(
+        cache: tuple[Path, Path, Path], tmp_path: Path, how: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The cache itself is private, but whoever may write its parent can swap it."""
+    parent = shared_parent(tmp_path, monkeypatch, "shared")
+    binary = next(parent.glob("cache/shm-*/*.so"))
+    if how == "other owner":
+        os.chown(parent, OTHER_UID, OTHER_UID)
+    else:
+        parent.chmod(0o777 if how == "mode 0777" else 0o770)
+    recorder = Recorder(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="arfuse"):
+        shm_build._build()
+    refused(recorder, binary, caplog, parent)
+    reason = "uid 12345" if how == "other owner" else "without the sticky bit"
+    assert any(reason in r.getMessage() for r in caplog.records)
+
+
+def test_a_private_cache_in_a_sticky_shared_directory_is_used(
+        cache: tuple[Path, Path, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in /tmp: others may add entries there, but not rename or remove this user's."""
+    parent = shared_parent(tmp_path, monkeypatch, "sticky")
+    parent.chmod(0o1777)
+    binary = next(parent.glob("cache/shm-*/*.so"))
+    recorder = Recorder(monkeypatch)
+    shm_build._build()
+    assert recorder.imported == [binary] and recorder.built_in == []
+
+
+def test_a_symlink_another_user_owns_in_a_sticky_directory_is_refused(
+        cache: tuple[Path, Path, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Its owner may replace it at any time, to point the cache elsewhere."""
+    root, entry, binary = cache
+    plant(root, entry, binary)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir(mode=0o1777)
+    sticky.chmod(0o1777)
+    link = sticky / "cache"
+    link.symlink_to(root)
+    os.lchown(link, OTHER_UID, OTHER_UID)
+    monkeypatch.setenv("ARFUSE_CACHE_DIR", str(link))
+    recorder = Recorder(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="arfuse"):
+        shm_build._build()
+    refused(recorder, binary, caplog, link)
+
+
+def test_a_symlink_of_this_user_to_a_private_cache_is_followed(
+        cache: tuple[Path, Path, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    root, entry, binary = cache
+    plant(root, entry, binary)
+    (tmp_path / "link").symlink_to("cache")  # relative, resolved in the link's directory
+    monkeypatch.setenv("ARFUSE_CACHE_DIR", str(tmp_path / "link"))
+    recorder = Recorder(monkeypatch)
+    shm_build._build()
+    assert recorder.imported == [binary] and recorder.built_in == []
+
+
+# --- a symbolic link flipped while the kernel loads -------------------------------------------
+# Each load runs in a fresh process: a process's dynamic loader opens a path once, and later
+# loads of the same path reuse it, whatever the path names by then.
+
+LOADS = 200
+
+MARKING_LIBRARY = r"""
+#include <fcntl.h>
+#include <unistd.h>
+__attribute__((constructor)) static void mark(void) {
+    int fd = open(MARKER, O_WRONLY | O_CREAT, 0600);
+    if (fd >= 0) close(fd);
+}
+"""
+
+
+def marking_library(path: Path, marker: Path) -> None:
+    """A shared object (not a Python module) that creates ``marker`` when loaded."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the shared objects the loader races over")
+    source = path.with_suffix(".c")
+    source.write_text(MARKING_LIBRARY)
+    subprocess.run([cc, "-shared", "-fPIC", f'-DMARKER="{marker}"', str(source), "-o", str(path)],
+                   check=True, capture_output=True)
+
+
+def planted_cache(base: Path, key: str, marker: Path) -> Path:
+    """A cache directory at ``base`` whose entry for ``key`` is a marking library."""
+    entry = base / f"shm-{key}"
+    entry.mkdir(parents=True, mode=0o700)
+    base.chmod(0o700)
+    marking_library(entry / f"arfuse_shm_{key}.so", marker)
+    return base
+
+
+@contextlib.contextmanager
+def flipping(link: Path, targets: tuple[Path, Path], uid: int | None) -> Iterator[None]:
+    """A process (as ``uid`` when given) that points ``link`` at each target in turn, as fast
+    as it can, until the block ends; ``link`` points at ``targets[0]`` afterwards."""
+    ready, tell_ready = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(ready)
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            spare = link.with_name(link.name + ".new")
+            while True:
+                for target in targets:
+                    os.symlink(target, spare)
+                    os.replace(spare, link)
+                    if tell_ready >= 0:
+                        os.close(tell_ready)
+                        tell_ready = -1
+        finally:
+            os._exit(1)
+    os.close(tell_ready)
+    try:
+        os.read(ready, 1)  # the child closed its end: it has flipped once, or died
+        os.close(ready)
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the flipping process died"
+        yield
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    spare = link.with_name(link.name + ".new")
+    spare.unlink(missing_ok=True)
+    os.symlink(targets[0], spare)
+    os.replace(spare, link)
+
+
+def load_in_fresh_processes(times: int, until: Path | None = None) -> list[int]:
+    """The exit statuses of ``times`` processes, one after the other, each forked to run the
+    loader once (0: it returned); fewer once ``until`` exists."""
+    statuses: list[int] = []
+    for _ in range(times):
+        if until is not None and until.exists():
+            break
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                shm_build._build()
+                code = 0
+            finally:
+                os._exit(code)
+        statuses.append(os.waitpid(pid, 0)[1])
+    return statuses
+
+
+@pytest.fixture
+def racing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The build key, fixed; fallback build directories in ``tmp_path`` (the forked loaders
+    leave theirs behind); ``_import`` real, the build recorded."""
+    monkeypatch.delenv("ARFUSE_SHM_PURE_TORCH", raising=False)
+    key = shm_build.build_key()
+    monkeypatch.setattr(shm_build, "build_key", lambda: key)
+    (tmp_path / "tmp").mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    Recorder(monkeypatch, record_imports=False)
+    return key
+
+
+def test_a_binary_swapped_after_its_check_is_never_loaded(racing: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The link flips between a private cache and one whose binary group and others may
+    write: what is loaded is what was checked, so the second's code never runs."""
+    safe_marker, unsafe_marker = tmp_path / "safe-ran", tmp_path / "unsafe-ran"
+    safe = planted_cache(tmp_path / "safe", racing, safe_marker)
+    unsafe = planted_cache(tmp_path / "unsafe", racing, unsafe_marker)
+    next(unsafe.glob("shm-*/*.so")).chmod(0o777)
+    link = tmp_path / "cache-link"
+    link.symlink_to(safe)
+    monkeypatch.setenv("ARFUSE_CACHE_DIR", str(link))
+    with flipping(link, (safe, unsafe), uid=None):
+        statuses = load_in_fresh_processes(LOADS, until=unsafe_marker)
+    assert not unsafe_marker.exists(), f"a binary that failed its check ran (load {len(statuses)})"
+    assert statuses == [0] * LOADS
+    assert load_in_fresh_processes(1) == [0] and safe_marker.exists(), "nothing is loaded at all"
+
+
+def test_another_users_kernel_never_runs_while_they_flip_the_cache_path(
+        racing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The reported attack, by a real second user: a link in their directory flips between
+    this user's private cache and theirs, which holds their ``arfuse_shm_<key>.so``."""
+    if os.geteuid() != 0:
+        pytest.skip("racing the loader as a second user needs root (os.chown, os.setuid)")
+    marker = tmp_path / "planted-ran"
+    ours = planted_cache(tmp_path / "ours", racing, tmp_path / "ours-ran")
+    attacker = Path(tempfile.mkdtemp(prefix="arfuse-attacker-", dir="/tmp"))
+    try:
+        theirs = planted_cache(attacker / "theirs", racing, marker)
+        for path in (attacker, *theirs.rglob("*"), theirs):
+            os.lchown(path, NOBODY, NOBODY)
+        attacker.chmod(0o755)
+        link = attacker / "cache"
+        monkeypatch.setenv("ARFUSE_CACHE_DIR", str(link))
+        with flipping(link, (ours, theirs), uid=NOBODY):
+            statuses = load_in_fresh_processes(LOADS, until=marker)
+        assert not marker.exists(), f"another user's kernel ran here (load {len(statuses)})"
+        assert statuses == [0] * LOADS
+        recorder = Recorder(monkeypatch)
+        with caplog.at_level(logging.WARNING, logger="arfuse"):
+            shm_build._build()
+        refused(recorder, ours / f"shm-{racing}" / f"arfuse_shm_{racing}.so", caplog, attacker)
+    finally:
+        shutil.rmtree(attacker)

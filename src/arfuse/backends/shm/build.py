@@ -15,13 +15,21 @@ one that it lacks is refused, not built). Every path gives the same bytes.
 
 The cache is private: its directory is created with mode 0700, and a cache directory, build
 directory or binary that another user owns, or that group or others may write, is never
-loaded (someone else could have put code there): the kernel is then built in a fresh private
-temporary directory instead, and the log says why.
+loaded (someone else could have put code there), nor one reached through a directory or
+symbolic link that a user other than root and this one owns, or through a directory that group
+or others may write without the sticky bit (whoever can change the path can swap the cache):
+the kernel is then built in a fresh private temporary directory instead, and the log names the
+path and why. What is checked is what is loaded: the path is opened one component at a time,
+each relative to the one before and never through a symbolic link (one is resolved by reading
+it, itself checked), the opened descriptors are the ones checked, and the binary is loaded by
+its descriptor's name (``/proc/self/fd/N``), as is a fresh build's directory.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -30,6 +38,8 @@ import stat
 import sysconfig
 import tempfile
 import threading
+from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -200,12 +210,13 @@ def _register_fake() -> None:
         log.logger.debug("arfuse shm: no fake for the torch operator: %s", exc)
 
 
-def _import(name: str, path: Path) -> ModuleType:
+def _import(name: str, path: str) -> ModuleType:
+    """The extension module ``name`` (its ``PyInit_<name>``) from the shared object ``path``."""
     import importlib.machinery
     import importlib.util
 
-    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
-    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     if spec is None:
         raise ImportError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
@@ -213,17 +224,182 @@ def _import(name: str, path: Path) -> ModuleType:
     return module
 
 
-def unsafe(path: Path, follow_symlinks: bool = False) -> str:
-    """Why ``path`` must not be trusted ("" when it may): a symbolic link (unless followed),
-    owned by another user, or writable by group or others."""
-    info = os.stat(path, follow_symlinks=follow_symlinks)
-    if stat.S_ISLNK(info.st_mode):
-        return "is a symbolic link"
+# Who may change a path: its last component's owner, and whoever may write the directory
+# holding it (in a sticky directory, as /tmp, only the owners of the entry and of the directory
+# may rename or remove it). Root and this user are trusted; every other user is not.
+
+def unsafe_on_the_way(info: os.stat_result) -> str:
+    """Why a directory or symbolic link on the way to the cache is not trusted ("" when it is):
+    owned by a user other than root and this one, or a directory that group or others may
+    write without the sticky bit."""
+    if info.st_uid not in (0, os.geteuid()):
+        return f"is owned by uid {info.st_uid}, neither root nor this user (uid {os.geteuid()})"
+    if stat.S_ISDIR(info.st_mode) and info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        return ("is writable by group or others without the sticky bit "
+                f"(mode {stat.S_IMODE(info.st_mode):o})")
+    return ""
+
+
+def unsafe(info: os.stat_result) -> str:
+    """Why the cache directory, a build directory or a binary in it is not trusted ("" when it
+    is): owned by another user, or writable by group or others."""
     if info.st_uid != os.geteuid():
         return f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
     if info.st_mode & 0o022:
         return f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
     return ""
+
+
+class _Untrusted(Exception):
+    """``path`` is not safe to load code from, for ``reason``."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path} {reason}")
+        self.path, self.reason = path, reason
+
+
+# every component is opened relative to the one before, never through a symbolic link: what
+# is checked (fstat of the descriptor) is what is used, whatever the path names meanwhile
+# (O_PATH: a directory this user may only search, as some parents are, opens all the same)
+_OPEN_DIR = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_MAX_SYMLINKS = 40  # as the kernel's own path lookup
+
+
+def _fd_path(fd: int) -> str:
+    """A name for exactly the file or directory ``fd`` has open (Linux), whatever was renamed
+    or replaced since it was opened."""
+    return f"/proc/self/fd/{fd}"
+
+
+def _open_checked(dir_fd: int | None, name: str, flags: int, shown: Path,
+                  check: Callable[[os.stat_result], str]) -> int:
+    """``name`` in ``dir_fd`` opened (``flags``) and passed by ``check``, or ``_Untrusted``
+    (``shown``: its path, for the message)."""
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:  # O_NOFOLLOW refuses a symbolic link with ELOOP, or ENOTDIR
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(
+                os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            raise _Untrusted(shown, "is a symbolic link") from exc
+        raise
+    reason = check(os.fstat(fd))
+    if reason:
+        os.close(fd)
+        raise _Untrusted(shown, reason)
+    return fd
+
+
+def _open_private_dir(dir_fd: int, name: str, shown: Path,
+                      check: Callable[[os.stat_result], str]) -> int:
+    """Directory ``name`` in ``dir_fd``, created with mode 0700 where missing, opened and passed
+    by ``check`` (``_open_checked``)."""
+    try:
+        return _open_checked(dir_fd, name, _OPEN_DIR, shown, check)
+    except FileNotFoundError:
+        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+            os.mkdir(name, 0o700, dir_fd=dir_fd)
+        return _open_checked(dir_fd, name, _OPEN_DIR, shown, check)
+
+
+class _Walk:
+    """A directory descriptor moved one component at a time from ``/``, each directory and
+    symbolic link on the way trusted (``unsafe_on_the_way``), missing directories created with
+    mode 0700 (the caller closes ``fd``)."""
+
+    def __init__(self) -> None:
+        self.fd = _open_checked(None, "/", _OPEN_DIR, Path("/"), unsafe_on_the_way)
+        self.at = Path("/")
+        self.symlinks = 0
+
+    def enter(self, name: str) -> None:
+        """Into directory ``name`` (not a symbolic link), created where missing."""
+        shown = self.at.parent if name == ".." else self.at / name
+        fd = _open_private_dir(self.fd, name, shown, unsafe_on_the_way)
+        os.close(self.fd)
+        self.fd, self.at = fd, shown
+
+    def link_target(self, name: str) -> str | None:
+        """Where ``name`` points when it is a symbolic link (trusted), else ``None``."""
+        try:
+            info = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISLNK(info.st_mode):
+            return None
+        reason = unsafe_on_the_way(info)
+        self.symlinks += 1
+        if not reason and self.symlinks > _MAX_SYMLINKS:
+            reason = "leads through too many symbolic links"
+        if reason:
+            raise _Untrusted(self.at / name, reason)
+        return os.readlink(name, dir_fd=self.fd)
+
+    def restart(self) -> None:
+        """Back at ``/``, for a symbolic link to an absolute path."""
+        fd = _open_checked(None, "/", _OPEN_DIR, Path("/"), unsafe_on_the_way)
+        os.close(self.fd)
+        self.fd, self.at = fd, Path("/")
+
+
+def _open_trusted_dir(path: Path) -> int:
+    """A descriptor of directory ``path`` (created private where missing), reached from ``/``
+    through trusted directories and symbolic links only, and itself private to this user;
+    ``_Untrusted`` names the first component that is not."""
+    walk = _Walk()
+    try:
+        names = deque(os.path.join(os.getcwd(), path).split("/"))
+        while names:
+            name = names.popleft()
+            if name in ("", "."):
+                continue
+            target = walk.link_target(name)
+            if target is None:
+                walk.enter(name)
+                continue
+            names.extendleft(reversed(target.split("/")))
+            if target.startswith("/"):
+                walk.restart()
+        reason = unsafe(os.fstat(walk.fd))
+        if reason:
+            raise _Untrusted(walk.at, reason)
+        return walk.fd
+    except BaseException:
+        os.close(walk.fd)
+        raise
+
+
+def _open_cache_entry(key: str) -> tuple[int, int | None]:
+    """Descriptors of this key's build directory in the cache (created private) and of its
+    binary when there is one, every component checked; ``_Untrusted`` when one is unsafe or
+    the cache cannot be used."""
+    root = cache_root()
+    try:
+        root_fd = _open_trusted_dir(root)
+        try:
+            return _open_entry(root_fd, root / f"shm-{key}", f"arfuse_shm_{key}.so")
+        finally:
+            os.close(root_fd)
+    except OSError as exc:
+        raise _Untrusted(root, f"cannot be used ({type(exc).__name__}: {exc})") from exc
+
+
+def _open_entry(root_fd: int, entry: Path, binary_name: str) -> tuple[int, int | None]:
+    """Build directory ``entry`` in the open cache directory (created private), and its binary
+    ``binary_name`` when there is one, both checked (``unsafe``)."""
+    entry_fd = _open_private_dir(root_fd, entry.name, entry, unsafe)
+    binary = entry / binary_name
+    try:
+        return entry_fd, _open_checked(entry_fd, binary.name, _OPEN_FILE, binary, _unsafe_binary)
+    except FileNotFoundError:
+        return entry_fd, None
+    except BaseException:
+        os.close(entry_fd)
+        raise
+
+
+def _unsafe_binary(info: os.stat_result) -> str:
+    return unsafe(info) or ("" if stat.S_ISREG(info.st_mode) else "is not a regular file")
 
 
 def _private_temp_dir() -> Path:
@@ -233,34 +409,27 @@ def _private_temp_dir() -> Path:
     return path
 
 
-def _refuse(path: Path, reason: str) -> Path:
+def _refuse(problem: _Untrusted) -> Path:
     fallback = _private_temp_dir()
-    log.logger.warning("arfuse shm: not using the kernel cache at %s: it %s; building the "
-                       "kernel in %s instead (fix the cache's owner and mode, or set "
-                       "ARFUSE_CACHE_DIR)", path, reason, fallback)
+    log.logger.warning("arfuse shm: not using the kernel cache at %s: %s %s; building the "
+                       "kernel in %s instead (fix that path's owner and mode, or set "
+                       "ARFUSE_CACHE_DIR)", cache_root(), problem.path, problem.reason, fallback)
     return fallback
 
 
-def _build_dir(key: str) -> Path:
-    """This key's build directory in the cache, or a private temporary one when the cache (or
-    the entry) is not safe to use."""
-    root = cache_root()
+@contextlib.contextmanager
+def _build_dir(key: str) -> Iterator[tuple[int, int | None]]:
+    """Descriptors of this key's build directory and of its cached binary (``None``: build
+    it), or of a fresh private temporary directory when the cache (or the entry) is not safe
+    to use. The directory's is closed after the block, the binary's is the caller's."""
     try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        reason = unsafe(root, follow_symlinks=True)
-    except OSError as exc:
-        reason = f"cannot be used ({type(exc).__name__}: {exc})"
-    if reason:
-        return _refuse(root, reason)
-    build_dir = root / f"shm-{key}"
-    built = build_dir / f"arfuse_shm_{key}.so"
-    for path in (build_dir, built):
-        if os.path.lexists(path):
-            reason = unsafe(path)
-            if reason:
-                return _refuse(path, reason)
-    build_dir.mkdir(mode=0o700, exist_ok=True)
-    return build_dir
+        directory, binary = _open_cache_entry(key)
+    except _Untrusted as problem:
+        directory, binary = _open_trusted_dir(_refuse(problem)), None
+    try:
+        yield directory, binary
+    finally:
+        os.close(directory)
 
 
 def _build() -> tuple[ModuleType | None, str]:
@@ -276,21 +445,39 @@ def _build() -> tuple[ModuleType | None, str]:
     except ImportError as exc:  # pragma: no cover - torch without cpp_extension
         return None, f"torch.utils.cpp_extension unavailable: {exc}"
     key = build_key()
+    name = f"arfuse_shm_{key}"
     try:
-        build_dir = _build_dir(key)
-    except OSError as exc:
-        return None, f"no build directory: {type(exc).__name__}: {exc}"
-    built = build_dir / f"arfuse_shm_{key}.so"
-    if built.is_file():  # cached: import it directly (ninja's up-to-date check costs ~0.3 s)
-        try:
-            return _import(f"arfuse_shm_{key}", built), ""
-        except ImportError:
-            pass  # a broken cache entry: rebuild below
+        with _build_dir(key) as (directory, binary):
+            where = os.path.join(os.path.realpath(_fd_path(directory)), f"{name}.so")
+            if binary is not None:  # cached: import it directly (ninja's check costs ~0.3 s)
+                try:
+                    module = _import_cached(name, binary)
+                    module.__file__ = where  # not the descriptor's name, which means nothing later
+                    return module, ""
+                except ImportError:
+                    pass  # a broken cache entry: rebuild below
+            return _compile(cpp_extension, name, directory, where)
+    except (OSError, _Untrusted) as exc:
+        return None, f"no safe build directory: {type(exc).__name__}: {exc}"
+
+
+def _import_cached(name: str, binary: int) -> ModuleType:
+    """The module from the open, checked ``binary``, which stays open for the life of the
+    process: the dynamic loader knows a library by the name it was opened under, and would
+    hand this one out again for another file opened later under the same descriptor number."""
+    return _import(name, _fd_path(binary))
+
+
+def _compile(cpp_extension: Any, name: str, directory: int,
+             where: str) -> tuple[ModuleType | None, str]:
+    """Build the kernel in the open ``directory`` and import it from there (by its descriptor's
+    name, so a path changed meanwhile cannot substitute another directory)."""
     try:
         module = cpp_extension.load(
-            name=f"arfuse_shm_{key}", sources=[str(p) for p in sources()],
+            name=name, sources=[str(p) for p in sources()],
             extra_cflags=compile_flags(), extra_include_paths=[str(CSRC)],
-            build_directory=str(build_dir), verbose=False)
+            build_directory=_fd_path(directory), verbose=False)
     except Exception as exc:  # a broken toolchain means the pure path, not a crash
         return None, f"building the kernel failed: {type(exc).__name__}: {str(exc)[-500:]}"
+    module.__file__ = where
     return module, ""
