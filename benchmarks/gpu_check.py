@@ -28,10 +28,16 @@ from typing import Any
 import torch
 
 from arfuse.cli.launch import init_from_env, launch
-from arfuse.cli.run import digest
+from arfuse.digest import digest
+from arfuse.pattern import Pattern
+from arfuse.reference import expected
 
 EPS = 1e-6
-PATTERNS = ("plain", "norm", "residual", "fp8", "fp8_dynamic", "nvfp4")
+# one of each epilogue, and each quantisation after residual + RMSNorm (NVFP4 where the SM has it)
+PATTERNS = (Pattern(), Pattern("rmsnorm"), Pattern("residual_rmsnorm"),
+            Pattern("residual_rmsnorm", "fp8"), Pattern("residual_rmsnorm", "fp8_dynamic"),
+            Pattern("residual_rmsnorm", "nvfp4", "swizzled_128x4"))
+SCALES = {"fp8": 0.05, "nvfp4": 448.0 * 6.0 / 8.0}
 TOLERANCE = {"bf16": 8 * 2.0**-8, "fp32": 1e-4}
 
 
@@ -45,27 +51,20 @@ def _inputs(rank: int, world: int, tokens: int, hidden: int, dtype: torch.dtype,
             "weight": weight.to(device), "residual_cpu": residual, "weight_cpu": weight}
 
 
-def _reference(data: dict[str, Any], pattern: str) -> torch.Tensor:
+def _reference(data: dict[str, Any], pattern: Pattern) -> torch.Tensor:
     """``out`` of ``pattern`` in float64 (quantised patterns: their ``out`` before quantising)."""
-    total = sum(x.double() for x in data["xs"])
-    if pattern == "plain":
-        return total
-    pre = total if pattern == "norm" else total + data["residual_cpu"].double()
-    return pre * torch.rsqrt(pre.pow(2).mean(-1, keepdim=True) + EPS) * data["weight_cpu"].double()
+    return expected(data["xs"], pattern, data["residual_cpu"], data["weight_cpu"], EPS).out
 
 
-def _call(comm: Any, pattern: str, data: dict[str, Any]) -> Any:
+def _call(comm: Any, pattern: Pattern, data: dict[str, Any]) -> Any:
     kwargs: dict[str, Any] = {}
-    if pattern != "plain":
+    if pattern.norm:
         kwargs.update(weight=data["weight"], eps=EPS)
-    if pattern not in ("plain", "norm"):
+    if pattern.epilogue == "residual_rmsnorm":
         kwargs["residual"] = data["residual"]
-    if pattern == "fp8":
-        kwargs.update(quant="fp8", scale=0.05)
-    elif pattern == "fp8_dynamic":
-        kwargs["quant"] = "fp8_dynamic"
-    elif pattern == "nvfp4":
-        kwargs.update(quant="nvfp4", scale=448.0 * 6.0 / 8.0)
+    if pattern.quant is not None:
+        kwargs.update(quant=pattern.quant, scale=SCALES.get(pattern.quant),
+                      layout=pattern.layout or "swizzled_128x4")
     return comm(data["x"], **kwargs)
 
 
@@ -87,12 +86,12 @@ def _check_backend(rank: int, world: int, backend: str, opts: argparse.Namespace
     except Exception as exc:
         return [{"backend": backend, "error": f"{type(exc).__name__}: {exc}"}]
     for pattern in PATTERNS:
-        if pattern == "nvfp4" and opts.device == "cuda" and sm < 100:
+        if pattern.quant == "nvfp4" and opts.device == "cuda" and sm < 100:
             continue
         for tokens in opts.tokens:
             data = _inputs(rank, world, tokens, opts.hidden, dtype, device)
             row: dict[str, Any] = {"backend": backend, "negotiated": comm.backend,
-                                   "pattern": pattern, "tokens": tokens}
+                                   "pattern": pattern.name, "tokens": tokens}
             try:
                 res = _call(comm, pattern, data)
                 row["err"] = _error(res.out, _reference(data, pattern))

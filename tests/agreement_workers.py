@@ -180,7 +180,7 @@ def store_keys_after_a_call_timeout(rank: int, world: int) -> dict[str, bool]:
     store = dist.distributed_c10d._get_process_group_store(dist.group.WORLD)
     comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,
                                  backend="torch", timeout_s=1.0)
-    key = f"arfuse/{comm.workspace.ctx.key}/timeout/call-descriptor/1/0"
+    key = f"arfuse/{comm.workspace.ctx.key}/timeout/call-signature/1/0"
     report: dict[str, bool] = {}
     if rank == 0:
         try:
@@ -205,7 +205,7 @@ def contexts_left_after_a_local_error(rank: int, world: int) -> dict[str, int]:
     import gc
 
     import arfuse
-    from arfuse.negotiate import GroupContext, Member
+    from arfuse.group import GroupContext, Member
 
     gc.collect()
     gc.disable()

@@ -181,7 +181,7 @@ class StandinFlashInfer:
 
         fake = self
 
-        def blocker(backend: Any, ctx: Any, spec: Any) -> str:
+        def local_check(backend: Any, ctx: Any, spec: Any) -> str:
             sizes = getattr(workspace, "WORLD_SIZES", WORLD_SIZES)[backend.name]
             if ctx.world_size not in sizes:
                 return f"world size {ctx.world_size} not in {sorted(sizes)}"
@@ -189,4 +189,4 @@ class StandinFlashInfer:
                 return "this GPU reports no multicast support (stand-in)"
             return ""
 
-        monkeypatch.setattr(workspace.FlashInferBackend, "blocker", blocker)
+        monkeypatch.setattr(workspace.FlashInferBackend, "local_check", local_check)

@@ -5,12 +5,14 @@ code (element-wise loops over the e2m1 table, offsets from the layout formula) s
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from arfuse.pattern import Pattern
+from arfuse.reference import expected
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -38,6 +40,10 @@ class Case:
     def layout(self) -> str:
         return "linear" if self.pattern == "nvfp4_linear" else "swizzled_128x4"
 
+    @property
+    def fused(self) -> Pattern:
+        return Pattern.of_call(self.pattern != "plain", self.residual, self.quant, self.layout)
+
 
 PATTERNS = ("plain", "norm", "norm_bias", "fp8", "nvfp4_linear", "nvfp4_swizzled")
 EPS = 1e-5
@@ -57,16 +63,13 @@ def inputs(case: Case, world: int, seed: int = 1234) -> dict[str, Any]:
 
 
 def reference(case: Case, data: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """float64, no intermediate rounding."""
-    total = sum(x.double() for x in data["xs"])
-    assert isinstance(total, torch.Tensor)
-    abs_sum = sum(x.double().abs() for x in data["xs"])
+    """float64, no intermediate rounding (``arfuse.reference``)."""
+    want = expected(data["xs"], case.fused, data["residual"], data["weight"], EPS,
+                    case.weight_bias)
     if case.pattern == "plain":
-        return {"out": total, "abs_sum": abs_sum}
-    pre = total + data["residual"].double() if case.residual else total
-    inv = torch.rsqrt((pre * pre).mean(dim=-1, keepdim=True) + EPS)
-    out = pre * inv * (data["weight"].double() + case.weight_bias)
-    return {"out": out, "residual_out": pre, "sum": total, "abs_sum": abs_sum}
+        return {"out": want.out, "abs_sum": want.abs_sum}
+    return {"out": want.out, "residual_out": want.residual_out, "sum": want.sum,
+            "abs_sum": want.abs_sum}
 
 
 def ulp_eps(dtype: str) -> float:
@@ -126,11 +129,3 @@ def swizzle_offset(m: int, k: int, cols: int) -> int:
         + (k % 4)
 
 
-def digest(*tensors: torch.Tensor | None) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        if t is None:
-            h.update(b"none")
-        else:
-            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()

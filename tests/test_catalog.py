@@ -47,13 +47,13 @@ class StubBackend(Backend):
         return StubWorkspace(ctx, spec, nbytes=123, capacity=spec.max_tokens)
 
 
-def stub_blocker(topology: Topology, spec: Spec) -> str:
+def stub_unmet(topology: Topology, spec: Spec) -> str:
     return "" if spec.hidden <= 1024 else f"hidden {spec.hidden} over the stub's 1024"
 
 
 STUB = BackendDescriptor(
     name="stub", fused=True, devices=("cpu",), auto_rank=-1,
-    implementation=f"{__name__}:StubBackend", blocker=stub_blocker,
+    implementation=f"{__name__}:StubBackend", unmet=stub_unmet,
     footprint=lambda world, spec, topology: Footprint(123, spec.max_tokens))
 
 # -------------------------------------------------------------------------------------------------

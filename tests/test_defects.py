@@ -228,7 +228,7 @@ def test_a_full_shm_dir_is_reported_in_kib_not_as_zero_mib(monkeypatch: pytest.M
     monkeypatch.setenv("ARFUSE_SHM_DIR", str(tmp_path))
     monkeypatch.setattr(shm_workspace.os, "statvfs",
                         lambda _path: SimpleNamespace(f_bavail=16, f_frsize=4096))
-    reason = shm_workspace.ShmBackend().blocker(SimpleNamespace(world_size=2),
+    reason = shm_workspace.ShmBackend().local_check(SimpleNamespace(world_size=2),
                                                  Spec(max_tokens=64, hidden=256))
     assert reason.startswith(f"{tmp_path} has 64 KiB free, the segment needs ")
     needed = int(reason.split("needs ")[1].split(" KiB")[0])
@@ -250,7 +250,7 @@ def test_the_pure_torch_shm_path_is_offered_only_where_stores_keep_their_order(
     monkeypatch.setattr(shm_build, "load", lambda: None)
     monkeypatch.setattr(shm_build, "why_not", lambda: "no C++ compiler")
     monkeypatch.setattr(shm_workspace.platform, "machine", lambda: machine)
-    reason = shm_workspace.ShmBackend().blocker(SimpleNamespace(world_size=2),
+    reason = shm_workspace.ShmBackend().local_check(SimpleNamespace(world_size=2),
                                                  Spec(max_tokens=8, hidden=64))
     if machine == "x86_64":
         assert reason == ""

@@ -33,7 +33,9 @@ from arfuse.backends.flashinfer.workspace import (
 )
 from arfuse.call_checks import CallArgs
 from arfuse.errors import ArfuseError, CreationFailed, PeerAborted
-from arfuse.negotiate import GroupContext, _try
+from arfuse.group import GroupContext
+from arfuse.negotiate import _try
+from arfuse.pattern import Pattern
 from arfuse.rendezvous import Channel
 from arfuse.settings import Settings
 from arfuse.spec import Spec
@@ -317,7 +319,7 @@ def test_world_sizes_flashinfer_does_not_run_are_refused_before_entering(
     descriptor = catalog.get(backend)
     topo = Topology(device="cuda", world_size=world, sm=90, multicast=True,
                     nvlink_all_pairs=True, flashinfer=NEW)
-    assert "world size" in descriptor.blocker(topo, Spec(max_tokens=8, hidden=64))
+    assert "world size" in descriptor.unmet(topo, Spec(max_tokens=8, hidden=64))
 
 
 def test_a_raise_on_one_rank_is_a_failed_vote_for_all_within_the_timeout(
@@ -521,12 +523,12 @@ def test_multicast_check_never_passes_on_a_missing_attribute(
     spec = Spec(max_tokens=8, hidden=64)
     monkeypatch.setattr(probe, "_torch_multicast", lambda device: None)
     monkeypatch.setattr(probe, "_driver_multicast", lambda device: None)
-    assert "multicast support unknown" in MnnvlBackend().blocker(ctx, spec)
+    assert "multicast support unknown" in MnnvlBackend().local_check(ctx, spec)
     monkeypatch.setattr(probe, "_driver_multicast", lambda device: False)
-    assert "no multicast support (driver)" in MnnvlBackend().blocker(ctx, spec)
+    assert "no multicast support (driver)" in MnnvlBackend().local_check(ctx, spec)
     monkeypatch.setattr(probe, "_torch_multicast", lambda device: True)
-    assert MnnvlBackend().blocker(ctx, spec) == ""  # torch's allocator is 0.6.13's
-    assert TrtllmBackend().blocker(ctx, spec) == ""
+    assert MnnvlBackend().local_check(ctx, spec) == ""  # torch's allocator is 0.6.13's
+    assert TrtllmBackend().local_check(ctx, spec) == ""
 
 
 def test_multicast_check_asks_flashinfer_itself_where_it_can(
@@ -534,7 +536,7 @@ def test_multicast_check_asks_flashinfer_itself_where_it_can(
     FakeFlashInfer(version=NEW, multicast=lambda device: False).install(monkeypatch)
     ctx = _cuda_context(monkeypatch)
     monkeypatch.setattr(probe, "_driver_multicast", lambda device: True)
-    why = MnnvlBackend().blocker(ctx, Spec(max_tokens=8, hidden=64))
+    why = MnnvlBackend().local_check(ctx, Spec(max_tokens=8, hidden=64))
     assert "no multicast support (flashinfer)" in why
     silent = (("a", lambda device: None), ("b", lambda device: None))
     assert probe.multicast_support(0, NEW, silent) == (None, "none")
@@ -545,8 +547,9 @@ def test_confidential_computing_blocks_mnnvl(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(sys.modules["flashinfer.utils"], "is_confidential_compute",
                         lambda: True, raising=False)
     ctx = _cuda_context(monkeypatch)
-    assert "Confidential Computing" in MnnvlBackend().blocker(ctx, Spec(max_tokens=8, hidden=64))
-    assert TrtllmBackend().blocker(ctx, Spec(max_tokens=8, hidden=64)) == ""
+    assert "Confidential Computing" in MnnvlBackend().local_check(ctx, Spec(max_tokens=8,
+                                                                            hidden=64))
+    assert TrtllmBackend().local_check(ctx, Spec(max_tokens=8, hidden=64)) == ""
 
 
 # --- validation ----------------------------------------------------------------------------
@@ -681,8 +684,8 @@ def test_mnnvl_buffer_beyond_uint32_is_refused_before_creation() -> None:
     topo = Topology(device="cuda", world_size=2, sm=90, multicast=True, nvlink_all_pairs=True,
                     flashinfer=NEW)
     huge = Spec(max_tokens=300_000, hidden=8192, dtype="fp32")
-    assert "UINT32_MAX" in catalog.get("mnnvl").blocker(topo, huge)
-    assert catalog.get("mnnvl").blocker(topo, Spec(max_tokens=2048, hidden=8192)) == ""
+    assert "UINT32_MAX" in catalog.get("mnnvl").unmet(topo, huge)
+    assert catalog.get("mnnvl").unmet(topo, Spec(max_tokens=2048, hidden=8192)) == ""
 
 
 # --- calls ---------------------------------------------------------------------------------
@@ -719,14 +722,21 @@ def test_patterns_and_quant_arguments(fake: FakeFlashInfer) -> None:
 @pytest.mark.parametrize(("quant", "scale"), [("fp8", 0.5), ("nvfp4", 2.0), ("fp8_dynamic", None)])
 def test_quantisation_without_rmsnorm_is_a_step_of_its_own(
         fake: FakeFlashInfer, backend: str, quant: str, scale: float | None) -> None:
-    """FlashInfer has no all-reduce + quantise pattern without RMSNorm: the plain all-reduce,
-    then arfuse's quantisation of its sum (the quantised outputs used to be dropped)."""
+    """FlashInfer has no all-reduce + quantise pattern without RMSNorm: its descriptor does not
+    fuse it, so the op runs the plain all-reduce, then arfuse's quantisation of its sum (the
+    quantised outputs used to be dropped)."""
     from arfuse.epilogue import quantize
+    from arfuse.ops import run_on
 
     ws = BACKENDS[backend]().create(context(), Spec(max_tokens=8, hidden=64))
     assert ws is not None
     x = torch.randn(3, 64).bfloat16()
-    got = ws.run(CallArgs(x, None, None, 1e-6, 0.0, quant, scale, "linear"))
+    call = CallArgs(x, None, None, 1e-6, 0.0, quant, scale, "linear")
+    topology = Topology(device="cuda", world_size=2, sm=100, multicast=True,
+                        nvlink_all_pairs=True, flashinfer="0.7.2.post1")
+    assert not ws.takes(topology, call.pattern)
+    assert ws.takes(topology, Pattern("rmsnorm", quant, "linear" if quant == "nvfp4" else None))
+    got = run_on(ws, call, ws.takes(topology, call.pattern))
     assert fake.calls[-1]["pattern"] == 0
     want = quantize(got.out, quant, scale, "linear")
     assert got.quant_out is not None and torch.equal(got.quant_out.view(torch.uint8),
@@ -763,7 +773,7 @@ def test_fp8_dynamic_fuses_only_where_flashinfer_has_patterns_10_and_11(
                     flashinfer=version)
     assert flashinfer.FP8_DYNAMIC_FROM == (0, 6, 15)
     for name in ("mnnvl", "trtllm"):
-        assert catalog.get(name).fuses_quant(topo, spec) is fused
+        assert catalog.get(name).fuses(topo, spec, Pattern("rmsnorm", "fp8_dynamic")) is fused
 
 
 def test_trtllm_world_16_never_hits_the_missing_table_entry() -> None:
@@ -845,13 +855,13 @@ def test_backends_point_at_the_policys_descriptors() -> None:
     for name, backend in BACKENDS.items():
         assert backend.name == name and backend.workspace_class.backend == name
         assert catalog.load(name) is backend
-    assert "multicast" in catalog.get("mnnvl").blocker(topo, spec)
+    assert "multicast" in catalog.get("mnnvl").unmet(topo, spec)
 
 
 def test_blocked_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    assert "no CUDA" in BACKENDS["mnnvl"]().blocker(context(), Spec(max_tokens=8, hidden=64))
+    assert "no CUDA" in BACKENDS["mnnvl"]().local_check(context(), Spec(max_tokens=8, hidden=64))
 
 
 def test_peer_aborted_is_what_a_waiting_rank_sees() -> None:

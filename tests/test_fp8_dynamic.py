@@ -132,9 +132,11 @@ def test_shm_fast_path_takes_fp8_dynamic_without_a_scale() -> None:
     """One rank on private memory: quant='fp8_dynamic' runs in the kernel's fast path with
     scale=None (a scale makes it decline, and call_checks raises); the torch operator takes
     quant code 4 and returns the float32 [T, 1] scales; the descriptor names it."""
+    from arfuse import signature
     from arfuse.backends.shm import build as shm_build
     from arfuse.backends.shm import layout as shm_layout
     from arfuse.epilogue import FusedOutput
+    from arfuse.pattern import Pattern
 
     module = shm_build.load()
     if module is None:
@@ -161,9 +163,9 @@ def test_shm_fast_path_takes_fp8_dynamic_without_a_scale() -> None:
     with pytest.raises(ValueError, match="fp8_dynamic"):
         torch.ops.arfuse.shm_fused_allreduce(int(comm.handle), x, None, w, 1e-6, 0.0, 3, 0.0,
                                              True, None, None)
-    words = [shm_layout.descriptor(tokens, 0, hidden, 1, 4, True),
-             shm_layout.descriptor(tokens, 0, hidden, 1, 1, True)]
-    assert "quant=fp8_dynamic" in shm_layout.describe_descriptor(*words[0])
-    assert module.describe_descriptor(*words[0]) == shm_layout.describe_descriptor(*words[0])
-    text = shm_layout.mismatch_message(7, words)
+    words = [signature.words(tokens, 0, hidden, Pattern("rmsnorm", "fp8_dynamic").code),
+             signature.words(tokens, 0, hidden, Pattern("rmsnorm", "fp8").code)]
+    assert "quant=fp8_dynamic" in signature.describe(*words[0])
+    assert module.describe_signature(*words[0]) == signature.describe(*words[0])
+    text = signature.mismatch_message("shm", 7, words)
     assert module.mismatch_message(7, words) == text and "they differ in quant;" in text

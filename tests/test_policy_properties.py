@@ -76,7 +76,7 @@ def test_plan_invariants(topo: Topology, spec: Spec, backend: str, strict: bool)
     # every viable candidate meets its hard requirements; every non-viable one says why
     for cand in plan.candidates:
         if cand.viable:
-            assert catalog.get(cand.backend).blocker(topo, spec) == ""
+            assert catalog.get(cand.backend).unmet(topo, spec) == ""
         assert cand.reason
     # the chosen backend is the first viable candidate
     assert plan.backend == plan.viable[0]

@@ -19,10 +19,12 @@ from typing import Any
 import pytest
 import torch
 
+from arfuse import ctables, signature
 from arfuse.backends.shm import build as shm_build
 from arfuse.backends.shm import layout as shm_layout
 from arfuse.call_checks import FP32_MAX, FP32_TINY, OpShape, check_call
 from arfuse.epilogue import FusedOutput
+from arfuse.pattern import Pattern
 
 import workers
 from harness import run_ranks, values
@@ -148,29 +150,45 @@ def test_slot_geometry_is_the_python_one(world: int, max_tokens: int, hidden: in
         assert getattr(layout, name) == value, name
 
 
+def sig(tokens: int, dtype: int, hidden: int, epilogue: str, quant: str | None = None,
+        layout: str | None = None, twoshot: bool = False, op: int = 0) -> tuple[int, int]:
+    return signature.words(tokens, dtype, hidden, Pattern(epilogue, quant, layout).code,
+                           twoshot, op)
+
+
+def test_the_signature_numbers_python_reads_are_the_ones_the_kernel_compiled() -> None:
+    compiled = kernel().signature_constants()
+    read = {**ctables.header("signature.h"), **ctables.header("call_limits.h")}
+    assert compiled == {name: read[name] for name in compiled}
+    assert set(compiled) == set(read), set(compiled) ^ set(read)
+
+
 def test_mismatch_messages_are_the_same_text_in_cpp_and_python() -> None:
     module = kernel()
-    descriptors = [
-        [shm_layout.descriptor(1, 2, 64, 0, 0, True), shm_layout.descriptor(2, 2, 64, 0, 0, True)],
-        [shm_layout.descriptor(4, 0, 2048, 2, 2, True), shm_layout.descriptor(4, 0, 2048, 1, 2,
-                                                                                False),
-         shm_layout.descriptor(4, 1, 2048, 2, 1, True)],
-        [shm_layout.descriptor(0, 2, 7, 1, 0, False)] * 2,
-        [shm_layout.descriptor(40, 2, 64, 0, 0, True, twoshot=True, op=2**31 - 1),
-         shm_layout.descriptor(40, 2, 64, 0, 0, True, twoshot=False, op=5)],
+    signatures = [
+        [sig(1, 2, 64, "none"), sig(2, 2, 64, "none")],
+        [sig(4, 0, 2048, "residual_rmsnorm", "nvfp4", "swizzled_128x4"),
+         sig(4, 0, 2048, "rmsnorm", "nvfp4", "linear"),
+         sig(4, 1, 2048, "residual_rmsnorm", "fp8")],
+        [sig(0, 2, 7, "rmsnorm")] * 2,
+        [sig(40, 2, 64, "none", twoshot=True, op=2**31 - 1), sig(40, 2, 64, "none", op=5)],
+        [sig(4, 0, 64, "rmsnorm", "fp8_dynamic"), sig(4, 0, 64, "rmsnorm", "fp8")],
+        [(0x7F << 32, 64), sig(1, 2, 64, "none")],  # a pattern code that is none
     ]
-    for call, found in enumerate(descriptors, start=1):
-        assert module.mismatch_message(call, found) == shm_layout.mismatch_message(call, found)
+    for call, found in enumerate(signatures, start=1):
+        assert module.mismatch_message(call, found) == signature.mismatch_message(
+            "shm", call, found)
         for words in found:
-            assert module.describe_descriptor(*words) == shm_layout.describe_descriptor(*words)
-    text = shm_layout.mismatch_message(3, descriptors[1])
+            assert module.describe_signature(*words) == signature.describe(*words)
+    text = signature.mismatch_message("shm", 3, signatures[1])
     assert "they differ in dtype, pattern, quant, layout;" in text
     assert "rank 0: tokens=4 dtype=bf16 hidden=2048 pattern=norm+residual quant=nvfp4 " \
            "layout=swizzled_128x4 mode=oneshot op=0; rank 1:" in text
-    text = shm_layout.mismatch_message(4, descriptors[3])
+    text = signature.mismatch_message("shm", 4, signatures[3])
     assert "they differ in mode, op;" in text
     assert "rank 0: tokens=40 dtype=fp32 hidden=64 pattern=plain quant=none mode=twoshot " \
            f"op={2**31 - 1}; rank 1:" in text
+    assert "quant=fp8_dynamic" in signature.describe(*signatures[4][0])
 
 
 # --- bad calls: the fast path declines exactly what call_checks refuses -------------------------

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from arfuse import negotiate, policy
+from arfuse import group as group_mod
+from arfuse import policy
 from arfuse.errors import NegotiationError, NegotiationTimeout
 from arfuse.integrations import vllm as dropin
 from arfuse.registry import REGISTRY
@@ -360,7 +361,7 @@ def call_sequence(rank: int, world: int, topo: str) -> dict[str, Any]:
     comm.destroy()
     report["freed"] = (REGISTRY.workspaces() == [], all(w.destroyed for w in fake.workspaces),
                        not dropin._held)
-    report["store_released"] = negotiate._channels[negotiate.group_key(group)].store is None
+    report["store_released"] = group_mod._channels[group_mod.group_key(group)].store is None
     fresh = dropin.get_fi_ar_workspace(**kw)
     report["fresh_after_destroy"] = fresh is not None and fresh not in (ws, again)
     dropin.destroy_fi_ar_workspace()

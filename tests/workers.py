@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-from reference import DTYPES, EPS, FP8_SCALE, NVFP4_SCALE, Case, digest, inputs, reference
+from arfuse.digest import digest
+
+from reference import DTYPES, EPS, FP8_SCALE, NVFP4_SCALE, Case, inputs, reference
 
 
 def numerics(rank: int, world: int, backend: str, cases: list[Case],
@@ -773,11 +775,11 @@ def topology_file_on_one_rank(rank: int, world: int, file_rank: int, path: str) 
 def shm_create_with_a_silent_peer(rank: int, world: int, directory: str) -> str:
     """Rank 0 creates the shm segment while rank 1 never takes part: what rank 0 raises, and
     which segments of its process are left in ``directory`` (ARFUSE_SHM_DIR)."""
-    from arfuse import negotiate, settings
+    from arfuse import group, settings
     from arfuse.backends.shm import workspace as shm_workspace
     from arfuse.spec import Spec
 
-    ctx = negotiate.make_context(negotiate.join(None), "cpu", settings.load(timeout_s=1.0))
+    ctx = group.make_context(group.join(None), "cpu", settings.load(timeout_s=1.0))
     ctx.channel.next_epoch()
     ctx.channel.begin("n1/shm")
     if rank != 0:
@@ -899,12 +901,12 @@ def peer_fails_in_shm_exchange(rank: int, world: int, phase: str, directory: str
     import gc
 
     import arfuse
-    from arfuse import negotiate
+    from arfuse import group
     from arfuse.backends.shm import workspace as shm
 
     gc.disable()
     if rank == 1 and fails == "exchange":
-        original = negotiate.GroupContext.all_gather
+        original = group.GroupContext.all_gather
 
         def all_gather(self: Any, name: str, value: Any, backend: str = "-",
                        abortable: bool = True) -> list[Any]:
@@ -913,7 +915,7 @@ def peer_fails_in_shm_exchange(rank: int, world: int, phase: str, directory: str
                 raise MemoryError(f"injected before {phase}")
             return original(self, name, value, backend, abortable)
 
-        negotiate.GroupContext.all_gather = all_gather  # type: ignore[method-assign]
+        group.GroupContext.all_gather = all_gather  # type: ignore[method-assign]
     if rank == 1 and fails == "cleanup":
         free = shm.ShmWorkspace._free
 
@@ -946,7 +948,7 @@ def creator_killed_at(rank: int, world: int, point: str, named: str) -> str:
     import signal
 
     import arfuse
-    from arfuse import negotiate
+    from arfuse import group
     from arfuse.backends.shm import workspace as shm
 
     def die() -> None:
@@ -956,7 +958,7 @@ def creator_killed_at(rank: int, world: int, point: str, named: str) -> str:
         namespace = shm.pid_namespace()
         shm.pid_namespace = lambda: namespace + 1  # type: ignore[assignment]
     if rank == 0:
-        link, all_gather, open_ = shm.os.link, negotiate.GroupContext.all_gather, shm.os.open
+        link, all_gather, open_ = shm.os.link, group.GroupContext.all_gather, shm.os.open
 
         def link_then(*args: Any, **kwargs: Any) -> None:
             link(*args, **kwargs)
@@ -978,7 +980,7 @@ def creator_killed_at(rank: int, world: int, point: str, named: str) -> str:
 
         shm.os.link = link_then  # type: ignore[assignment]
         shm.os.open = open_then  # type: ignore[assignment]
-        negotiate.GroupContext.all_gather = all_gather_then  # type: ignore[method-assign]
+        group.GroupContext.all_gather = all_gather_then  # type: ignore[method-assign]
     try:
         arfuse.FusedAllReduce(max_token_num=64, hidden_dim=64, dtype=torch.float32,
                               backend="shm", strict=True)

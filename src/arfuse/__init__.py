@@ -18,9 +18,10 @@ from .errors import (
     WorkspaceBroken,
 )
 from .ops import FusedAllReduce
+from .pattern import Pattern
 from .policy import Candidate, Plan, resolve
 from .registry import destroy_all
-from .settings import Settings
+from .settings import ResidualPromise, Settings
 from .spec import Spec
 from .topology import Topology
 
@@ -37,8 +38,10 @@ __all__ = [
     "MismatchedCall",
     "NegotiationError",
     "NegotiationTimeout",
+    "Pattern",
     "PeerAborted",
     "Plan",
+    "ResidualPromise",
     "Settings",
     "Spec",
     "Topology",

@@ -19,15 +19,16 @@ from typing import Any
 
 import torch
 
+from . import ctables
+from .pattern import Pattern
 from .spec import check_layout, nvfp4_problem, parse_quant
 
-FP32_MAX = 3.4028234663852886e38
-FP32_TINY = 1.401298464324817e-45  # the smallest positive fp32 (subnormal)
+# the kernel's limits (csrc/call_limits.h), so its fast path refuses exactly these values too
+FP32_MAX = ctables.float_constant("call_limits.h", "kFp32Max")
+FP32_TINY = ctables.float_constant("call_limits.h", "kFp32Tiny")  # smallest positive (subnormal)
+FP8_SCALE_MIN = ctables.float_constant("call_limits.h", "kFp8ScaleMin")
 
 Span = tuple[int, int]
-# Ops are numbered by the group's construction count (the same on every rank), modulo this + 1:
-# the number a call's descriptor carries
-MAX_OP = (1 << 31) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +45,16 @@ class CallArgs:
     layout: str = "swizzled_128x4"
     out: torch.Tensor | None = None
     residual_out: torch.Tensor | None = None
-    op: int = 0  # the op making the call, numbered alike on every rank (its descriptor names it)
+    op: int = 0  # the op making the call, numbered alike on every rank (its signature names it)
 
     @property
     def tokens(self) -> int:
         return int(self.x.shape[0])
+
+    @property
+    def pattern(self) -> Pattern:
+        return Pattern.of_call(self.weight is not None, self.residual is not None, self.quant,
+                               self.layout)
 
     def without_quant(self) -> CallArgs:
         return CallArgs(self.x, self.residual, self.weight, self.eps, self.weight_bias, None,
@@ -83,7 +89,7 @@ def fp32_number(value: Any, name: str, positive: bool = False,
         raise ValueError(f"{name}={number!r} is not valid: it must be finite in float32 "
                          f"(|{name}| <= {FP32_MAX:.4g})")
     if positive:
-        low = 1.0 / FP32_MAX if reciprocal else FP32_TINY
+        low = FP8_SCALE_MIN if reciprocal else FP32_TINY
         if not number >= low:
             raise ValueError(f"{name}={number!r} is not valid: it must be a number >= {low:.4g} "
                              "(> 0 in float32" + (", with a finite reciprocal)" if reciprocal

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .pattern import ALL as ALL_PATTERNS
+from .pattern import Pattern
 from .spec import Spec
 from .topology import Topology
 
@@ -35,7 +37,7 @@ def _never(topology: Topology, spec: Spec) -> str:
     return ""
 
 
-def _no_quant(topology: Topology, spec: Spec) -> bool:
+def _fuses_nothing(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
     return False
 
 
@@ -55,13 +57,15 @@ class BackendDescriptor:
     fused: bool
     devices: tuple[str, ...]
     implementation: str                     # "module:attribute" of its Backend class
-    blocker: Callable[[Topology, Spec], str] = _never
-    """Why it cannot run on this topology for this spec ("" when it can): hard requirements."""
-    auto_blocker: Callable[[Topology, Spec], str] = _never
+    unmet: Callable[[Topology, Spec], str] = _never
+    """Which hard requirement this topology or spec does not meet ("" when it meets all)."""
+    auto_skip: Callable[[Topology, Spec], str] = _never
     """Why ``auto`` skips it although it could run (R3: known slower than unfused)."""
     explicit_refusal: Callable[[Topology], str] = field(default=lambda topology: "")
     """A request for it that is a user error on this topology (raises at resolve time)."""
-    fuses_quant: Callable[[Topology, Spec], bool] = _no_quant
+    fuses: Callable[[Topology, Spec, Pattern], bool] = _fuses_nothing
+    """Whether its kernel computes ``pattern`` in one step here (a quantised pattern it does
+    not fuse runs as the pattern without quantisation, then the quantisation on its own)."""
     footprint: Callable[[int, Spec, Topology], Footprint] = field(
         default=lambda world, spec, topology: Footprint(0, 0))
     auto_rank: int | None = None
@@ -143,6 +147,12 @@ def auto_order(device: str) -> tuple[BackendDescriptor, ...]:
     ranked = [d for d in descriptors()
               if d.fused and d.auto_rank is not None and device in d.devices]
     return tuple(sorted(ranked, key=lambda d: d.auto_rank or 0))
+
+
+def fused_patterns(descriptor: BackendDescriptor, topology: Topology,
+                   spec: Spec) -> tuple[Pattern, ...]:
+    """The patterns ``descriptor``'s backend fuses for ``spec`` on ``topology``."""
+    return tuple(p for p in ALL_PATTERNS if descriptor.fuses(topology, spec, p))
 
 
 def load(name: str) -> Any:

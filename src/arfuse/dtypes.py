@@ -1,12 +1,15 @@
 """The one table of activation dtypes: canonical name, element size, torch's name, kernel code.
 
 Pure (no torch import): the spec and the policy use it as data; ``torch_types`` maps the names to
-``torch.dtype`` values and the shm kernel takes the code.
+``torch.dtype`` values; the code is the kernel's (``csrc/signature.h``), which call signatures
+carry.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from . import ctables
 
 
 @dataclass(frozen=True)
@@ -14,14 +17,16 @@ class DType:
     name: str          # canonical: bf16, fp16, fp32
     size: int          # bytes per element
     torch_name: str    # attribute of the torch module
-    code: int          # the shm kernel's enum value
+    code: int          # the kernel's code (csrc/signature.h)
     aliases: tuple[str, ...] = ()
 
 
 DTYPES: dict[str, DType] = {d.name: d for d in (
-    DType("bf16", 2, "bfloat16", 0, ("bfloat16",)),
-    DType("fp16", 2, "float16", 1, ("float16", "half")),
-    DType("fp32", 4, "float32", 2, ("float32", "float")),
+    DType("bf16", 2, "bfloat16", ctables.int_constant("signature.h", "kBF16"), ("bfloat16",)),
+    DType("fp16", 2, "float16", ctables.int_constant("signature.h", "kFP16"),
+          ("float16", "half")),
+    DType("fp32", 4, "float32", ctables.int_constant("signature.h", "kFP32"),
+          ("float32", "float")),
 )}
 _BY_ALIAS: dict[str, str] = {alias: d.name for d in DTYPES.values()
                              for alias in (d.name, *d.aliases)}

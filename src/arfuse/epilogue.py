@@ -14,14 +14,12 @@ other backend.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from . import quant as q
-
-if TYPE_CHECKING:
-    from .call_checks import CallArgs
+from .call_checks import CallArgs
 
 
 class FusedOutput(NamedTuple):

@@ -9,9 +9,7 @@ counted in ``stats()``.
 
 from __future__ import annotations
 
-import hashlib
 import struct
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,12 +17,16 @@ import torch
 from . import catalog, collective, faults, log
 from . import settings as settings_mod
 from .backends.base import Workspace
-from .call_checks import MAX_OP, CallArgs, OpShape, check_call
+from .call_checks import CallArgs, OpShape, check_call
+from .digest import digest_bytes
 from .dtypes import parse_dtype
 from .epilogue import FusedOutput, quantize
 from .errors import CallTimeout, MismatchedCall, WorkspaceBroken
+from .pattern import Pattern
 from .policy import Plan
 from .registry import REGISTRY, Lease
+from .settings import ResidualPromise
+from .signature import MAX_OP
 from .spec import Spec, parse_quant
 from .torch_types import TORCH_DTYPES, device_of
 
@@ -44,7 +46,7 @@ class FusedAllReduce:
                  dtype: Any = torch.bfloat16, backend: str | None = None,
                  quant: str | None = None, *, strict: bool | None = None,
                  timeout_s: float | None = None, device: str | None = None,
-                 replicated_residual: bool | str | None = None) -> None:
+                 replicated_residual: bool | str | ResidualPromise | None = None) -> None:
         def request() -> tuple[settings_mod.Settings, Spec]:
             conf = settings_mod.load(backend=backend, strict=strict, timeout_s=timeout_s,
                                      replicated_residual=replicated_residual)
@@ -57,8 +59,8 @@ class FusedAllReduce:
         lease = REGISTRY.acquire(group, request, device, timeout_s)
         conf, spec = lease.ctx.settings, lease.spec
         self.spec = spec
-        self._replicated_residual = bool(conf.replicated_residual)
-        self._check_residual = conf.replicated_residual == "check"
+        self._replicated_residual = conf.replicated_residual.promised
+        self._check_residual = conf.replicated_residual is ResidualPromise.CHECKED
         self._lease: Lease | None = lease
         self._op = lease.opened & MAX_OP  # what this op's calls say they are, on every rank
         outcome = lease.entry.outcome
@@ -70,7 +72,7 @@ class FusedAllReduce:
         self._shape = OpShape(spec.hidden, TORCH_DTYPES[spec.dtype], spec.dtype,
                               device_of(lease.ctx.device))
         self._topology = outcome.topology
-        self._fuses: dict[tuple[str, str], bool] = {}  # (backend, quantisation) -> fused
+        self._fuses: dict[tuple[str, Pattern], bool] = {}  # (backend, pattern) -> taken whole
         self._unfused: Workspace | None = None
         self._calls = self._fused_calls = self._over_capacity = self._fast_calls = 0
         self._broken = ""  # a residual check that timed out: the group is out of step
@@ -186,20 +188,15 @@ class FusedAllReduce:
             ws = self._unfused_workspace()
         elif ws.descriptor.fused:
             self._fused_calls += 1
-        if call.quant is not None and not self._fused_quant(ws, call.quant):
-            result = ws.run(call.without_quant())
-            q_out, s_out = quantize(result.out, call.quant, call.scale, call.layout)
-            return FusedOutput(result.out, result.residual_out, q_out, s_out)
-        return ws.run(call)
+        return run_on(ws, call, self._takes(ws, call.pattern))
 
-    def _fused_quant(self, ws: Workspace, quant: str) -> bool:
-        """Whether ``ws`` takes ``quant`` itself on this group: decided per quantisation asked
-        for in a call (not per spec), so ranks that reach the kernel by different paths agree."""
-        key = (ws.backend, quant)
+    def _takes(self, ws: Workspace, pattern: Pattern) -> bool:
+        """Whether ``ws`` runs ``pattern`` whole on this group: decided per pattern a call
+        asks for (not per spec), so ranks that reach the kernel by different paths agree."""
+        key = (ws.backend, pattern)
         fused = self._fuses.get(key)
         if fused is None:
-            fused = self._fuses[key] = ws.runs_quant(self._topology,
-                                                     replace(self.spec, quant=quant))
+            fused = self._fuses[key] = ws.takes(self._topology, pattern)
         return fused
 
     def _unfused_workspace(self) -> Workspace:
@@ -234,12 +231,21 @@ class FusedAllReduce:
         return f"FusedAllReduce({state})"
 
 
+def run_on(ws: Workspace, call: CallArgs, whole: bool) -> FusedOutput:
+    """``call`` on ``ws``: whole when ``ws`` takes its pattern whole, else without its
+    quantisation, which then runs as a step of its own (the same bytes)."""
+    if call.quant is None or whole:
+        return ws.run(call)
+    result = ws.run(call.without_quant())
+    q_out, s_out = quantize(result.out, call.quant, call.scale, call.layout)
+    return FusedOutput(result.out, result.residual_out, q_out, s_out)
+
+
 def residual_digest(residual: torch.Tensor) -> torch.Tensor:
     """BLAKE2b-128 of the residual's bytes (row-major, as stored), as two int64: residuals that
     differ in any byte give different digests except with a chance of about 2**-128 (a
     cryptographic hash: no change of the values, however arranged, cancels out)."""
-    data = residual.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-    first, second = struct.unpack("<qq", hashlib.blake2b(data.data, digest_size=16).digest())
+    first, second = struct.unpack("<qq", digest_bytes(residual))
     return torch.tensor([first, second], dtype=torch.int64, device=residual.device)
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import catalog
+from .pattern import ALL as ALL_PATTERNS
+from .pattern import Pattern
 from .settings import Settings
 from .spec import Spec
 from .topology import Topology
@@ -22,9 +24,12 @@ class Candidate:
     viable: bool
     reason: str
     quant_fusion: bool = False
+    fuses: tuple[str, ...] = ()
+    """Names of the patterns it fuses for this spec here (``arfuse.pattern``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"backend": self.backend, "viable": self.viable, "reason": self.reason}
+        return {"backend": self.backend, "viable": self.viable, "reason": self.reason,
+                "fuses": list(self.fuses)}
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,8 @@ class Plan:
         for cand in self.candidates:
             mark = "yes" if cand.viable else "no"
             lines.append(f"  {cand.backend:<8} {mark:<7} {cand.reason}")
+        lines += ["", "patterns fused (arfuse.pattern):"]
+        lines.extend(f"  {cand.backend:<8} {_pattern_list(cand.fuses)}" for cand in self.candidates)
         lines.append("")
         kind = "fused" if self.fused else "unfused"
         lines.append(f"chosen: {self.backend} ({kind}); fallback to another fused backend: "
@@ -109,6 +116,14 @@ class Plan:
         return "\n".join(lines)
 
 
+def _pattern_list(names: tuple[str, ...]) -> str:
+    if not names:
+        return "no pattern (each step on its own)"
+    if len(names) == len(ALL_PATTERNS):
+        return f"all {len(names)}"
+    return ", ".join(names)
+
+
 def resolve(settings: Settings, topology: Topology, spec: Spec,
             blocked: Mapping[str, str] | None = None) -> Plan:
     """The plan for ``spec`` on ``topology`` under ``settings`` (DESIGN 3.3).
@@ -119,53 +134,14 @@ def resolve(settings: Settings, topology: Topology, spec: Spec,
     blocked = blocked or {}
     requested = settings.backend
     explicit = requested != "auto"
-    order: tuple[catalog.BackendDescriptor, ...]
-    if explicit:
-        refusal = catalog.get(requested).explicit_refusal(topology)
-        if refusal:
-            raise ValueError(refusal)
-        order = () if requested == catalog.UNFUSED else (catalog.get(requested),)
-    else:
-        order = catalog.auto_order(topology.device)
-
-    warnings: list[str] = []
-    candidates: list[Candidate] = []
-    for descriptor in order:
-        name = descriptor.name
-        why = descriptor.blocker(topology, spec) or blocked.get(name, "")
-        if not why and not explicit:
-            why = descriptor.auto_blocker(topology, spec)
-        if not why and descriptor.footprint(topology.world_size, spec, topology).capacity < 1:
-            why = "its workspace would hold no call of this spec (fused capacity 0 tokens)"
-        fuses_quant = not why and descriptor.fuses_quant(topology, spec)
-        candidates.append(Candidate(name, not why, why or "meets every requirement",
-                                    fuses_quant))
-        if explicit and why:
-            warnings.append(f"requested backend {name!r} cannot run here: {why}")
-
-    strict_forbids = settings.strict and requested != catalog.UNFUSED
-    unfused_blocked = blocked.get(catalog.UNFUSED, "")  # a local check: fault injection
-    unfused_reason = ("ARFUSE_STRICT=1 forbids the unfused fallback" if strict_forbids
-                      else unfused_blocked or "unfused: all-reduce then the epilogue; runs "
-                      "everywhere")
-    candidates.append(Candidate(catalog.UNFUSED, not strict_forbids and not unfused_blocked,
-                                unfused_reason))
-
+    candidates = [_candidate(d, topology, spec, blocked, explicit)
+                  for d in _fused_order(requested, topology)]
+    candidates.append(_unfused_candidate(settings, blocked))
     viable = [c for c in candidates if c.viable]
     if not viable:
-        if strict_forbids:
-            reasons = "; ".join(f"{c.backend}: {c.reason}" for c in candidates[:-1])
-            raise ValueError(f"ARFUSE_STRICT=1 and no fused backend can run here ({reasons})")
-        reasons = "; ".join(f"{c.backend}: {c.reason}" for c in candidates)
-        raise ValueError(f"no backend can run here ({reasons})")
+        raise ValueError(_nothing_viable(settings, candidates))
     chosen = viable[0]
     chosen_descriptor = catalog.get(chosen.backend)
-    fused_viable = [c for c in viable if catalog.get(c.backend).fused]
-    if spec.quant and chosen_descriptor.fused and not chosen.quant_fusion:
-        warnings.append(f"{chosen.backend} cannot fuse {spec.quant} here; it runs as a separate "
-                        "step after the fused op")
-    if not explicit and not chosen_descriptor.fused and topology.world_size > 1:
-        warnings.append("no fused backend can run here; using the unfused torch.distributed path")
     footprint = chosen_descriptor.footprint(topology.world_size, spec, topology)
     return Plan(
         requested=requested,
@@ -173,7 +149,7 @@ def resolve(settings: Settings, topology: Topology, spec: Spec,
         strict=settings.strict,
         candidates=tuple(candidates),
         backend=chosen.backend,
-        allow_fallback=not explicit and len(fused_viable) > 1,
+        allow_fallback=not explicit and sum(catalog.get(c.backend).fused for c in viable) > 1,
         fused=chosen_descriptor.fused,
         quant_fusion=chosen.quant_fusion,
         node_count=topology.node_count,
@@ -182,6 +158,64 @@ def resolve(settings: Settings, topology: Topology, spec: Spec,
         spec=spec,
         workspace_bytes=footprint.bytes_per_rank,
         max_fused_tokens=footprint.capacity,
-        warnings=tuple(warnings),
+        warnings=tuple(_warnings(candidates, chosen, explicit, topology, spec)),
         unknown_facts=tuple(topology.unknown.items()),
     )
+
+
+def _fused_order(requested: str, topology: Topology) -> tuple[catalog.BackendDescriptor, ...]:
+    """The fused backends to consider: the one asked for, or ``auto``'s order."""
+    if requested == "auto":
+        return catalog.auto_order(topology.device)
+    refusal = catalog.get(requested).explicit_refusal(topology)
+    if refusal:
+        raise ValueError(refusal)
+    return () if requested == catalog.UNFUSED else (catalog.get(requested),)
+
+
+def _candidate(descriptor: catalog.BackendDescriptor, topology: Topology, spec: Spec,
+               blocked: Mapping[str, str], explicit: bool) -> Candidate:
+    name = descriptor.name
+    why = descriptor.unmet(topology, spec) or blocked.get(name, "")
+    if not why and not explicit:
+        why = descriptor.auto_skip(topology, spec)
+    if not why and descriptor.footprint(topology.world_size, spec, topology).capacity < 1:
+        why = "its workspace would hold no call of this spec (fused capacity 0 tokens)"
+    fuses = catalog.fused_patterns(descriptor, topology, spec)
+    # the spec's quantisation as FlashInfer fuses it: after (residual and) RMSNorm
+    quantised = Pattern("residual_rmsnorm", spec.quant,
+                        "swizzled_128x4" if spec.quant == "nvfp4" else None)
+    return Candidate(name, not why, why or "meets every requirement",
+                     not why and spec.quant is not None and quantised in fuses,
+                     tuple(p.name for p in fuses))
+
+
+def _unfused_candidate(settings: Settings, blocked: Mapping[str, str]) -> Candidate:
+    """The unfused backend ends every plan, unless strict forbids it or a local check (fault
+    injection) blocked it."""
+    strict_forbids = settings.strict and settings.backend != catalog.UNFUSED
+    why = ("ARFUSE_STRICT=1 forbids the unfused fallback" if strict_forbids
+           else blocked.get(catalog.UNFUSED, ""))
+    return Candidate(catalog.UNFUSED, not why,
+                     why or "unfused: all-reduce then the epilogue; runs everywhere")
+
+
+def _nothing_viable(settings: Settings, candidates: list[Candidate]) -> str:
+    if settings.strict and settings.backend != catalog.UNFUSED:
+        reasons = "; ".join(f"{c.backend}: {c.reason}" for c in candidates[:-1])
+        return f"ARFUSE_STRICT=1 and no fused backend can run here ({reasons})"
+    reasons = "; ".join(f"{c.backend}: {c.reason}" for c in candidates)
+    return f"no backend can run here ({reasons})"
+
+
+def _warnings(candidates: list[Candidate], chosen: Candidate, explicit: bool,
+              topology: Topology, spec: Spec) -> list[str]:
+    warnings = [f"requested backend {c.backend!r} cannot run here: {c.reason}"
+                for c in candidates[:-1] if explicit and not c.viable]
+    fused = catalog.get(chosen.backend).fused
+    if spec.quant and fused and not chosen.quant_fusion:
+        warnings.append(f"{chosen.backend} cannot fuse {spec.quant} here; it runs as a separate "
+                        "step after the fused op")
+    if not explicit and not fused and topology.world_size > 1:
+        warnings.append("no fused backend can run here; using the unfused torch.distributed path")
+    return warnings

@@ -21,17 +21,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from . import group as group_mod
 from . import log, negotiate
 from . import settings as settings_mod
 from .backends.base import Workspace
 from .errors import NegotiationError
-from .negotiate import GroupContext, Outcome
-from .settings import Settings
+from .group import GroupContext
+from .negotiate import Outcome
+from .settings import ResidualPromise, Settings
 from .spec import Spec
 from .torch_types import device_of
 
 # group key, device, backend, strict, topology file, replicated residual, timeout
-EntryKey = tuple[str, str, str, bool, "str | None", "bool | str", float]
+EntryKey = tuple[str, str, str, bool, "str | None", ResidualPromise, float]
 
 
 @dataclass(eq=False)
@@ -75,7 +77,7 @@ class Registry:
         waiting (``negotiate.exchange_verdicts``). ``timeout_s``: the wait for that exchange
         when the settings themselves are what failed."""
         with self._lock:
-            member = negotiate.join(group)
+            member = group_mod.join(group)
             member.channel.next_epoch()  # one per construction, on every rank alike
             try:
                 return self._acquire(member, request, device, timeout_s)
@@ -83,11 +85,11 @@ class Registry:
                 self._forget_if_unused(member.key)
                 raise
 
-    def _acquire(self, member: negotiate.Member, request: Callable[[], tuple[Settings, Spec]],
+    def _acquire(self, member: group_mod.Member, request: Callable[[], tuple[Settings, Spec]],
                  device: str | None, timeout_s: float | None) -> Lease:
         def local() -> tuple[GroupContext, Spec, EntryKey, Entry | None]:
             settings, spec = request()
-            ctx = negotiate.make_context(member, device, settings)
+            ctx = group_mod.make_context(member, device, settings)
             key = _entry_key(ctx)
             return ctx, spec, key, self._covering(key, spec)
 
@@ -154,7 +156,7 @@ class Registry:
 
     def _forget_if_unused(self, group_key: str) -> None:
         if not any(key[0] == group_key and entries for key, entries in self._entries.items()):
-            negotiate.forget_group(group_key)
+            group_mod.forget_group(group_key)
 
     def workspaces(self) -> list[Workspace]:
         """Every live workspace (for ``arfuse doctor`` and leak checks)."""
@@ -172,7 +174,7 @@ class Registry:
                 except Exception as exc:  # at exit, keep freeing the rest
                     log.logger.warning("arfuse: destroying %s raised %s: %s",
                                        entry.workspace.backend, type(exc).__name__, exc)
-            negotiate.forget_all_groups()
+            group_mod.forget_all_groups()
 
 
 def _entry_key(ctx: GroupContext) -> EntryKey:

@@ -7,6 +7,7 @@ that the CLI can turn it into one clear line.
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 import sys
@@ -29,6 +30,35 @@ ENV_VARS: dict[str, str] = {
 }
 
 
+class ResidualPromise(str, enum.Enum):
+    """What the caller promises of the residual it passes: nothing (``none``); that it is the
+    same on every rank (``same``: as in tensor parallelism, where it is the previous layer's
+    replicated output; backends may then finish a row another rank reduced from that rank's
+    residual_out instead of reading their own); or the same, verified across ranks before
+    every call (``checked``: for tests). The keyword takes ``False``, ``True``, ``"check"``
+    or a member; ``ARFUSE_REPLICATED_RESIDUAL`` takes 0, 1 or check."""
+
+    NONE = "none"
+    SAME = "same"
+    CHECKED = "checked"
+
+    @property
+    def promised(self) -> bool:
+        return self is not ResidualPromise.NONE
+
+    @classmethod
+    def of(cls, value: object, label: str) -> ResidualPromise:
+        if isinstance(value, ResidualPromise):
+            return value
+        if isinstance(value, bool):
+            return cls.SAME if value else cls.NONE
+        if isinstance(value, str):
+            if value == "check":
+                return cls.CHECKED
+            raise ValueError(f"{label}={value!r} is not valid; use True, False or 'check'")
+        raise TypeError(f"{label} must be a bool or 'check', got {type(value).__name__}")
+
+
 def backend_choices() -> tuple[str, ...]:
     """``auto`` and every registered backend."""
     return ("auto", *catalog.names())
@@ -44,11 +74,7 @@ class Settings:
     topology_path: str | None = None
     faults: str | None = None
     log_level: str = "info"
-    # The caller's promise that every rank passes the same residual (as in tensor parallelism,
-    # where it is the previous layer's replicated output): backends may then finish a row
-    # another rank reduced from that rank's residual_out instead of reading their own.
-    # "check": the promise, and every call verifies it across ranks first (for testing).
-    replicated_residual: bool | str = False
+    replicated_residual: ResidualPromise = ResidualPromise.NONE
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -67,6 +93,9 @@ class Settings:
             raise TypeError(f"unknown setting(s) {sorted(unknown)}; valid: {sorted(valid)}")
         if "backend" in given and isinstance(given["backend"], str):
             given["backend"] = given["backend"].strip().lower()
+        if "replicated_residual" in given:
+            given["replicated_residual"] = ResidualPromise.of(given["replicated_residual"],
+                                                              "replicated_residual")
         return replace(self, **given)  # type: ignore[arg-type]
 
 
@@ -82,10 +111,9 @@ def check(key: str, value: object, label: str) -> None:
         if not isinstance(value, bool):
             raise TypeError(f"{label} must be a bool, got {type(value).__name__}")
     elif key == "replicated_residual":
-        if not isinstance(value, (bool, str)):
-            raise TypeError(f"{label} must be a bool or 'check', got {type(value).__name__}")
-        if isinstance(value, str) and value != "check":
-            raise ValueError(f"{label}={value!r} is not valid; use True, False or 'check'")
+        if not isinstance(value, ResidualPromise):
+            ResidualPromise.of(value, label)  # the error that names what is allowed
+            raise TypeError(f"{label} must be a ResidualPromise")
     elif key == "timeout_s":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{label} must be a number of seconds > 0")
@@ -132,7 +160,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         elif key == "replicated_residual":
             if text not in ("0", "1", "check"):
                 raise ValueError(f"{var}={text!r} is not valid; use 0, 1 or check")
-            value = "check" if text == "check" else text == "1"
+            value = ResidualPromise.of("check" if text == "check" else text == "1", var)
         elif key == "timeout_s":
             try:
                 value = float(text)

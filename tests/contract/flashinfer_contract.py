@@ -207,7 +207,7 @@ def bind(fn: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def context(env: Any, world: int) -> Any:
-    from arfuse.negotiate import GroupContext
+    from arfuse.group import GroupContext
     from arfuse.rendezvous import Channel
     from arfuse.settings import Settings
 

@@ -8,25 +8,23 @@ in ``arfuse.catalog``; the class here points at it by name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from .. import catalog, faults
+from ..call_checks import CallArgs
 from ..catalog import BackendDescriptor
+from ..epilogue import FusedOutput
+from ..group import GroupContext
+from ..pattern import Pattern
 from ..spec import Spec
-
-if TYPE_CHECKING:
-    from ..call_checks import CallArgs
-    from ..epilogue import FusedOutput
-    from ..negotiate import GroupContext
 
 
 class Workspace(ABC):
     """A created backend instance for one group and one spec."""
 
     backend: ClassVar[str] = ""
-    fuses_quant: ClassVar[bool] = False
 
     def __init__(self, ctx: GroupContext, spec: Spec, nbytes: int, capacity: int):
         self.ctx, self.spec = ctx, spec
@@ -38,11 +36,10 @@ class Workspace(ABC):
     def descriptor(self) -> BackendDescriptor:
         return catalog.get(self.backend)
 
-    def runs_quant(self, topology: Any, spec: Spec) -> bool:
-        """Whether ``run`` takes a call quantised as ``spec.quant`` itself (it fuses that
-        quantisation on this topology); otherwise the op runs the call without it and
-        quantises after."""
-        return self.fuses_quant and self.descriptor.fuses_quant(topology, spec)
+    def takes(self, topology: Any, pattern: Pattern) -> bool:
+        """Whether ``run`` takes a call of ``pattern`` whole (its backend fuses it here);
+        otherwise the op runs it without its quantisation and quantises after."""
+        return self.descriptor.fuses(topology, self.spec, pattern)
 
     @property
     def fast_call(self) -> Any:
@@ -115,7 +112,7 @@ class Backend(ABC):
 
     name: ClassVar[str] = ""
 
-    def blocker(self, ctx: GroupContext, spec: Spec) -> str:
+    def local_check(self, ctx: GroupContext, spec: Spec) -> str:
         """Why this rank cannot create the backend ("" when it can): what this installation
         lacks, or a local check before any allocation. Gathered from every rank."""
         return ""

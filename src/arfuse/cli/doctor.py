@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     spec = Spec(max_tokens=2048, hidden=4096, dtype="bf16")
     print("\n  backend  can run here  why")
     for descriptor in catalog.descriptors():
-        why = descriptor.blocker(topo, spec) or blocked.get(descriptor.name, "")
+        why = descriptor.unmet(topo, spec) or blocked.get(descriptor.name, "")
         print(f"  {descriptor.name:<8} {'yes' if not why else 'no':<13} {why or 'ok'}")
     conf = settings.load()
     plan = policy.resolve(conf, topo, spec, blocked)

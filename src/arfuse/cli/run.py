@@ -6,7 +6,6 @@ reference of the whole layer, and timed against the unfused path, side by side.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import os
 import statistics
@@ -17,6 +16,9 @@ from typing import Any
 
 import torch
 
+from ..digest import digest
+from ..pattern import Pattern
+from ..reference import expected
 from ..torch_types import TORCH_DTYPES, device_of
 from . import args as cli_args
 
@@ -41,15 +43,6 @@ class RunOptions:
 def _say(rank: int, text: str = "") -> None:
     if rank == 0:
         print(text, flush=True)
-
-
-def digest(*tensors: torch.Tensor | None) -> str:
-    """A short hash of the tensors' bytes: ranks compare it to show bit-identical results."""
-    h = hashlib.sha256()
-    for t in tensors:
-        if t is not None:
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _rmsnorm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -103,9 +96,10 @@ def run_body(rank: int, world: int, opts: RunOptions) -> int:
                                                 result.quant_out, result.scale_out))
         identical = len(set(digests)) == 1
         # the whole layer in one process, float64
-        ref_pre = act.double() @ weight_full.double().t() + residual.double().cpu()
-        ref_out = (ref_pre * torch.rsqrt(ref_pre.pow(2).mean(-1, keepdim=True) + EPS)
-                   * gamma.double().cpu())
+        want = expected([act.double().cpu() @ weight_full.double().cpu().t()],
+                        Pattern("residual_rmsnorm"), residual.cpu(), gamma.cpu(), EPS)
+        ref_pre, ref_out = want.residual_out, want.out
+        assert ref_pre is not None
         out_err = ((result.out.double().cpu() - ref_out).abs().max() /
                    ref_out.abs().max()).item()
         res_err = ((result.residual_out.double().cpu() - ref_pre).abs().max() /  # type: ignore[union-attr]
@@ -113,8 +107,8 @@ def run_body(rank: int, world: int, opts: RunOptions) -> int:
         quant_ok = True
         if opts.quant == "fp8":
             assert scale is not None
-            expected = q.fp8_quantize(result.out.cpu(), scale)
-            quant_ok = _mostly_equal(result.quant_out, expected)
+            codes = q.fp8_quantize(result.out.cpu(), scale)
+            quant_ok = _mostly_equal(result.quant_out, codes)
         elif opts.quant == "fp8_dynamic":
             codes, scales = q.fp8_dynamic_quantize(result.out.cpu())
             quant_ok = _mostly_equal(result.quant_out, codes) and result.scale_out is not None \

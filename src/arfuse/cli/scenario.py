@@ -37,6 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..digest import digest
+from ..pattern import Pattern
+from ..reference import expected
 from .launch import die_with_parent
 
 if sys.version_info >= (3, 11):
@@ -197,60 +200,59 @@ def run_pattern(comm: Any, pattern: str, x: Any, residual: Any, weight: Any) -> 
     raise ValueError(f"pattern={pattern!r} is not valid; use one of {', '.join(PATTERNS)}")
 
 
+# what each call form computes (``run_pattern``)
+FUSED_PATTERN = {"plain": Pattern(), "norm": Pattern("rmsnorm"),
+                 "norm_residual": Pattern("residual_rmsnorm"),
+                 "fp8": Pattern("residual_rmsnorm", "fp8"),
+                 "nvfp4": Pattern("residual_rmsnorm", "nvfp4", "linear"),
+                 "in_place": Pattern("residual_rmsnorm"), "slot": Pattern("residual_rmsnorm")}
+
+
 def check_result(pattern: str, dtype: str, xs: list[Any], residual: Any, weight: Any,
                  result: Any) -> float:
     """Worst error over its bound against the float64 reference (<= 1 passes). Bounds: the
     dtype's roundings (sum, add, norm) and, for quantised outputs, the format's own step."""
-    import torch
 
     eps = ULP[dtype] * max(1, len(xs) - 1)
-    total = sum((x.double() for x in xs), torch.zeros_like(xs[0], dtype=torch.float64))
-    abs_sum = sum((x.double().abs() for x in xs), torch.zeros_like(total))
-    out = result.out.double()
+    want = expected(xs, FUSED_PATTERN[pattern], residual, weight, EPS)
+    total, abs_sum, out = want.sum, want.abs_sum, result.out.double()
     if pattern == "plain":
         return float(((out - total).abs() / (eps * abs_sum + 1e-30)).max().item())
-    pre = total if pattern == "norm" else total + residual.double()
-    inv = torch.rsqrt((pre * pre).mean(dim=-1, keepdim=True) + EPS)
-    ref = pre * inv * weight.double()
+    ref, pre = want.out, want.residual_out
+    assert pre is not None
     scale = ref.abs().max().item() + 1e-30
     ratios = [((out - ref).abs() / (3 * eps * scale + 3 * eps * ref.abs())).max().item()]
     res = result.residual_out.double()
     ratios.append(((res - pre).abs() / (eps * (abs_sum + pre.abs()) + 1e-30)).max().item())
     if pattern == "fp8":
-        deq = result.quant_out.view(torch.float8_e4m3fn).double() * FP8_SCALE
-        bound = (2.0**-4 + 4 * eps) * ref.abs() + FP8_SCALE * 2.0**-9 + 3 * eps * scale
-        ratios.append(((deq - ref).abs() / bound).max().item())
+        ratios.append(_fp8_ratio(result, ref, eps, scale))
     elif pattern == "nvfp4":
-        packed = result.quant_out
-        tokens, hidden = ref.shape
-        codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(tokens, hidden).long()
-        table = torch.tensor(E2M1, dtype=torch.float64)
-        values = table[codes & 7] * torch.where((codes & 8) > 0, -1.0, 1.0)
-        sf = result.scale_out.view(torch.float8_e4m3fn).double()  # linear [T, H/16]
-        deq = (values.view(tokens, hidden // 16, 16) * sf[..., None] / NVFP4_SCALE)
-        blocks = ref.view(tokens, hidden // 16, 16)
-        amax = blocks.abs().amax(dim=-1, keepdim=True)
-        bound = amax * (1 / 6 + 2.0**-4 + 4 * eps) + 1e-30
-        ratios.append(((deq - blocks).abs() / bound).max().item())
+        ratios.append(_nvfp4_ratio(result, ref, eps))
     return float(max(ratios))
 
 
-def digest(result: Any) -> str:
-    """The bytes of every output: ranks of one group must agree bit for bit."""
-    h = hashlib.sha256()
-    for t in result:
-        if t is not None:
-            h.update(t.detach().contiguous().view(-1).view(_u8()).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _u8() -> Any:
+def _fp8_ratio(result: Any, ref: Any, eps: float, scale: float) -> float:
     import torch
 
-    return torch.uint8
+    deq = result.quant_out.view(torch.float8_e4m3fn).double() * FP8_SCALE
+    bound = (2.0**-4 + 4 * eps) * ref.abs() + FP8_SCALE * 2.0**-9 + 3 * eps * scale
+    return float(((deq - ref).abs() / bound).max().item())
 
 
-# --- leak probes (this process) ------------------------------------------------------------------
+def _nvfp4_ratio(result: Any, ref: Any, eps: float) -> float:
+    import torch
+
+    packed = result.quant_out
+    tokens, hidden = ref.shape
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(tokens, hidden).long()
+    table = torch.tensor(E2M1, dtype=torch.float64)
+    values = table[codes & 7] * torch.where((codes & 8) > 0, -1.0, 1.0)
+    sf = result.scale_out.view(torch.float8_e4m3fn).double()  # linear [T, H/16]
+    deq = (values.view(tokens, hidden // 16, 16) * sf[..., None] / NVFP4_SCALE)
+    blocks = ref.view(tokens, hidden // 16, 16)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    bound = amax * (1 / 6 + 2.0**-4 + 4 * eps) + 1e-30
+    return float(((deq - blocks).abs() / bound).max().item())
 
 
 def fd_targets() -> dict[int, str]:
@@ -608,7 +610,7 @@ class RankProgram:
             result = run_pattern(comm, pattern, xs[ranks.index(self.rank)], residual, weight)
             worst = max(worst, check_result(pattern, str(spec["dtype"]), xs, residual, weight,
                                             result))
-            h.update(digest(result).encode())
+            h.update(digest(*result).encode())
         after = comm.stats()
         record.update(op=name, calls=repeat, max_ratio=worst, digest=h.hexdigest()[:16],
                       group=ranks, modes=sorted(modes),

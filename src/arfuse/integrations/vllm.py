@@ -38,12 +38,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import group as group_mod
 from .. import log, negotiate
 from .. import settings as settings_mod
 from .. import topology as topology_mod
 from ..dtypes import parse_dtype
 from ..errors import NegotiationError
-from ..negotiate import GroupContext
+from ..group import GroupContext
 from ..ops import FusedAllReduce
 from ..registry import REGISTRY
 from ..spec import Spec
@@ -217,7 +218,7 @@ def _device_kind() -> str | None:
 def _forget_if_unused(key: str) -> None:
     """R10: no reference to the group's store once arfuse holds no workspace of it."""
     if not any(ws.ctx.key == key for ws in REGISTRY.workspaces()):
-        negotiate.forget_group(key)
+        group_mod.forget_group(key)
 
 
 def _local_view(ctx: GroupContext) -> dict[str, Any]:
@@ -258,7 +259,7 @@ def _decide(group: Any, device: str | None,
     store, under the drop-in's deadline, and every rank applies vLLM's rule to the same facts.
     ``check``: the caller's checks of its arguments; what it (or this rank's settings) raises
     travels in the exchange, so every rank fails together instead of the others waiting."""
-    member = negotiate.join(group)
+    member = group_mod.join(group)
     epoch = member.channel.next_epoch()
     member.channel.begin(f"n{epoch}/vllm")
 
@@ -266,7 +267,7 @@ def _decide(group: Any, device: str | None,
         check()
         conf = settings_mod.load(timeout_s=drop_in_timeout_s())
         log.configure(conf.log_level)
-        ctx = negotiate.make_context(member, device, conf)
+        ctx = group_mod.make_context(member, device, conf)
         return ctx, _local_view(ctx)
 
     try:
@@ -374,7 +375,7 @@ def _drop_dead() -> None:
 def _failure_key(group: Any, spec: Spec) -> tuple[str, str, int, str]:
     """(group, the raw setting: an invalid one is an error every rank reports together,
     hidden, dtype)."""
-    return (negotiate.group_key(group), os.environ.get(ENV_BACKEND, DEFAULT_BACKEND),
+    return (group_mod.group_key(group), os.environ.get(ENV_BACKEND, DEFAULT_BACKEND),
             spec.hidden, spec.dtype)
 
 
@@ -534,7 +535,7 @@ def _destroy_group(group: Any) -> None:
         held = [h for h in _held if h.group is group]
         for entry in held:
             _held.remove(entry)
-        key = negotiate.group_key(group)
+        key = group_mod.group_key(group)
         for failed in [k for k in _failed if k[0] == key]:
             del _failed[failed]
         _release(held)

@@ -9,6 +9,7 @@ them.
 from __future__ import annotations
 
 from ...catalog import BackendDescriptor, Footprint
+from ...pattern import Pattern
 from ...sizing import largest_fitting
 from ...spec import Spec
 from ...topology import Topology
@@ -38,7 +39,7 @@ FP8_DYNAMIC_FROM = (0, 6, 15)
 allreduce.py); the kernels' scale rule is the same through 0.7.2.post1."""
 
 
-def _common_blocker(topology: Topology, spec: Spec, sms: frozenset[int]) -> str:
+def _common_unmet(topology: Topology, spec: Spec, sms: frozenset[int]) -> str:
     if topology.device != "cuda":
         return f"needs CUDA, device is {topology.device}"
     if topology.flashinfer is None:
@@ -54,8 +55,8 @@ def _common_blocker(topology: Topology, spec: Spec, sms: frozenset[int]) -> str:
     return ""
 
 
-def mnnvl_blocker(topology: Topology, spec: Spec) -> str:
-    why = _common_blocker(topology, spec, SUPPORTED_SMS)
+def mnnvl_unmet(topology: Topology, spec: Spec) -> str:
+    why = _common_unmet(topology, spec, SUPPORTED_SMS)
     if why:
         return why
     if topology.world_size not in MNNVL_WORLD_SIZES:
@@ -76,11 +77,11 @@ def mnnvl_blocker(topology: Topology, spec: Spec) -> str:
     return ""
 
 
-def trtllm_blocker(topology: Topology, spec: Spec) -> str:
+def trtllm_unmet(topology: Topology, spec: Spec) -> str:
     sms = SUPPORTED_SMS
     if version_tuple(topology.flashinfer) >= (0, 6, 17):
         sms = sms | TRTLLM_SMS_FROM_0_6_17
-    why = _common_blocker(topology, spec, sms)
+    why = _common_unmet(topology, spec, sms)
     if why:
         return why
     if topology.world_size not in TRTLLM_WORLD_SIZES:
@@ -90,7 +91,7 @@ def trtllm_blocker(topology: Topology, spec: Spec) -> str:
     return ""
 
 
-def trtllm_auto_blocker(topology: Topology, spec: Spec) -> str:
+def trtllm_auto_skip(topology: Topology, spec: Spec) -> str:
     """R3: without NVLink between every pair, trtllm fusion is slower than not fusing."""
     if topology.nvlink_all_pairs:
         return ""
@@ -105,24 +106,30 @@ def trtllm_explicit_refusal(topology: Topology) -> str:
             f"{topology.node_count} nodes; use 'mnnvl' (needs an MNNVL fabric) or 'auto'")
 
 
-def _quant_fusable(topology: Topology, spec: Spec) -> bool:
-    """NVFP4 needs SM >= 100 and a 16-bit dtype; ``fp8_dynamic`` (patterns 10/11) needs a
-    FlashInfer that has the patterns (``FP8_DYNAMIC_FROM``)."""
-    if spec.quant is None:
+def _fusable(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
+    """FlashInfer's patterns: the all-reduce alone, or with (residual and) RMSNorm, then
+    optionally quantised (it has no quantisation without RMSNorm). NVFP4 needs SM >= 100 and a
+    16-bit dtype; ``fp8_dynamic`` (patterns 10/11) needs a FlashInfer that has the patterns
+    (``FP8_DYNAMIC_FROM``)."""
+    if pattern.quant is None:
+        return True
+    if not pattern.norm:
         return False
-    if spec.quant == "nvfp4":
+    if pattern.quant == "nvfp4":
         return (topology.sm or 0) >= 100 and spec.dtype != "fp32"
-    if spec.quant == "fp8_dynamic":
+    if pattern.quant == "fp8_dynamic":
         return version_tuple(topology.flashinfer) >= FP8_DYNAMIC_FROM
     return True
 
 
-def mnnvl_fuses_quant(topology: Topology, spec: Spec) -> bool:
-    return _quant_fusable(topology, spec) and version_tuple(topology.flashinfer) >= MIN_VERSION
+def mnnvl_fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
+    """Quantised patterns from ``MIN_VERSION`` on."""
+    return _fusable(topology, spec, pattern) and (
+        pattern.quant is None or version_tuple(topology.flashinfer) >= MIN_VERSION)
 
 
-def trtllm_fuses_quant(topology: Topology, spec: Spec) -> bool:
-    return _quant_fusable(topology, spec)
+def trtllm_fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
+    return _fusable(topology, spec, pattern)
 
 
 # --- bytes per rank, for the topology's FlashInfer version (formulas and sources: sizes.py) ----
@@ -158,11 +165,11 @@ DESCRIPTORS = (
     BackendDescriptor(
         name="mnnvl", fused=True, devices=("cuda",), auto_rank=0,
         implementation="arfuse.backends.flashinfer.workspace:MnnvlBackend",
-        blocker=mnnvl_blocker, fuses_quant=mnnvl_fuses_quant, footprint=mnnvl_footprint),
+        unmet=mnnvl_unmet, fuses=mnnvl_fuses, footprint=mnnvl_footprint),
     BackendDescriptor(
         name="trtllm", fused=True, devices=("cuda",), auto_rank=1,
         implementation="arfuse.backends.flashinfer.workspace:TrtllmBackend",
-        blocker=trtllm_blocker, auto_blocker=trtllm_auto_blocker,
-        explicit_refusal=trtllm_explicit_refusal, fuses_quant=trtllm_fuses_quant,
+        unmet=trtllm_unmet, auto_skip=trtllm_auto_skip,
+        explicit_refusal=trtllm_explicit_refusal, fuses=trtllm_fuses,
         footprint=trtllm_footprint),
 )

@@ -2,7 +2,7 @@
 
 Every probe answers ``None`` when it cannot tell: a missing attribute is never a pass. The
 GPU's own answers come from ``arfuse.gpu_facts``. They feed the local check
-(``Backend.blocker``, gathered from every rank before any creation) and the agreement just
+(``Backend.local_check``, gathered from every rank before any creation) and the agreement just
 before FlashInfer's constructor (``comm.agree_to_enter``).
 """
 

@@ -13,7 +13,7 @@ What it designs out:
   make it raise on some ranks only.
 * R1: capacity is FlashInfer's own ``is_buffer_size_sufficient`` for the mode that will run;
   ``use_oneshot=None`` lets mnnvl pick the mode its workspace was sized for (vLLM #47284).
-* R2: multicast is agreed before creation (``blocker``: the installed FlashInfer's own check,
+* R2: multicast is agreed before creation (``local_check``: the installed FlashInfer's own check,
   else the driver's attribute, else torch's; unknown blocks); a null multicast pointer fails
   validation (0.6.13 does not check it; vLLM #48071), and a functional all-reduce runs with a
   deadline before the workspace is used.
@@ -31,7 +31,7 @@ import torch
 
 from ... import catalog
 from ...call_checks import CallArgs
-from ...epilogue import FusedOutput, quantize
+from ...epilogue import FusedOutput
 from ...errors import ArfuseError, CreationFailed, NegotiationTimeout
 from ...quant import nvfp4_scale_shape
 from ...sizing import largest_fitting
@@ -90,7 +90,6 @@ def _symm_device_memory() -> type | None:
 
 
 class FlashInferWorkspace(Workspace):
-    fuses_quant = True  # the descriptor still decides per topology (NVFP4 needs SM >= 100)
 
     def __init__(self, ctx: Any, spec: Spec, handle: Any, comm: Any,
                  comm_backend: Any = None, version: str | None = None):
@@ -236,11 +235,11 @@ class FlashInferWorkspace(Workspace):
             kwargs["use_oneshot"] = None  # R1: the mode the workspace was sized for
         if weight is None:
             summed = out if out is not None else torch.empty_like(x)
+            # a quantised call without RMSNorm comes without its quantisation (the descriptor
+            # does not fuse it: FlashInfer quantises only after its RMSNorm)
             self._comm.allreduce_fusion(input=x, workspace=self._handle, pattern=K_ALLREDUCE,
                                         output=summed, **kwargs)
-            # FlashInfer quantises only after its RMSNorm: here it is a step of its own
-            quant_out, scale_out = quantize(summed, call.quant, call.scale, call.layout)
-            return FusedOutput(summed, None, quant_out, scale_out)
+            return FusedOutput(summed)
         residual_in = call.residual if call.residual is not None else torch.zeros_like(x)
         norm_out = out if out is not None else torch.empty_like(x)
         if residual_out is None:
@@ -308,7 +307,7 @@ class FlashInferBackend(Backend):
 
     workspace_class: type[FlashInferWorkspace] = FlashInferWorkspace
 
-    def blocker(self, ctx: Any, spec: Spec) -> str:
+    def local_check(self, ctx: Any, spec: Spec) -> str:
         if not torch.cuda.is_available():
             return "no CUDA device in this process"
         if ctx.device != "cuda":

@@ -7,13 +7,14 @@ compiles the kernel, ``layout`` describes the segment.
 from __future__ import annotations
 
 from ...catalog import BackendDescriptor, Footprint
+from ...pattern import Pattern
 from ...sizing import ceil_div
-from ...spec import QUANTS, Spec
+from ...spec import Spec, nvfp4_problem
 from ...topology import Topology
 from .layout import MAX_TOKENS, MAX_WORLD, ShmLayout
 
 
-def blocker(topology: Topology, spec: Spec) -> str:
+def unmet(topology: Topology, spec: Spec) -> str:
     if topology.device != "cpu":
         return f"needs CPU tensors, device is {topology.device}"
     if topology.node_count > 1:
@@ -23,6 +24,11 @@ def blocker(topology: Topology, spec: Spec) -> str:
     if spec.max_tokens > MAX_TOKENS:
         return f"max_tokens {spec.max_tokens} is over the kernel's limit of {MAX_TOKENS}"
     return ""
+
+
+def fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
+    """Every all-reduce pattern, on every ISA path (NVFP4 where its rows allow it)."""
+    return pattern.quant != "nvfp4" or not nvfp4_problem(spec.dtype, spec.hidden)
 
 
 def layout_of(world_size: int, spec: Spec) -> ShmLayout:
@@ -38,5 +44,5 @@ def footprint(world_size: int, spec: Spec, topology: Topology) -> Footprint:
 DESCRIPTORS = (BackendDescriptor(
     name="shm", fused=True, devices=("cpu",), auto_rank=0,
     implementation="arfuse.backends.shm.workspace:ShmBackend",
-    blocker=blocker, fuses_quant=lambda topology, spec: spec.quant in QUANTS,
+    unmet=unmet, fuses=fuses,
     footprint=footprint),)

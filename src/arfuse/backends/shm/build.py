@@ -44,13 +44,21 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ... import log
+from ... import ctables, log
 from ...machine import cpu_flags
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 _fake_registered: list[bool] = []
+
+
+# The torch operator's quantisation argument (and the kernel's run/call): its codes are the
+# kernel's own (csrc/signature.h)
+QUANT_CODES: dict[str | None, int] = {
+    quant: ctables.int_constant("signature.h", name)
+    for quant, name in ((None, "kNone"), ("fp8", "kFP8"), ("nvfp4", "kNVFP4"),
+                        ("fp8_dynamic", "kFP8Dynamic"))}
 
 
 def sources() -> list[Path]:
@@ -176,6 +184,8 @@ def _register_fake() -> None:
     _fake_registered.append(True)
     import torch
 
+    from ...quant import nvfp4_scale_shape
+
     def outputs(x: torch.Tensor, weight: torch.Tensor | None, quant: int, swizzled: bool,
                 out: torch.Tensor | None, residual_out: torch.Tensor | None) -> list[Any]:
         if x.dim() != 2:
@@ -185,16 +195,15 @@ def _register_fake() -> None:
         if weight is not None:
             result.append(residual_out if residual_out is not None
                           else x.new_empty((tokens, hidden)))
-        if quant in (1, 4):
+        if quant in (QUANT_CODES["fp8"], QUANT_CODES["fp8_dynamic"]):
             result.append(x.new_empty((tokens, hidden), dtype=torch.float8_e4m3fn))
-            if quant == 4:  # fp8_dynamic: a float32 scale per token
+            if quant == QUANT_CODES["fp8_dynamic"]:  # a float32 scale per token
                 result.append(x.new_empty((tokens, 1), dtype=torch.float32))
-        elif quant == 2:
-            cols = hidden // 16
+        elif quant == QUANT_CODES["nvfp4"]:
             result.append(x.new_empty((tokens, hidden // 2), dtype=torch.uint8))
-            shape = (((tokens + 127) // 128 * 128, (cols + 3) // 4 * 4) if swizzled
-                     else (tokens, cols))
-            result.append(x.new_empty(shape, dtype=torch.uint8))
+            layout = "swizzled_128x4" if swizzled else "linear"
+            result.append(x.new_empty(nvfp4_scale_shape(tokens, hidden, layout),
+                                      dtype=torch.uint8))
         return result
 
     def fake(handle: int, x: torch.Tensor, residual: torch.Tensor | None,

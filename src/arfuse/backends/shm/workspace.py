@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ... import log
+from ... import log, signature
 from ...call_checks import CallArgs
 from ...dtypes import DTYPES
 from ...epilogue import FusedOutput, apply, rank_order_sum
@@ -52,20 +52,15 @@ from . import layout_of
 from .layout import (
     ARRIVE_OFFSET,
     CACHE_LINE,
-    DESC_BYTES,
-    DESC_OFFSET,
     HEADER_BYTES,
     IDENTITY_OFFSET,
     MAX_WORLD,
-    PATTERN_NORM,
-    PATTERN_NORM_RESIDUAL,
-    PATTERN_PLAIN,
     SEGMENT_ID_BYTES,
     SEGMENT_VERSION,
+    SIGNATURE_BYTES,
+    SIGNATURE_OFFSET,
     SegmentId,
     ShmLayout,
-    descriptor,
-    mismatch_message,
 )
 from .mapping import map_segment, retire
 
@@ -103,9 +98,6 @@ def _group_number(key: str) -> int:
     """A number per group of this process (from 1), for the kernel's ``set_group``."""
     return _GROUP_NUMBERS.setdefault(key, len(_GROUP_NUMBERS) + 1)
 
-
-# the kernel's quant codes (3: a quantisation it does not run, in an announced call)
-_QUANT_CODE = {None: 0, "fp8": 1, "nvfp4": 2, "fp8_dynamic": 4}
 
 
 def process_identity(pid: int | None = None) -> tuple[int, int]:
@@ -341,7 +333,6 @@ def _discard(workspace: ShmWorkspace | None) -> None:
 
 class ShmWorkspace(Workspace):
     backend = "shm"
-    fuses_quant = True
 
     def __init__(self, ctx: Any, spec: Spec, layout: ShmLayout, name: str,
                  segment: torch.Tensor, segment_mode: int):
@@ -371,7 +362,7 @@ class ShmWorkspace(Workspace):
                 layout.input_bytes, ctx.timeout_s, ONESHOT_MAX_BYTES)
             self._comm.set_result_type(FusedOutput)
             self._comm.set_group(_group_number(ctx.key))
-            self._comm.set_replicated_residual(bool(ctx.settings.replicated_residual))
+            self._comm.set_replicated_residual(ctx.settings.replicated_residual.promised)
         if self._comm is None:
             self.use_pure_path()
 
@@ -549,7 +540,7 @@ class ShmWorkspace(Workspace):
 
     def run(self, call: CallArgs) -> FusedOutput:
         return FusedOutput(*self._comm.run(call.x, call.residual, call.weight, call.eps,
-                                           call.weight_bias, _QUANT_CODE[call.quant],
+                                           call.weight_bias, shm_build.QUANT_CODES[call.quant],
                                            call.scale or 0.0, call.layout == "swizzled_128x4",
                                            call.out, call.residual_out, call.op))
 
@@ -566,7 +557,7 @@ class ShmWorkspace(Workspace):
         return view.data_ptr(), view.data_ptr() + view.numel()
 
     def _run_pure(self, call: CallArgs) -> FusedOutput:
-        """One-shot in torch: the kernel's protocol (the call descriptor beside the arrival
+        """One-shot in torch: the kernel's protocol (the call signature beside the arrival
         flag, compared by every rank before it reads a peer's rows; R11), the reference
         epilogue. Calls of zero tokens meet the others too."""
         with self._call_lock:
@@ -586,57 +577,47 @@ class ShmWorkspace(Workspace):
                  .view(self._dtype).view(tokens, self.spec.hidden) for r in range(world)]
         if tokens and slots[rank].data_ptr() != x.data_ptr():
             slots[rank].copy_(x)
-        self._meet(self._descriptor(call), seq)  # the copy lands first: x86-64 stores are ordered
+        self._meet(self._signature(call), seq)  # the copy lands first: x86-64 stores are ordered
         if tokens == 0:
             return apply(x.float(), call)
         acc = rank_order_sum(torch.stack(slots))
         return apply(acc, call)
 
     def announce(self, call: CallArgs) -> None:
-        """Meet the group with this call's descriptor without running it here: for a call over
+        """Meet the group with this call's signature without running it here: for a call over
         capacity, which runs on the unfused backend. Ranks whose calls differ (one over the
         capacity, one under it, say) then raise ``MismatchedCall`` on every rank, here and in
         the shm call of the others, instead of waiting in two different backends until a
         timeout (R11). Every rank announces the same calls (it is collective)."""
-        pattern, quant, swizzled = self._shape_codes(call)
         if self._comm is not None:
-            self._comm.announce(call.tokens, pattern, quant, swizzled, call.op)
+            self._comm.announce(call.tokens, call.pattern.code, call.op)
             return
         with self._call_lock:
             if self._broken:
                 raise WorkspaceBroken.after("arfuse shm", self._broken)
             self._seq += 1
-            self._meet(self._descriptor(call), self._seq)
+            self._meet(self._signature(call), self._seq)
 
     def _meet(self, mine: tuple[int, int], seq: int) -> None:
-        """Publish this rank's descriptor of call ``seq`` beside its arrival flag, wait until
-        every rank arrived, and compare every descriptor (the kernel's protocol)."""
+        """Publish this rank's signature of call ``seq`` beside its arrival flag, wait until
+        every rank arrived, and compare every signature (the kernel's protocol)."""
         lines = self._view_or_private()[ARRIVE_OFFSET:ARRIVE_OFFSET + MAX_WORLD * CACHE_LINE]
         lines = lines.view(torch.int64).view(MAX_WORLD, -1)
-        column = (DESC_OFFSET + (seq & 1) * DESC_BYTES) // 8
+        column = (SIGNATURE_OFFSET + (seq & 1) * SIGNATURE_BYTES) // 8
         rank = self.ctx.rank
         lines[rank, column], lines[rank, column + 1] = mine
-        lines[rank, 0] = seq  # after the descriptor: x86-64 stores are ordered
+        lines[rank, 0] = seq  # after the signature: x86-64 stores are ordered
         self._wait(lines[:, 0], seq)
         found = [(int(lines[r, column]), int(lines[r, column + 1]))
                  for r in range(self.ctx.world_size)]
         if any(words != mine for words in found):
             # every rank stops here, at the same call, before reading data: still in step
-            raise MismatchedCall(mismatch_message(seq, found))
+            raise MismatchedCall(signature.mismatch_message("shm", seq, found))
 
-    @staticmethod
-    def _shape_codes(call: CallArgs) -> tuple[int, int, bool]:
-        """(pattern, quant code, swizzled) of a call, as its descriptor states them."""
-        pattern = (PATTERN_PLAIN if call.weight is None else PATTERN_NORM
-                   if call.residual is None else PATTERN_NORM_RESIDUAL)
-        # 3: a quantisation the kernel does not run (announce of an unfused call)
-        return pattern, _QUANT_CODE.get(call.quant, 3), call.layout == "swizzled_128x4"
-
-    def _descriptor(self, call: CallArgs) -> tuple[int, int]:
-        pattern, quant, swizzled = self._shape_codes(call)
+    def _signature(self, call: CallArgs) -> tuple[int, int]:
         # the pure-torch path runs every call one-shot
-        return descriptor(call.tokens, DTYPES[self.spec.dtype].code, self.spec.hidden, pattern,
-                          quant, swizzled, twoshot=False, op=call.op)
+        return signature.words(call.tokens, DTYPES[self.spec.dtype].code, self.spec.hidden,
+                               call.pattern.code, twoshot=False, op=call.op)
 
     def _wait(self, flags: torch.Tensor, seq: int) -> None:
         deadline = time.monotonic() + self.ctx.timeout_s
@@ -708,7 +689,7 @@ STORE_ORDERED_MACHINES = ("x86_64", "AMD64", "i386", "i686")
 class ShmBackend(Backend):
     name = "shm"
 
-    def blocker(self, ctx: Any, spec: Spec) -> str:
+    def local_check(self, ctx: Any, spec: Spec) -> str:
         directory = segment_dir()
         if not directory.is_dir() or not os.access(directory, os.W_OK):
             return f"{directory} is not a writable directory"

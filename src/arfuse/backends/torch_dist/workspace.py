@@ -5,7 +5,7 @@ with ``all_gather`` rather than ``all_reduce`` so the sum is taken in fp32 and i
 on every rank: bit-identical results whatever the collective's internal order. It is also the
 path every other backend takes for a call over its capacity.
 
-Every call first exchanges a small descriptor of itself (tokens, hidden, dtype, pattern), so a
+Every call first exchanges its signature (tokens, hidden, dtype, pattern, op), so a
 call whose ranks disagree fails on every rank (R11) instead of reaching a collective of
 mismatched sizes. Every wait has the group's deadline (R8); a rank that times out posts that in
 the group's store, so the ranks that did call can name the ones that did not.
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ... import collective
+from ... import collective, signature
 from ...call_checks import CallArgs
 from ...catalog import UNLIMITED
 from ...dtypes import DTYPES
@@ -29,28 +29,10 @@ from ...errors import (
     NegotiationTimeout,
     WorkspaceBroken,
 )
-from ...spec import LAYOUTS, Spec
+from ...pattern import Pattern
+from ...spec import Spec
 from ...torch_types import device_of
 from ..base import Backend, Workspace
-
-_NORMS = ("plain all-reduce", "+ RMSNorm", "+ residual + RMSNorm")
-# (quant, nvfp4 layout) -> code; one entry per distinct output format
-_QUANT_FORMATS: tuple[tuple[str | None, str | None], ...] = (
-    (None, None), ("fp8", None), ("fp8_dynamic", None),
-    *(("nvfp4", layout) for layout in LAYOUTS))
-
-
-def pattern_code(call: CallArgs) -> int:
-    """Plain, norm, norm + residual, times the quantised output format."""
-    norm = 0 if call.weight is None else (2 if call.residual is not None else 1)
-    quant = _QUANT_FORMATS.index((call.quant, call.layout if call.quant == "nvfp4" else None))
-    return norm * 8 + quant
-
-
-def describe_pattern(code: int) -> str:
-    quant, layout = _QUANT_FORMATS[code % 8]
-    return _NORMS[code // 8] + ("" if quant is None else f" + {quant}") + (
-        f" ({layout})" if layout else "")
 
 
 class TorchWorkspace(Workspace):
@@ -65,8 +47,8 @@ class TorchWorkspace(Workspace):
     def poison(self) -> None:
         self._poisoned = True
 
-    def runs_quant(self, topology: Any, spec: Spec) -> bool:
-        """Always: the reference epilogue quantises, and the call's descriptor must carry the
+    def takes(self, topology: Any, pattern: Pattern) -> bool:
+        """Always: the reference epilogue quantises, and the call's signature must carry the
         quantisation and its layout so ranks that differ in them fail together (R11)."""
         return True
 
@@ -81,23 +63,16 @@ class TorchWorkspace(Workspace):
             raise
 
     def _check_agreement(self, call: CallArgs) -> None:
-        """R11: every rank's (tokens, hidden, dtype, pattern, op) must be the same: the op
-        too, since all ops of a process group share its collectives."""
-        mine = torch.tensor([[call.tokens, call.x.shape[1], DTYPES[self.spec.dtype].code,
-                              pattern_code(call), call.op]], dtype=torch.int64,
-                            device=call.x.device)
-        every = self._gather(mine, "call-descriptor").view(self.ctx.world_size, 5).tolist()
-        if all(row == every[0] for row in every):
-            return
-        names = {d.code: name for name, d in DTYPES.items()}
-        lines = [f"rank {r}: tokens={row[0]} hidden={row[1]} dtype={names.get(row[2], row[2])}"
-                 f" pattern={describe_pattern(row[3])} op={row[4]}"
-                 for r, row in enumerate(every)]
-        differ = [r for r, row in enumerate(every) if row != every[0]]
-        raise MismatchedCall(f"arfuse torch: the ranks of call {self._calls} passed different "
-                             f"arguments (ranks {differ} differ from rank 0): "
-                             + "; ".join(lines) + ". Every rank must call the same op with the "
-                             "same tokens, dtype, hidden size and pattern")
+        """R11: every rank's call signature (``arfuse.signature``: tokens, dtype, hidden,
+        pattern, op) must be the same; the op too, since all ops of a process group share its
+        collectives."""
+        words = signature.words(call.tokens, DTYPES[self.spec.dtype].code, call.x.shape[1],
+                                call.pattern.code, op=call.op)
+        mine = torch.tensor([words], dtype=torch.int64, device=call.x.device)
+        every = self._gather(mine, "call-signature").view(self.ctx.world_size, 2).tolist()
+        if any(row != every[0] for row in every):
+            raise MismatchedCall(signature.mismatch_message(
+                "torch", self._calls, [(int(a), int(b)) for a, b in every]))
 
     def validate(self) -> None:
         # Every rank contributes rank+1 in a known pattern; everyone checks the same sum.

@@ -83,7 +83,9 @@ Numbers numbers_of(double eps, double weight_bias, int64_t quant, double scale, 
   n.quant = int(quant);
   n.scale = scale;
   n.swizzled = swizzled;
-  if (quant < kNone || quant > kFP8Dynamic || quant == kQuantOther) n.quant = -1;  // refused
+  if (quant != kNone && quant != kFP8 && quant != kNVFP4 && quant != kFP8Dynamic) {
+    n.quant = -1;  // refused
+  }
   return n;
 }
 
@@ -164,23 +166,46 @@ py::dict layout_constants() {
   d["VOTE_BUCKETS"] = layout::kVoteBuckets;
   d["PROGRESS_UNITS"] = layout::kProgressUnits;
   d["MAX_TOKENS"] = layout::kMaxTokens;
-  d["DESC_OFFSET"] = layout::kDescOffset;
-  d["DESC_BYTES"] = layout::kDescBytes;
-  d["DESC_TOKENS_SHIFT"] = layout::kDescTokensShift;
-  d["DESC_PATTERN_SHIFT"] = layout::kDescPatternShift;
-  d["DESC_QUANT_SHIFT"] = layout::kDescQuantShift;
-  d["DESC_LAYOUT_SHIFT"] = layout::kDescLayoutShift;
-  d["DESC_QUANT_HIGH_SHIFT"] = layout::kDescQuantHighShift;
+  d["SIGNATURE_OFFSET"] = layout::kSignatureOffset;
+  d["SIGNATURE_BYTES"] = layout::kSignatureBytes;
   d["WAITERS_OFFSET"] = layout::kWaitersOffset;
   d["CPU_OFFSET"] = layout::kCpuOffset;
-  d["DESC_DTYPE_SHIFT"] = layout::kDescDtypeShift;
-  d["DESC_MODE_SHIFT"] = layout::kDescModeShift;
-  d["DESC_OP_SHIFT"] = layout::kDescOpShift;
-  d["MAX_HIDDEN"] = layout::kMaxHidden;
-  d["MAX_OP"] = layout::kMaxOp;
-  d["PATTERN_PLAIN"] = layout::kPatternPlain;
-  d["PATTERN_NORM"] = layout::kPatternNorm;
-  d["PATTERN_NORM_RESIDUAL"] = layout::kPatternNormResidual;
+  return d;
+}
+
+// The call signature's numbers and the call limits as compiled (the contract test compares
+// them with what arfuse/ctables.py reads from the headers).
+py::dict signature_constants() {
+  py::dict d;
+  d["kBF16"] = kBF16;
+  d["kFP16"] = kFP16;
+  d["kFP32"] = kFP32;
+  d["kNone"] = kNone;
+  d["kFP8"] = kFP8;
+  d["kNVFP4"] = kNVFP4;
+  d["kFP8Dynamic"] = kFP8Dynamic;
+  d["kTokensShift"] = signature::kTokensShift;
+  d["kPatternShift"] = signature::kPatternShift;
+  d["kPatternBits"] = signature::kPatternBits;
+  d["kModeShift"] = signature::kModeShift;
+  d["kDtypeShift"] = signature::kDtypeShift;
+  d["kOpShift"] = signature::kOpShift;
+  d["kMaxHidden"] = signature::kMaxHidden;
+  d["kMaxOp"] = signature::kMaxOp;
+  d["kReductionShift"] = signature::kReductionShift;
+  d["kEpilogueShift"] = signature::kEpilogueShift;
+  d["kReductionAllReduce"] = signature::kReductionAllReduce;
+  d["kEpilogueNone"] = signature::kEpilogueNone;
+  d["kEpilogueRmsNorm"] = signature::kEpilogueRmsNorm;
+  d["kEpilogueResidualRmsNorm"] = signature::kEpilogueResidualRmsNorm;
+  d["kOutputNone"] = signature::kOutputNone;
+  d["kOutputFp8"] = signature::kOutputFp8;
+  d["kOutputNvfp4Swizzled"] = signature::kOutputNvfp4Swizzled;
+  d["kOutputNvfp4Linear"] = signature::kOutputNvfp4Linear;
+  d["kOutputFp8Dynamic"] = signature::kOutputFp8Dynamic;
+  d["kFp32Max"] = kFp32Max;
+  d["kFp32Tiny"] = kFp32Tiny;
+  d["kFp8ScaleMin"] = kFp8ScaleMin;
   return d;
 }
 
@@ -294,7 +319,7 @@ void bind_comm(py::module_& m) {
            py::arg("weight_bias"), py::arg("quant"), py::arg("scale"), py::arg("swizzled"),
            py::arg("out"), py::arg("residual_out"), py::arg("op") = 0)
       .def("announce", &ShmComm::announce, py::arg("tokens"), py::arg("pattern"),
-           py::arg("quant"), py::arg("swizzled"), py::arg("op") = 0)
+           py::arg("op") = 0)
       .def("set_group", &ShmComm::set_group)
       .def("set_result_type", &ShmComm::set_result_type)
       .def("invalidate", &ShmComm::invalidate)
@@ -334,8 +359,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("set_error_types", &set_error_types);
   m.def("layout_constants", &layout_constants);
+  m.def("signature_constants", &signature_constants);
   m.def("slot_geometry", &slot_geometry);
-  m.def("describe_descriptor", &describe_descriptor);
+  m.def("describe_signature", &describe_signature);
   m.def("mismatch_message", &mismatch_message);
   m.def("nvfp4_quantize", &nvfp4_quantize);
   m.def("round_to", &round_to);

@@ -98,8 +98,8 @@ ShmComm::ShmComm(int64_t base, int64_t world, int64_t rank, int64_t max_tokens, 
   TORCH_CHECK(max_tokens_ >= 1 && max_tokens_ <= layout::kMaxTokens,
               "arfuse shm: max_tokens must be 1..", layout::kMaxTokens);
   TORCH_CHECK(dtype_ >= kBF16 && dtype_ <= kFP32, "arfuse shm: bad dtype code");
-  TORCH_CHECK(hidden_ >= 1 && hidden_ <= layout::kMaxHidden, "arfuse shm: hidden must be 1..",
-              layout::kMaxHidden);
+  TORCH_CHECK(hidden_ >= 1 && hidden_ <= signature::kMaxHidden,
+              "arfuse shm: hidden must be 1..", signature::kMaxHidden);
   TORCH_CHECK(header_bytes >= layout::kVoteOffset + layout::kMaxWorld * layout::kVoteBuckets,
               "arfuse shm: the header is too small for the copy-mode votes");
   elem_ = dtype_ == kFP32 ? 4 : 2;
@@ -248,7 +248,7 @@ const char* ShmComm::numbers_problem(bool norm, const Numbers& n) const {
   if (norm && !(std::fabs(n.weight_bias) <= kFp32Max)) {
     return "weight_bias must be finite in float32 (|weight_bias| <= 3.4e38)";
   }
-  if (n.quant < kNone || n.quant > kFP8Dynamic || n.quant == kQuantOther) {
+  if (n.quant != kNone && n.quant != kFP8 && n.quant != kNVFP4 && n.quant != kFP8Dynamic) {
     return "quant must be 0 (none), 1 (fp8), 2 (nvfp4) or 4 (fp8_dynamic)";
   }
   if (n.quant == kFP8 && !(n.scale >= kFp8ScaleMin && n.scale <= kFp32Max)) {
@@ -356,7 +356,7 @@ py::object ShmComm::call(py::handle x_obj, py::handle residual_obj, py::handle w
                          py::handle residual_out_obj, int64_t op) {
   Tensors t;
   Numbers n;
-  if (failed() || !THPVariable_Check(x_obj.ptr()) || op < 0 || op > layout::kMaxOp) {
+  if (failed() || !THPVariable_Check(x_obj.ptr()) || op < 0 || op > signature::kMaxOp) {
     return py::none();
   }
   n.op = op;
@@ -398,7 +398,7 @@ std::array<at::Tensor, 4> ShmComm::run(const Tensors& t, const Numbers& n, bool 
   const char* why = x_problem(*t.x, false);
   if (!why) why = tensors_problem(t);
   if (!why) why = numbers_problem(t.weight != nullptr, n);
-  if (!why && (n.op < 0 || n.op > layout::kMaxOp)) why = "op must be 0..2147483647";
+  if (!why && (n.op < 0 || n.op > signature::kMaxOp)) why = "op must be 0..2147483647";
   if (!why && !failed()) why = memory_problem(t);
   TORCH_CHECK_VALUE(why == nullptr, "arfuse shm: ", why);
   return execute(t, n, release_gil);
@@ -454,8 +454,8 @@ void ShmComm::look_elsewhere(const std::vector<int>& silent) const {
           other = sib.get();
           peer = j;
           peer_call = theirs;
-          words[0] = s.descriptor(j, theirs)[0].load(std::memory_order_relaxed);
-          words[1] = s.descriptor(j, theirs)[1].load(std::memory_order_relaxed);
+          words[0] = s.signature(j, theirs)[0].load(std::memory_order_relaxed);
+          words[1] = s.signature(j, theirs)[1].load(std::memory_order_relaxed);
           break;
         }
       }
@@ -463,12 +463,12 @@ void ShmComm::look_elsewhere(const std::vector<int>& silent) const {
     }
   }
   if (other == nullptr) return;
-  const std::atomic<int64_t>* own = seg_.descriptor(seg_.rank, seq_);
+  const std::atomic<int64_t>* own = seg_.signature(seg_.rank, seq_);
   std::ostringstream ss;
   ss << "arfuse shm: the ranks of the group called their ops in different orders: rank "
      << peer << " is in call " << peer_call << " of another workspace of this group ("
-     << describe_descriptor(words[0], words[1]) << ") while this rank waits for it in call "
-     << seq_ << " of this one (" << describe_descriptor(own[0].load(), own[1].load())
+     << describe_signature(words[0], words[1]) << ") while this rank waits for it in call "
+     << seq_ << " of this one (" << describe_signature(own[0].load(), own[1].load())
      << "); every rank must call the ops of a group in the same order. Both workspaces are "
         "out of step now and refuse later calls: " << kAdvice;
   other->fail(ss.str());
@@ -484,22 +484,22 @@ void ShmComm::remember_failure(const ShmError& e) {
   if (e.kind != ShmError::kMismatch || e.breaks) fail(e.what());
 }
 
-void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t quant, bool swizzled,
-                       int64_t op) {
-  TORCH_CHECK_VALUE(tokens >= 0 && pattern >= layout::kPatternPlain &&
-                        pattern <= layout::kPatternNormResidual && quant >= kNone &&
-                        quant <= kFP8Dynamic && op >= 0 && op <= layout::kMaxOp,
-                    "arfuse shm: announce needs tokens >= 0, pattern 0..2, quant 0..4 and op "
-                    "0..2147483647");
-  const int64_t word0 =
-      descriptor_word(tokens, pattern, quant, swizzled, dtype_, !oneshot(tokens));
-  const int64_t word1 = descriptor_word1(hidden_, op);
+void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t op) {
+  using namespace signature;
+  const int64_t output = pattern & ((int64_t(1) << kEpilogueShift) - 1);
+  TORCH_CHECK_VALUE(tokens >= 0 && pattern >= 0 && (pattern >> kReductionShift) == 0 &&
+                        (pattern >> kEpilogueShift) <= kEpilogueResidualRmsNorm &&
+                        output <= kOutputFp8Dynamic && op >= 0 && op <= kMaxOp,
+                    "arfuse shm: announce needs tokens >= 0, the code of an all-reduce pattern "
+                    "and op 0..2147483647");
+  const int64_t word0 = signature::word0(tokens, pattern, !oneshot(tokens), dtype_);
+  const int64_t word1 = signature::word1(hidden_, op);
   py::gil_scoped_release no_gil;
   const std::lock_guard<std::mutex> one_call(call_mutex_);
   if (failed()) throw_broken();
   try {
     const int64_t seq = ++seq_;
-    publish_descriptor(seg_, seq, word0, word1);
+    publish_signature(seg_, seq, word0, word1);
     meet_without_data(seg_, waiter_, seq, word0, word1);
   } catch (const ShmError& e) {
     remember_failure(e);
@@ -612,9 +612,9 @@ void ShmComm::exchange_once(const void* x, Call& c, bool copy, const CopyTuner::
   const int64_t seq = ++seq_;
   const bool twoshot = c.tokens > 0 && !oneshot(c.tokens);
   const Exchange e{seg_, waiter_, tuner_, c, x, seq, hidden_ * elem_, copy, plan.streaming,
-                   plan.decide, descriptor_word(c, dtype_, twoshot),
-                   descriptor_word1(hidden_, c.op)};
-  publish_descriptor(seg_, seq, e.word0, e.word1);  // before any progress is announced
+                   plan.decide, signature::word0(c.tokens, pattern_code(c), twoshot, dtype_),
+                   signature::word1(hidden_, c.op)};
+  publish_signature(seg_, seq, e.word0, e.word1);  // before any progress is announced
   if (c.tokens == 0) run_empty(e);
   else if (!twoshot) run_oneshot<D>(e);
   else run_twoshot<D>(e);

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "call_limits.h"
 #include "protocol.h"
 
 namespace arfuse {
@@ -57,15 +58,8 @@ struct Numbers {  // the scalars of one call
   double eps = 1e-6, weight_bias = 0.0, scale = 0.0;  // scale: unused by fp8_dynamic
   int quant = kNone;  // kNone, kFP8, kNVFP4 or kFP8Dynamic
   bool swizzled = true;
-  int64_t op = 0;  // the op making the call: its descriptor names it (0..layout::kMaxOp)
+  int64_t op = 0;  // the op making the call: its signature names it (signature.h)
 };
-
-// The fp32 limits of call_checks.fp32_number: eps and an NVFP4 scale >= the smallest positive
-// fp32, an FP8 scale >= 1 / FLT_MAX (its reciprocal finite), all <= FLT_MAX; |weight_bias| <=
-// FLT_MAX. The same doubles as in Python, so the two refuse exactly the same values.
-constexpr double kFp32Max = 3.4028234663852886e38;
-constexpr double kFp32Tiny = 1.401298464324817e-45;
-constexpr double kFp8ScaleMin = 1.0 / kFp32Max;
 
 class ShmComm {
  public:
@@ -104,11 +98,10 @@ class ShmComm {
                   py::handle layout, py::handle out, py::handle residual_out, int64_t op);
   // (out, residual_out, quant_out, scale_out), the absent ones undefined (None in Python).
   std::array<at::Tensor, 4> run(const Tensors& t, const Numbers& n, bool release_gil);
-  // Meet the group with the descriptor of a call this rank runs elsewhere (over capacity, on
+  // Meet the group with the signature of a call this rank runs elsewhere (over capacity, on
   // the unfused backend): a group whose calls differ raises MismatchedCall here, on every
-  // rank, instead of waiting in two backends. pattern: layout::kPattern*; quant: 0 none,
-  // 1 fp8, 2 nvfp4, 3 a quantisation the kernel does not run, 4 fp8_dynamic.
-  void announce(int64_t tokens, int64_t pattern, int64_t quant, bool swizzled, int64_t op);
+  // rank, instead of waiting in two backends. pattern: its code (signature.h).
+  void announce(int64_t tokens, int64_t pattern, int64_t op);
   // The group this workspace belongs to (a number the Python side gives each group of the
   // process): a rank waiting in a call looks at the other workspaces of its group for peers
   // that are in a call there instead (ops called in another order), see look_elsewhere.

@@ -7,12 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "signature.h"  // the dtype and quantisation codes
+
 namespace arfuse {
 
-enum DType { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
-// Quantisation codes (the descriptor's and the torch operator's): 3 names a quantisation the
-// kernel does not run (announce only).
-enum Quant { kNone = 0, kFP8 = 1, kNVFP4 = 2, kQuantOther = 3, kFP8Dynamic = 4 };
 // The e4m3 (FP8) rounding, in one place for the scalar form below and the vector forms: round
 // to nearest even onto 3 mantissa bits (add kRoundBias and the kept lsb, then shift), rebias
 // the exponent, saturate finite values and infinities to kMaxCode; below kMinNormal, steps of

@@ -33,7 +33,7 @@ namespace arfuse {
 struct Call {  // one call's arguments, resolved to raw pointers
   int64_t tokens = 0;
   int64_t hidden = 0;
-  int64_t op = 0;  // the op making the call (layout::kDescOpShift)
+  int64_t op = 0;  // the op making the call (signature.h)
   const void* residual = nullptr;
   const void* weight = nullptr;
   float eps = 0.0f, weight_bias = 0.0f;

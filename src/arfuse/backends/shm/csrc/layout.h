@@ -1,13 +1,12 @@
-// Byte layout of the shm segment and the limits of one call. layout.py holds the same numbers
-// for Python; tests/test_shm_kernel_contract.py checks every one of them through
-// layout_constants() (bindings.cpp), so change both or neither.
+// Byte layout of the shm segment and the limits of one call. Python reads the constexpr lines
+// of this file too (arfuse/ctables.py, for layout.py and the pure-torch path): one copy.
 //
 // Header page: line 0 the segment's identity (magic, layout version, creator; written by
 // Python before the segment has a name, read by the sweep of stale segments), then per rank
 // one cache line each of process identity (written by Python), arrival flag and done flag,
 // then the copy-mode votes. A rank's arrival line holds its flag (int64 at byte 0) and,
-// beside it, the descriptor of its current call (one per call parity, so a rank that has
-// moved on to the next call never overwrites the descriptor a slower peer is still
+// beside it, the signature of its current call (one per call parity, so a rank that has
+// moved on to the next call never overwrites the signature a slower peer is still
 // comparing), then the count of ranks asleep on the flag (int32, futex waits; the done line
 // has one at the same offset) and the CPU the rank last started a call on (int32). Then, per
 // rank and per buffer, an input slot of max_tokens rows and a result slot for the two-shot
@@ -43,39 +42,21 @@ constexpr int kVoteBuckets = 40;                                        // bytes
 constexpr int64_t kProgressUnits = int64_t(1) << 20;
 constexpr int64_t kMaxTokens = kProgressUnits - kMaxWorld;
 
-// The call descriptor (R11): two int64 words per call parity, after the flag in the arrival
-// line. Word 0 packs the call's shape, word 1 is the hidden size.
-constexpr int64_t kDescOffset = 8;    // bytes into the arrival line
-constexpr int64_t kDescBytes = 16;    // per parity
-constexpr int kDescTokensShift = 0;   // 32 bits
-constexpr int kDescPatternShift = 32;  // 2 bits: kPattern*
-constexpr int kDescQuantShift = 34;   // 2 bits: the quant code's low bits (see below)
-constexpr int kDescLayoutShift = 36;  // 1 bit: NVFP4 scales swizzled (0 for other quants)
-constexpr int kDescQuantHighShift = 37;  // 1 bit: the quant code's bit 2
-// quant codes: 0 none, 1 fp8, 2 nvfp4, 3 other (announce: a quant the kernel does not run),
-// 4 fp8_dynamic
+// The call signature (R11, signature.h): two int64 words per call parity, after the flag in
+// the arrival line.
+constexpr int64_t kSignatureOffset = 8;  // bytes into the arrival line
+constexpr int64_t kSignatureBytes = 16;  // per parity
 constexpr int64_t kWaitersOffset = 40;  // bytes into a flag's line: int32, ranks asleep on it
 constexpr int64_t kCpuOffset = 44;      // bytes into an arrival line: int32, the rank's CPU
-constexpr int kDescModeShift = 38;    // 1 bit: two-shot (0: one-shot, or a call without data)
-constexpr int kDescDtypeShift = 40;   // 2 bits: 0 bf16, 1 fp16, 2 fp32
-// Word 1: the hidden size in its low 32 bits, the op that makes the call above them (31 bits:
-// the group's construction count, the same on every rank; 0 for torch.ops calls), so calls
-// of two ops that share a workspace do not pair.
-constexpr int kDescOpShift = 32;
-constexpr int64_t kMaxHidden = (int64_t(1) << 31) - 1;
-constexpr int64_t kMaxOp = (int64_t(1) << 31) - 1;
-constexpr int kPatternPlain = 0;      // all-reduce only
-constexpr int kPatternNorm = 1;       // + RMSNorm
-constexpr int kPatternNormResidual = 2;  // + residual + RMSNorm
 
 static_assert(kCreatorPidnsOffset + 8 == kSegmentIdBytes && kSegmentIdBytes <= kIdentityOffset,
               "the segment's identity must fit in line 0");
 static_assert(kVoteOffset + kMaxWorld * kVoteBuckets <= kHeaderBytes,
               "the copy-mode votes must fit in the header page");
-static_assert(kDescOffset + kBuffers * kDescBytes <= kWaitersOffset &&
+static_assert(kSignatureOffset + kBuffers * kSignatureBytes <= kWaitersOffset &&
                   kWaitersOffset + 4 <= kCpuOffset && kCpuOffset + 4 <= kCacheLine,
-              "the descriptors, waiters and CPU must share the arrival flag's cache line");
-static_assert(kMaxTokens < (int64_t(1) << 32), "tokens must fit the descriptor's 32 bits");
+              "the signatures, waiters and CPU must share the arrival flag's cache line");
+static_assert(kMaxTokens < (int64_t(1) << 32), "tokens must fit the signature's 32 bits");
 
 inline constexpr int64_t round_up(int64_t value, int64_t to) { return (value + to - 1) / to * to; }
 

@@ -1,5 +1,5 @@
 // The parts of protocol.h that are not on the per-block path: error messages, peer liveness,
-// descriptor texts and the copy-mode tuner's bookkeeping.
+// signature texts and the copy-mode tuner's bookkeeping.
 #include "protocol.h"
 
 namespace arfuse {
@@ -10,32 +10,47 @@ const char* name_of(int64_t value, const char* const* names, int count) {
   return value >= 0 && value < count ? names[value] : "?";
 }
 
-struct Fields {  // a descriptor, decoded
+struct Fields {  // a signature, decoded; quant as the quantisation argument's code
   int64_t tokens, pattern, quant, layout, dtype, hidden, mode, op;
 };
 
 Fields decode(int64_t word0, int64_t word1) {
-  const int64_t quant = ((word0 >> layout::kDescQuantShift) & 3) |
-                        (((word0 >> layout::kDescQuantHighShift) & 1) << 2);
-  return {(word0 >> layout::kDescTokensShift) & 0xffffffffLL,
-          (word0 >> layout::kDescPatternShift) & 3, quant,
-          (word0 >> layout::kDescLayoutShift) & 1, (word0 >> layout::kDescDtypeShift) & 3,
-          word1 & 0xffffffffLL, (word0 >> layout::kDescModeShift) & 1,
-          int64_t(uint64_t(word1) >> layout::kDescOpShift) & layout::kMaxOp};
+  using namespace signature;
+  const int64_t code = (word0 >> kPatternShift) & ((int64_t(1) << kPatternBits) - 1);
+  const int64_t output = code & ((int64_t(1) << kEpilogueShift) - 1);
+  const int64_t quant = output == kOutputNone         ? kNone
+                        : output == kOutputFp8        ? kFP8
+                        : output == kOutputFp8Dynamic ? kFP8Dynamic
+                        : output == kOutputNvfp4Swizzled || output == kOutputNvfp4Linear
+                            ? kNVFP4
+                            : -1;
+  return {(word0 >> kTokensShift) & 0xffffffffLL, code >> kEpilogueShift, quant,
+          output == kOutputNvfp4Swizzled ? 1 : 0, (word0 >> kDtypeShift) & 3,
+          word1 & 0xffffffffLL, (word0 >> kModeShift) & 1,
+          int64_t(uint64_t(word1) >> kOpShift) & kMaxOp};
+}
+
+const char* quant_name(int64_t quant) {
+  switch (quant) {
+    case kNone: return "none";
+    case kFP8: return "fp8";
+    case kNVFP4: return "nvfp4";
+    case kFP8Dynamic: return "fp8_dynamic";
+    default: return "?";
+  }
 }
 
 }  // namespace
 
-std::string describe_descriptor(int64_t word0, int64_t word1) {
+std::string describe_signature(int64_t word0, int64_t word1) {
   static const char* const dtypes[] = {"bf16", "fp16", "fp32"};
+  // (reduction, epilogue) of the all-reduce patterns: reduction 0
   static const char* const patterns[] = {"plain", "norm", "norm+residual"};
-  static const char* const quants[] = {"none", "fp8", "nvfp4", "other",  // other: announce
-                                       "fp8_dynamic"};
   const Fields f = decode(word0, word1);
   std::ostringstream ss;
   ss << "tokens=" << f.tokens << " dtype=" << name_of(f.dtype, dtypes, 3)
      << " hidden=" << f.hidden << " pattern=" << name_of(f.pattern, patterns, 3)
-     << " quant=" << name_of(f.quant, quants, 5);
+     << " quant=" << quant_name(f.quant);
   if (f.quant == kNVFP4) ss << " layout=" << (f.layout ? "swizzled_128x4" : "linear");
   ss << " mode=" << (f.mode ? "twoshot" : "oneshot") << " op=" << f.op;
   return ss.str();
@@ -65,7 +80,7 @@ std::string mismatch_message(int64_t call, const std::vector<std::pair<int64_t, 
     first = false;
   }
   for (size_t r = 0; r < d.size(); ++r) {
-    ss << "; rank " << r << ": " << describe_descriptor(d[r].first, d[r].second);
+    ss << "; rank " << r << ": " << describe_signature(d[r].first, d[r].second);
   }
   return ss.str();
 }

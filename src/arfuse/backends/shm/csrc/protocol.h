@@ -1,8 +1,8 @@
 // How the ranks of a group meet in the segment during one call (sequence number s, buffer
 // b = s & 1):
 //
-//   every call: a rank writes its call descriptor beside its arrival flag, then announces
-//             progress; after the first arrival wait every rank compares every descriptor
+//   every call: a rank writes its call signature beside its arrival flag, then announces
+//             progress; after the first arrival wait every rank compares every signature
 //             and, if any differs, every rank raises (R11) before it waits for any block.
 //   one-shot: copy x into my input slot[b]; arrive[me] = s; wait arrive[*] >= s; every rank
 //             reduces every row (fp32, rank order) and runs the epilogue locally.
@@ -17,7 +17,7 @@
 // the flag's owner makes the wake-up call only when that count is not zero, so an
 // uncontended call makes no system call. A peer that last ran on this rank's CPU (ranks that
 // share a core) cannot progress while this rank spins: sleep at once. See Waiter, post_flag.
-// Double-buffered slots (and descriptors) make a trailing barrier unnecessary: a rank can only
+// Double-buffered slots (and signatures) make a trailing barrier unnecessary: a rank can only
 // reuse buffer b at call s + 2 after every rank arrived at s + 1, i.e. after every rank
 // finished call s. The copy into the slot uses cached or streaming stores, chosen per size by
 // a trial that every rank runs at the same calls and decides from the same votes (CopyTuner).
@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "conversions.h"
+#include "signature.h"
 #include "epilogue.h"
 #include "layout.h"
 #include "memory_access.h"
@@ -101,7 +102,7 @@ class ShmError : public std::runtime_error {
   std::vector<int> silent;  // the ranks that did not answer (kTimeout)
   double timeout_s;
   // A mismatch found while the ranks were in different workspaces (ops called in another
-  // order): the workspaces are out of step, unlike a mismatch of one call's descriptors.
+  // order): the workspaces are out of step, unlike a mismatch of one call's signatures.
   bool breaks = false;
 };
 
@@ -127,9 +128,9 @@ struct Segment {
   }
   // Set this rank's flag and wake the ranks asleep on it, if any (see post_flag).
   void post(int which, int64_t value) const;
-  std::atomic<int64_t>* descriptor(int r, int64_t seq) const {  // two words
-    const int64_t at = layout::kArriveOffset + layout::kCacheLine * r + layout::kDescOffset +
-                       (seq & 1) * layout::kDescBytes;
+  std::atomic<int64_t>* signature(int r, int64_t seq) const {  // two words
+    const int64_t at = layout::kArriveOffset + layout::kCacheLine * r +
+                       layout::kSignatureOffset + (seq & 1) * layout::kSignatureBytes;
     return reinterpret_cast<std::atomic<int64_t>*>(base + at);
   }
   char* input_slot(int r, int64_t buf) const {
@@ -143,39 +144,26 @@ struct Segment {
   const char* end() const { return base + total_bytes; }
 };
 
-// ---- call descriptors (R11) ------------------------------------------------------------------
+// ---- call signatures (R11, signature.h) -----------------------------------------------------
 
-inline int64_t descriptor_word(int64_t tokens, int64_t pattern, int64_t quant, bool swizzled,
-                               int dtype, bool twoshot) {
-  const int64_t layout_bit = quant == kNVFP4 && swizzled ? 1 : 0;
-  return (std::min<int64_t>(tokens, 0xffffffffLL) << layout::kDescTokensShift) |
-         (pattern << layout::kDescPatternShift) | ((quant & 3) << layout::kDescQuantShift) |
-         ((quant >> 2) << layout::kDescQuantHighShift) |
-         (layout_bit << layout::kDescLayoutShift) |
-         (int64_t(twoshot ? 1 : 0) << layout::kDescModeShift) |
-         (int64_t(dtype) << layout::kDescDtypeShift);
+// The code of the pattern a call computes.
+inline int64_t pattern_code(const Call& c) {
+  const int epilogue = c.weight == nullptr     ? signature::kEpilogueNone
+                       : c.residual != nullptr ? signature::kEpilogueResidualRmsNorm
+                                               : signature::kEpilogueRmsNorm;
+  return signature::pattern_code(signature::kReductionAllReduce, epilogue,
+                                 signature::output_code(c.quant, c.swizzled));
 }
 
-inline int64_t descriptor_word(const Call& c, int dtype, bool twoshot) {
-  const int64_t pattern = c.weight == nullptr ? layout::kPatternPlain
-                          : c.residual != nullptr ? layout::kPatternNormResidual
-                                                  : layout::kPatternNorm;
-  return descriptor_word(c.tokens, pattern, c.quant, c.swizzled, dtype, twoshot);
-}
-
-// Word 1 of a descriptor: the hidden size and the op.
-inline int64_t descriptor_word1(int64_t hidden, int64_t op) {
-  return int64_t(uint64_t(hidden & 0xffffffffLL) |
-                 (uint64_t(op & layout::kMaxOp) << layout::kDescOpShift));
-}
-
-// "tokens=1 dtype=fp32 hidden=64 pattern=plain quant=none" (layout.py: describe_descriptor).
-std::string describe_descriptor(int64_t word0, int64_t word1);
-// The MismatchedCall text for these descriptors, one per rank (layout.py: mismatch_message).
+// "tokens=1 dtype=fp32 hidden=64 pattern=plain quant=none mode=oneshot op=3"
+// (arfuse/signature.py: describe).
+std::string describe_signature(int64_t word0, int64_t word1);
+// The MismatchedCall text for these signatures, one per rank (arfuse/signature.py:
+// mismatch_message).
 std::string mismatch_message(int64_t call, const std::vector<std::pair<int64_t, int64_t>>& d);
 
-inline void publish_descriptor(const Segment& s, int64_t seq, int64_t word0, int64_t word1) {
-  std::atomic<int64_t>* d = s.descriptor(s.rank, seq);
+inline void publish_signature(const Segment& s, int64_t seq, int64_t word0, int64_t word1) {
+  std::atomic<int64_t>* d = s.signature(s.rank, seq);
   d[0].store(word0, std::memory_order_relaxed);  // published by the flag's post
   d[1].store(word1, std::memory_order_relaxed);
 #if defined(__linux__)
@@ -183,19 +171,19 @@ inline void publish_descriptor(const Segment& s, int64_t seq, int64_t word0, int
 #endif
 }
 
-// After the first arrival wait of call seq: every descriptor of this call is visible. Throws
+// After the first arrival wait of call seq: every signature of this call is visible. Throws
 // ShmError(kMismatch) on every rank alike when any differs.
-inline void check_descriptors(const Segment& s, int64_t seq, int64_t word0, int64_t word1) {
+inline void check_signatures(const Segment& s, int64_t seq, int64_t word0, int64_t word1) {
   bool same = true;
   for (int j = 0; j < s.world; ++j) {
-    const std::atomic<int64_t>* d = s.descriptor(j, seq);
+    const std::atomic<int64_t>* d = s.signature(j, seq);
     same &= d[0].load(std::memory_order_relaxed) == word0;
     same &= d[1].load(std::memory_order_relaxed) == word1;
   }
   if (same) return;
   std::vector<std::pair<int64_t, int64_t>> all;
   for (int j = 0; j < s.world; ++j) {
-    const std::atomic<int64_t>* d = s.descriptor(j, seq);
+    const std::atomic<int64_t>* d = s.signature(j, seq);
     all.emplace_back(d[0].load(std::memory_order_relaxed), d[1].load(std::memory_order_relaxed));
   }
   throw ShmError(ShmError::kMismatch, mismatch_message(seq, all));
@@ -348,7 +336,7 @@ struct Exchange {  // what one call's exchange needs
   bool copy;       // x is not in my slot yet
   bool streaming;  // copy with streaming stores
   int decide;      // CopyTuner::Plan::decide
-  int64_t word0, word1;  // this rank's descriptor
+  int64_t word0, word1;  // this rank's signature
   int64_t call_base() const { return seq * layout::kProgressUnits; }
 };
 
@@ -358,14 +346,14 @@ inline void copy_in(char* dst, const char* src, size_t n, bool streaming) {
 }
 
 // Call seq without data: announce it whole, wait until every rank has entered it, compare the
-// descriptors. For a call of zero tokens, and for a call this rank runs elsewhere (over
+// signatures. For a call of zero tokens, and for a call this rank runs elsewhere (over
 // capacity): a rank whose call differs from the others' must not leave them waiting.
 inline void meet_without_data(const Segment& s, const Waiter& waiter, int64_t seq,
                               int64_t word0, int64_t word1) {
   const int64_t call_base = seq * layout::kProgressUnits;
   s.post(0, call_base + layout::kProgressUnits - 1);
   waiter.wait_all(0, call_base + 1);
-  check_descriptors(s, seq, word0, word1);
+  check_signatures(s, seq, word0, word1);
 }
 
 inline void run_empty(const Exchange& e) {
@@ -407,7 +395,7 @@ void run_oneshot(const Exchange& e) {
     publish_until(b + 1 + lead);
     e.waiter.wait_all(0, e.call_base() + b + 1);
     if (b == 0) {
-      check_descriptors(s, e.seq, e.word0, e.word1);
+      check_signatures(s, e.seq, e.word0, e.word1);
       if (e.decide >= 0) e.tuner.decide(e.decide, s);
     }
     const int64_t first = b * block_rows;
@@ -575,10 +563,10 @@ void run_twoshot(const Exchange& e) {
   } else {
     s.post(0, e.call_base() + layout::kProgressUnits - 1);  // all in the slot already
   }
-  // Every rank has announced progress of this call by now or soon: its descriptor is visible.
+  // Every rank has announced progress of this call by now or soon: its signature is visible.
   // Compare before waiting for any block (a rank with other tokens counts other steps).
   e.waiter.wait_all(0, e.call_base() + 1);
-  check_descriptors(s, e.seq, e.word0, e.word1);
+  check_signatures(s, e.seq, e.word0, e.word1);
   for (int64_t k = 0; k < g.steps; ++k) {
     std::optional<StepCopy> next;  // step k + 1's copy, done during my rows of step k
     if (e.copy && k + 1 < g.steps) next.emplace(e, g, k + 1);

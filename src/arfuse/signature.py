@@ -1,0 +1,86 @@
+"""The call signature (R11): two int64 words that say what one call is, compared across ranks
+before any rank reads a peer's data.
+
+``word 0``: tokens, the pattern's code, the mode (one-shot or two-shot) and the dtype;
+``word 1``: the hidden size and the op (the group's construction count, the same on every
+rank), so calls of two ops never pair. The numbers are the kernel's (``csrc/signature.h``,
+read by ``arfuse.ctables``). The shm kernel writes these words itself; the pure-torch shm path
+and the torch backend write them here, and all three describe a mismatch in the same text
+(this module's twin is ``describe_signature`` / ``mismatch_message`` in ``csrc/protocol.cpp``;
+a contract test compares them).
+"""
+
+from __future__ import annotations
+
+from . import ctables
+from .pattern import Pattern
+
+_S = ctables.header("signature.h")
+TOKENS_SHIFT = int(_S["kTokensShift"])
+PATTERN_SHIFT = int(_S["kPatternShift"])
+PATTERN_BITS = int(_S["kPatternBits"])
+MODE_SHIFT = int(_S["kModeShift"])
+DTYPE_SHIFT = int(_S["kDtypeShift"])
+OP_SHIFT = int(_S["kOpShift"])
+MAX_HIDDEN = int(_S["kMaxHidden"])
+MAX_OP = int(_S["kMaxOp"])
+_MASK32 = 0xFFFFFFFF
+
+_DTYPE_NAMES = ("bf16", "fp16", "fp32")
+_EPILOGUE_NAMES = {"none": "plain", "rmsnorm": "norm", "residual_rmsnorm": "norm+residual"}
+_FIELDS = ("tokens", "dtype", "hidden", "pattern", "quant", "layout", "mode", "op")
+
+
+def _signed(word: int) -> int:
+    word &= (1 << 64) - 1
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+def words(tokens: int, dtype_code: int, hidden: int, pattern: int, twoshot: bool = False,
+          op: int = 0) -> tuple[int, int]:
+    """The two words of a call, as signed int64 like the segment holds them."""
+    word0 = ((tokens & _MASK32) << TOKENS_SHIFT | pattern << PATTERN_SHIFT
+             | int(twoshot) << MODE_SHIFT | dtype_code << DTYPE_SHIFT)
+    return _signed(word0), _signed((hidden & _MASK32) | (op & MAX_OP) << OP_SHIFT)
+
+
+def _fields(word0: int, word1: int) -> tuple[object, ...]:
+    """(tokens, dtype, hidden, pattern, quant, layout, mode, op) of a signature, as its text
+    names them (a pattern code that is none gives ``?``)."""
+    word0 &= (1 << 64) - 1
+    word1 &= (1 << 64) - 1
+    code = (word0 >> PATTERN_SHIFT) & ((1 << PATTERN_BITS) - 1)
+    try:
+        pattern: Pattern | None = Pattern.from_code(code)
+    except ValueError:
+        pattern = None
+    dtype = (word0 >> DTYPE_SHIFT) & 3
+    return ((word0 >> TOKENS_SHIFT) & _MASK32,
+            _DTYPE_NAMES[dtype] if dtype < len(_DTYPE_NAMES) else "?",
+            word1 & _MASK32,
+            "?" if pattern is None else _EPILOGUE_NAMES[pattern.epilogue],
+            "?" if pattern is None else pattern.quant or "none",
+            int(pattern is not None and pattern.layout == "swizzled_128x4"),
+            "twoshot" if (word0 >> MODE_SHIFT) & 1 else "oneshot",
+            (word1 >> OP_SHIFT) & MAX_OP)
+
+
+def describe(word0: int, word1: int) -> str:
+    """``tokens=1 dtype=fp32 hidden=64 pattern=plain quant=none mode=oneshot op=3``."""
+    tokens, dtype, hidden, pattern, quant, layout, mode, op = _fields(word0, word1)
+    text = f"tokens={tokens} dtype={dtype} hidden={hidden} pattern={pattern} quant={quant}"
+    if quant == "nvfp4":
+        text += " layout=" + ("swizzled_128x4" if layout else "linear")
+    return text + f" mode={mode} op={op}"
+
+
+def mismatch_message(backend: str, call: int, signatures: list[tuple[int, int]]) -> str:
+    """The ``MismatchedCall`` text for one signature per rank (the kernel's, word for word,
+    for ``backend`` shm)."""
+    fields = [_fields(*pair) for pair in signatures]
+    differ = [name for i, name in enumerate(_FIELDS) if len({f[i] for f in fields}) > 1]
+    ranks = "".join(f"; rank {r}: {describe(*pair)}" for r, pair in enumerate(signatures))
+    return (f"arfuse {backend}: the ranks of the group called with different arguments (call "
+            f"{call}; every rank raises this before any rank reads a peer's data, so the "
+            f"workspace stays usable for calls that match): they differ in "
+            f"{', '.join(differ)}{ranks}")
