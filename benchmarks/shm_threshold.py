@@ -3,7 +3,7 @@
 Runs the fused op (all-reduce + residual + RMSNorm) in both modes, interleaved in rounds, for a
 sweep of token counts, and prints the median latency of each and the crossover. The thresholds
 in ``arfuse/backends/shm/workspace.py`` come from this script's results on the dev machine
-(``benchmarks/results/shm_threshold-*.json``).
+(``benchmarks/results/xeon-avx512/shm-threshold-*.json``).
 
     python benchmarks/shm_threshold.py --world-size 2 --dtype bf16 --hidden 4096
 """
