@@ -449,7 +449,8 @@ def _expected_setting(var: str, text: str) -> tuple[bool, Any]:
     if var == "ARFUSE_STRICT":
         return t in ("0", "1"), t == "1"
     if var == "ARFUSE_REPLICATED_RESIDUAL":
-        return t in ("0", "1", "check"), "check" if t == "check" else t == "1"
+        promise = {"check": "checked", "1": "same"}.get(t, "none")
+        return t in ("0", "1", "check"), settings_mod.ResidualPromise(promise)
     if var == "ARFUSE_TIMEOUT_S":
         try:
             f = float(t)

@@ -965,10 +965,10 @@ def creator_killed_at(rank: int, world: int, point: str, named: str) -> str:
             if point == "named":
                 die()
 
-        def open_then(path: Any, flags: int, *args: Any) -> int:
+        def open_then(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
             if named == "from the start" and flags & os.O_TMPFILE == os.O_TMPFILE:
                 raise OSError(errno.EOPNOTSUPP, "no unnamed files here")
-            return open_(path, flags, *args)
+            return open_(path, flags, *args, **kwargs)
 
         def all_gather_then(self: Any, name: str, *args: Any, **kwargs: Any) -> list[Any]:
             if name == point == "shm-name" and named == "from the start":
@@ -1003,10 +1003,10 @@ def shm_segment_named(rank: int, world: int, named: str) -> dict[str, Any]:
     if rank == 0 and named == "from the start":
         open_ = shm.os.open
 
-        def open_then(path: Any, flags: int, *args: Any) -> int:
+        def open_then(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
             if flags & os.O_TMPFILE == os.O_TMPFILE:
                 raise OSError(errno.EOPNOTSUPP, "no unnamed files here")
-            return open_(path, flags, *args)
+            return open_(path, flags, *args, **kwargs)
 
         shm.os.open = open_then  # type: ignore[assignment]
     comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..backends.shm import build as shm_build
 from ..digest import digest
 from ..pattern import Pattern
 from ..reference import expected
@@ -318,6 +319,7 @@ class LeakBaseline:
     fds: dict[int, str] = field(default_factory=fd_targets)
     threads: int = field(default_factory=threading.active_count)
     tasks: int = field(default_factory=task_count)
+    children: frozenset[int] = field(default_factory=lambda: frozenset(child_pids()))
 
     def leaks(self) -> list[str]:
         """What is held now and was not before (segments, descriptors, threads, children),
@@ -335,14 +337,15 @@ class LeakBaseline:
         if maps:
             found.append(f"segments still mapped: {maps}")
         now = fd_targets()
-        extra = {fd: t for fd, t in now.items() if fd not in self.fds}
+        kept = set(shm_build.held_descriptors())  # the kernel's binary, open for good
+        extra = {fd: t for fd, t in now.items() if fd not in self.fds and fd not in kept}
         if extra:
             found.append(f"descriptors opened and not closed: {extra}")
         if threading.active_count() > self.threads:
             found.append(f"threads: {threading.active_count()} > {self.threads} before")
         if task_count() > self.tasks:
             found.append(f"OS threads: {task_count()} > {self.tasks} before")
-        children = child_pids()
+        children = [pid for pid in child_pids() if pid not in self.children]
         if children:
             found.append(f"child processes: {children}")
         return found

@@ -51,6 +51,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 _fake_registered: list[bool] = []
+_held: list[int] = []  # see held_descriptors
 
 
 # The torch operator's quantisation argument (and the kernel's run/call): its codes are the
@@ -474,7 +475,15 @@ def _import_cached(name: str, binary: int) -> ModuleType:
     """The module from the open, checked ``binary``, which stays open for the life of the
     process: the dynamic loader knows a library by the name it was opened under, and would
     hand this one out again for another file opened later under the same descriptor number."""
-    return _import(name, _fd_path(binary))
+    module = _import(name, _fd_path(binary))
+    _held.append(binary)
+    return module
+
+
+def held_descriptors() -> tuple[int, ...]:
+    """Descriptors the loaded kernel keeps open for the life of the process (its binary), so
+    that leak checks do not count them."""
+    return tuple(_held)
 
 
 def _compile(cpp_extension: Any, name: str, directory: int,
