@@ -217,3 +217,32 @@ def contexts_left_after_a_local_error(rank: int, world: int) -> dict[str, int]:
     finally:
         gc.enable()
     return {"left": left}
+
+
+def one_call_per_epilogue(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """One bf16 call of each epilogue: its worst error relative to the float64 reference, and
+    a digest of its outputs (the ranks must agree bit for bit)."""
+    import arfuse
+    from arfuse.digest import digest
+    from arfuse.pattern import Pattern
+    from arfuse.reference import expected
+
+    comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=256, dtype=torch.bfloat16,
+                                 backend=backend, strict=backend != "torch", timeout_s=30.0)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(5, 256, generator=gen).bfloat16() for _ in range(world)]
+    residual = torch.randn(5, 256, generator=gen).bfloat16()
+    weight = (torch.rand(256, generator=gen) + 0.5).bfloat16()
+    report: dict[str, Any] = {"backend": comm.backend, "errors": {}, "digests": {}}
+    for epilogue in ("none", "rmsnorm", "residual_rmsnorm"):
+        pattern = Pattern(epilogue)
+        kwargs: dict[str, Any] = {"weight": weight} if pattern.norm else {}
+        if epilogue == "residual_rmsnorm":
+            kwargs["residual"] = residual
+        got = comm(xs[rank], **kwargs)
+        want = expected(xs, pattern, residual, weight).out
+        report["errors"][epilogue] = float(
+            ((got.out.double() - want).abs().max() / want.abs().max()).item())
+        report["digests"][epilogue] = digest(*got)
+    comm.close()
+    return report

@@ -270,13 +270,13 @@ def test_exchange_copy_moves_every_byte_and_refuses_mismatched_buffers(read_ahea
     for n in (0, 1, 63, 64, 65, 4096 + 17):
         src = torch.randint(0, 256, (n,), dtype=torch.uint8)
         dst = torch.zeros(n, dtype=torch.uint8)
-        module.exchange_copy(dst, src, read_ahead)
+        module.diagnostics.exchange_copy(dst, src, read_ahead)
         assert torch.equal(dst, src)
     with pytest.raises(ValueError, match="one size"):
-        module.exchange_copy(torch.empty(3, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8),
-                             read_ahead)
+        module.diagnostics.exchange_copy(torch.empty(3, dtype=torch.uint8),
+                                         torch.empty(4, dtype=torch.uint8), read_ahead)
     with pytest.raises(ValueError, match="uint8"):
-        module.exchange_copy(torch.empty(4), torch.empty(4), read_ahead)
+        module.diagnostics.exchange_copy(torch.empty(4), torch.empty(4), read_ahead)
 
 
 def test_launched_ranks_run_their_exit_handlers(tmp_path: Path) -> None:

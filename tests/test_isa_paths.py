@@ -139,9 +139,10 @@ def conversions(rank: int, world: int) -> dict[str, Any]:
     x = raw.to(torch.int32).view(torch.float32)
     report: dict[str, Any] = {"isa": str(module.isa), "x": x}
     for code, name in ((0, "bf16"), (1, "fp16")):
-        report[f"{name}_scalar"] = module.round_to(x, code, False).view(torch.int16)
+        round_to = module.diagnostics.round_to
+        report[f"{name}_scalar"] = round_to(x, code, False).view(torch.int16)
         try:
-            report[f"{name}_vector"] = module.round_to(x, code, True).view(torch.int16)
+            report[f"{name}_vector"] = round_to(x, code, True).view(torch.int16)
         except ValueError:
             report[f"{name}_vector"] = None
     from test_kernel_exact import nvfp4_special
@@ -150,7 +151,8 @@ def conversions(rank: int, world: int) -> dict[str, Any]:
         blocks, _, _ = nvfp4_special(dtype)
         for vector in (False, True):
             try:
-                report[f"nvfp4 {dtype} {vector}"] = module.nvfp4_quantize(blocks, 6.0, vector)
+                report[f"nvfp4 {dtype} {vector}"] = module.diagnostics.nvfp4_quantize(
+                    blocks, 6.0, vector)
             except (ValueError, RuntimeError):
                 report[f"nvfp4 {dtype} {vector}"] = None
     return report

@@ -363,7 +363,7 @@ def test_nvfp4_nan_and_inf_follow_flashinfer_on_every_path(dtype: torch.dtype,
     has_vector = module.isa.startswith("avx2") and (dtype == torch.bfloat16
                                                     or "f16c" in module.isa)
     for vector in (True, False) if has_vector else (False,):  # vector and scalar block code
-        vq, vs = module.nvfp4_quantize(x, 6.0, vector)
+        vq, vs = module.diagnostics.nvfp4_quantize(x, 6.0, vector)
         assert torch.equal(vq, codes) and torch.equal(vs, scales), vector
 
 

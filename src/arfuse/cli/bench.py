@@ -406,7 +406,7 @@ def _exchange_copy() -> Any:
 
     module = shm_build.load()
     if module is not None:
-        return module.exchange_copy
+        return module.diagnostics.exchange_copy
     return lambda dst, src, read_ahead: dst.copy_(src)
 
 

@@ -363,8 +363,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("slot_geometry", &slot_geometry);
   m.def("describe_signature", &describe_signature);
   m.def("mismatch_message", &mismatch_message);
-  m.def("nvfp4_quantize", &nvfp4_quantize);
-  m.def("round_to", &round_to);
-  m.def("exchange_copy", &exchange_copy);
+  // Not the op: hooks for tests (the vector and scalar conversions side by side) and for arfuse
+  // bench's line rates (the exchange's own memory access), kept apart by name.
+  py::module_ diagnostics = m.def_submodule("diagnostics", "test and measurement hooks");
+  diagnostics.def("nvfp4_quantize", &nvfp4_quantize);
+  diagnostics.def("round_to", &round_to);
+  diagnostics.def("exchange_copy", &exchange_copy);
   bind_comm(m);
 }

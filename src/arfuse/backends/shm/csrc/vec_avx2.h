@@ -3,9 +3,9 @@
 // squares in its 32 lanes (lane = h % 32): four 8-wide accumulators, each lane added up in
 // order of h (which lanes each holds: see pass1).
 //
-// (Streaming stores for the outputs were measured: slower or faster depending on where the
-// hypervisor placed the two cores; cached stores it is. The copy into the slot chooses per
-// size, see CopyTuner in protocol.h.)
+// Outputs are stored cached, and with streaming stores from stream_output_min_bytes (below)
+// on, where the op gained by them, the next op's read included; the copy into the slot
+// chooses per size (CopyTuner in protocol.h).
 #pragma once
 
 #include <immintrin.h>
