@@ -1,4 +1,4 @@
-"""The decision table of DESIGN 3.3, row by row, and the seed's exact behaviour."""
+"""The decision table of DESIGN 3.3, row by row, and vLLM's resolution rules it keeps."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def reasons(p) -> dict[str, str]:
     return {c.backend: c.reason for c in p.candidates}
 
 
-# --- the seed -----------------------------------------------------------------------------
+# --- vLLM's rules: mnnvl first, trtllm only on one node, explicit never falls back ---------
 
 
 def test_seed_auto_single_node_mnnvl_first_with_trtllm_fallback() -> None:

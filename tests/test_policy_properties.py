@@ -81,7 +81,7 @@ def test_plan_invariants(topo: Topology, spec: Spec, backend: str, strict: bool)
     # the chosen backend is the first viable candidate
     assert plan.backend == plan.viable[0]
     assert plan.fused == (plan.backend in catalog.fused_names())
-    # allow_fallback in the seed's sense: auto with more than one fused candidate left
+    # allow_fallback: auto with more than one fused candidate left
     fused_left = [b for b in plan.viable if b in catalog.fused_names()]
     assert plan.allow_fallback == (backend == "auto" and len(fused_left) > 1)
     # R3: auto never picks trtllm without NVLink between all pairs

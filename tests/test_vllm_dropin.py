@@ -1,4 +1,4 @@
-"""The vLLM drop-in (``arfuse.integrations.vllm``): vLLM 0.33.0's surface, its seed behaviour, and
+"""The vLLM drop-in (``arfuse.integrations.vllm``): vLLM 0.33.0's surface, its resolution rules, and
 R1-R10 where they can be shown without a GPU. Multi-rank tests run real gloo ranks against the
 FlashInfer stand-in (``flashinfer_standin``); no vLLM is needed. Not a hardware test."""
 
@@ -96,7 +96,7 @@ def test_the_resolver_reads_the_variable_each_call(monkeypatch: pytest.MonkeyPat
         dropin.resolve_fi_ar_backend()
 
 
-# --- the seed behaviour, as a table ---------------------------------------------------------
+# --- vLLM's resolution rules, as a table ---------------------------------------------------
 
 
 @pytest.mark.parametrize(("setting", "topology", "expected"), [

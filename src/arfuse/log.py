@@ -1,4 +1,4 @@
-"""The ``arfuse`` logger, and a helper that logs a message once per key (decisions per group)."""
+"""The ``arfuse`` logger, and ``once``: a message logged once per key (decisions per group)."""
 
 from __future__ import annotations
 
