@@ -284,3 +284,70 @@ def test_an_empty_hosts_list_is_a_wrong_length_not_one_host() -> None:
     with pytest.raises(ValueError, match="hosts has 0 entries but world_size=4"):
         Topology.from_dict({"device": "cpu", "world_size": 4, "hosts": []})
     assert Topology.from_dict({"device": "cpu", "world_size": 4}).node_count == 1  # left out
+
+
+# --- paths the user gives: only regular files are read ---
+
+def _fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "fifo.json"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "directory", "character device"])
+def test_a_topology_path_that_is_no_regular_file_is_refused_naming_its_source(
+        tmp_path: Path, kind: str) -> None:
+    """A FIFO blocked open() forever (no writer ever comes); a device or a directory is no
+    file of settings either. Each is refused at once, naming the path and where it came from.
+    Run in a child process: the old behaviour hangs, and the test must fail, not hang."""
+    path = {"FIFO": lambda: _fifo(tmp_path), "directory": lambda: tmp_path,
+            "character device": lambda: Path("/dev/null")}[kind]()
+    code = ("import sys; from arfuse import topology\n"
+            "try:\n"
+            f"    topology.load({str(path)!r}, '--topology')\n"
+            "except ValueError as exc:\n"
+            "    print(exc); sys.exit(3)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert f"topology file {str(path)!r} (--topology) is not a regular file ({'a ' + kind})" \
+        in result.stdout
+
+
+def test_an_arfuse_topology_fifo_fails_creation_instead_of_blocking(tmp_path: Path) -> None:
+    path = _fifo(tmp_path)
+    code = ("import sys, torch, arfuse\n"
+            "try:\n"
+            "    arfuse.FusedAllReduce(max_token_num=4, hidden_dim=16, dtype=torch.float32,\n"
+            "                          timeout_s=3)\n"
+            "except ValueError as exc:\n"
+            "    print(exc); sys.exit(3)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT,
+                            env={**os.environ, "ARFUSE_TOPOLOGY": str(path),
+                                 "ARFUSE_LOG": "warning"})
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "(ARFUSE_TOPOLOGY) is not a regular file (a FIFO)" in result.stdout
+
+
+@pytest.mark.parametrize("source", ["flag", "variable"])
+def test_explain_with_a_fifo_topology_is_one_line_exit_2(tmp_path: Path, source: str) -> None:
+    path = _fifo(tmp_path)
+    if source == "flag":
+        result = _explain("--topology", str(path))
+    else:
+        result = _explain(env={"ARFUSE_TOPOLOGY": str(path)})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert ("(--topology)" if source == "flag" else "(ARFUSE_TOPOLOGY)") in result.stderr
+    assert "not a regular file (a FIFO)" in result.stderr
+
+
+def test_a_fifo_among_scenario_files_fails_that_scenario_instead_of_blocking(
+        tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "blocked.toml")
+    result = subprocess.run([sys.executable, "-m", "arfuse.cli", "scenario", "run",
+                             str(tmp_path)], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT, env={**os.environ, "ARFUSE_LOG": "warning"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAIL" in result.stdout and "is not a regular file (a FIFO)" in result.stdout

@@ -26,9 +26,10 @@ def add_parser(sub: Any) -> None:
 
 
 def _topology(args: argparse.Namespace, conf: settings.Settings) -> topology.Topology:
-    path = args.topology or conf.topology_path
-    if path:
-        return topology.load(path)
+    if args.topology:
+        return topology.load(args.topology, "--topology")
+    if conf.topology_path:
+        return topology.load(conf.topology_path)
     device = topology.default_device()
     world = args.world_size or cli_args.default_world_size(device)
     return topology.this_machine(world, device)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..files import read_regular_file
 from .launch import die_with_parent
 
 if sys.version_info >= (3, 11):
@@ -57,6 +58,7 @@ _TOP_KEYS = {"name", "summary", "cases", "rows", "requirements", "level", "limit
              "topology", "topology_file", "shm_tmpfs", "spec", "steps", "expect"}
 SEGMENT_NAME = re.compile(r"/arfuse-\d+-\d+-[0-9a-f]+(?: \(deleted\))?$")
 _JOB_ENTRY = "from arfuse.cli.scenario import job_main; job_main()"
+MAX_SCENARIO_BYTES = 1 << 20      # a scenario is a few dozen lines; bounds what is read
 
 
 # --- loading ------------------------------------------------------------------------------------
@@ -108,10 +110,14 @@ class Scenario:
 def load_scenario(path: str | os.PathLike[str]) -> Scenario:
     """Parse and check one scenario file; a bad file is a ``ValueError`` naming it."""
     path = Path(path)
+    raw = read_regular_file(path, MAX_SCENARIO_BYTES, f"scenario {str(path)!r}")
+    if len(raw) > MAX_SCENARIO_BYTES:
+        raise ValueError(f"scenario {str(path)!r} is larger than {MAX_SCENARIO_BYTES >> 10} KiB; "
+                         "a scenario is a few steps")
     try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"scenario {str(path)!r} cannot be read: {exc}") from None
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"scenario {str(path)!r} is not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"scenario {str(path)!r} is not valid TOML: {exc}") from None
     unknown = sorted(set(data) - _TOP_KEYS)
@@ -373,7 +379,8 @@ def _decide(scn: Scenario, case: dict[str, Any], index: int) -> tuple[list[str],
         if "topology" in case:
             topo = topology.Topology.from_dict(case["topology"])
         else:
-            topo = topology.load(_resolve_path(scn, str(case["topology_file"])))
+            topo = topology.load(_resolve_path(scn, str(case["topology_file"])),
+                                 f"topology_file of {scn.name} {where}")
         spec = Spec(**case.get("spec", {}))
         parsed = faults.parse(case.get("faults"))
         plan = policy.resolve(conf, topo, spec, case.get("blocked"))
