@@ -351,3 +351,83 @@ def test_a_fifo_among_scenario_files_fails_that_scenario_instead_of_blocking(
                             cwd=ROOT, env={**os.environ, "ARFUSE_LOG": "warning"})
     assert result.returncode == 1, result.stdout + result.stderr
     assert "FAIL" in result.stdout and "is not a regular file (a FIFO)" in result.stdout
+
+
+# --- tensors that hold no plain values, complex x, meta numbers: errors naming the argument ---
+
+BAD_TENSOR_CALLS = dw.bad_tensor_calls(2, 16, torch.float32)
+
+
+@pytest.mark.parametrize("name", list(BAD_TENSOR_CALLS))
+def test_a_tensor_argument_without_plain_values_is_an_error_naming_it(name: str) -> None:
+    """Sparse, nested, meta or quantized tensors, lazily negated or conjugated views, complex x
+    and meta numbers: torch-internal RuntimeErrors, misleading advice ("call .contiguous()")
+    or, for a negated view, a result from its raw memory. One process: the torch backend."""
+    comm = arfuse.FusedAllReduce(max_token_num=4, hidden_dim=16, dtype=torch.float32)
+    try:
+        with pytest.raises((ValueError, TypeError)) as info:
+            comm(**dw.bad_tensor_calls(2, 16, torch.float32)[name])
+        assert dw.argument_named(name) in str(info.value), info.value
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("backend", ["torch", "shm"])
+def test_tensor_arguments_without_plain_values_are_errors_on_a_real_group(backend: str) -> None:
+    """The same calls on two ranks: on shm they reach the kernel's fast path first, which must
+    decline each so that the Python path raises the error that names the argument."""
+    for errors in values(run_ranks(dw.bad_tensor_errors, 2, backend, timeout=120)):
+        assert errors.pop("then") == {"works": True, "backend": backend}
+        for name, error in errors.items():
+            assert error["type"] in ("ValueError", "TypeError"), (name, error)
+            assert dw.argument_named(name) in error["error"], (name, error)
+
+
+# --- explain runs the local checks creation runs ---
+
+@pytest.fixture
+def shm_dir_without_room(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The shm backend's directory with 64 KiB free: too small for any segment here."""
+    from types import SimpleNamespace
+
+    from arfuse.backends.shm import workspace as shm_workspace
+
+    if torch.cuda.is_available():
+        pytest.skip("explain plans for CUDA ranks on this machine: shm is not a candidate")
+    for name in ("ARFUSE_TOPOLOGY", "ARFUSE_BACKEND", "ARFUSE_STRICT"):
+        monkeypatch.delenv(name, raising=False)
+    statvfs = os.statvfs
+    monkeypatch.setattr(shm_workspace, "SHM_DIR", tmp_path)
+    monkeypatch.setattr(shm_workspace.os, "statvfs", lambda path: SimpleNamespace(
+        f_bavail=16, f_frsize=4096) if Path(path) == tmp_path else statvfs(path))
+    return tmp_path
+
+
+def test_explain_for_this_machine_runs_the_local_checks_creation_runs(
+        shm_dir_without_room: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """/dev/shm could not hold the segment: explain said shm, negotiation picked torch."""
+    from arfuse.cli import main
+    from arfuse.cli.explain import LOCAL_CHECKS_NOT_RUN, LOCAL_CHECKS_RUN
+
+    assert main(["explain", "--world-size", "2", "--max-tokens", "64", "--hidden", "256",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["backend"] == "torch" and plan["local_checks"] == LOCAL_CHECKS_RUN, plan
+    shm = next(c for c in plan["candidates"] if c["backend"] == "shm")
+    assert not shm["viable"] and shm["reason"].startswith(f"{shm_dir_without_room} has 64 KiB")
+    # a topology file describes another group: this machine's checks do not apply, and say so
+    assert main(["explain", "--topology", str(ROOT / "examples/topologies/cpu-host-2.json")]) == 0
+    text = capsys.readouterr().out
+    assert "chosen: shm" in text and f"local checks: {LOCAL_CHECKS_NOT_RUN}" in text
+
+
+def test_run_refuses_before_starting_ranks_what_their_local_checks_refuse(
+        shm_dir_without_room: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from arfuse.cli import launch, main
+
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("ranks were started"))
+    assert main(["run", "--tokens", "64", "--hidden", "256", "--backend", "shm", "--strict"]) == 2
+    error = capsys.readouterr().err
+    assert "ARFUSE_STRICT=1 and no fused backend can run here" in error
+    assert f"{shm_dir_without_room} has 64 KiB free" in error

@@ -189,14 +189,7 @@ def _local_payload(ctx: GroupContext, spec: Spec) -> dict[str, Any]:
     facts = topology.local_facts(ctx.device)
     file_topology = (topology.load(settings.topology_path).to_dict()
                      if settings.topology_path else None)
-    blocked: dict[str, str] = {}
-    for descriptor in catalog.descriptors():
-        name = descriptor.name
-        if ctx.device not in descriptor.devices:
-            continue  # the policy rules it out from the device alone; no local check to pay
-        why = _local_blocker(ctx, name, spec)
-        if why:
-            blocked[name] = why
+    blocked = local_blockers(ctx, spec)
     return {
         "spec": asdict(spec),
         "settings": {"backend": settings.backend, "strict": settings.strict,
@@ -205,6 +198,20 @@ def _local_payload(ctx: GroupContext, spec: Spec) -> dict[str, Any]:
         "file_topology": file_topology,
         "blocked": blocked,
     }
+
+
+def local_blockers(ctx: GroupContext, spec: Spec) -> dict[str, str]:
+    """This rank's local checks (``Backend.blocker``) of every backend its device allows: the
+    backends it cannot create, with why. ``arfuse explain`` runs them too, so that its plan for
+    this machine is the one creation finds."""
+    blocked: dict[str, str] = {}
+    for descriptor in catalog.descriptors():
+        if ctx.device not in descriptor.devices:
+            continue  # the policy rules it out from the device alone; no local check to pay
+        why = _local_blocker(ctx, descriptor.name, spec)
+        if why:
+            blocked[descriptor.name] = why
+    return blocked
 
 
 def _local_blocker(ctx: GroupContext, name: str, spec: Spec) -> str:

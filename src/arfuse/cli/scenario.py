@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import read_regular_file
-from .launch import die_with_parent
+from .launch import die_with_parent, rank_store, store_listener
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -643,8 +643,8 @@ def _fill_before_create(leave_bytes: int) -> None:
     shm_ws.ShmBackend.create = create  # type: ignore[method-assign]
 
 
-def _rank_main(scn: dict[str, Any], rank: int, world: int, port: int, env: dict[str, str],
-               report_path: str, init_timeout_s: float) -> None:
+def _rank_main(scn: dict[str, Any], rank: int, world: int, listener: socket.socket,
+               env: dict[str, str], report_path: str, init_timeout_s: float) -> None:
     """Entry of a forked rank: its own environment first (``ARFUSE_SHM_DIR`` is read when the
     shm backend is imported), then the process group, then the steps."""
     os.environ.update(env)
@@ -657,9 +657,10 @@ def _rank_main(scn: dict[str, Any], rank: int, world: int, port: int, env: dict[
             import torch.distributed as dist
 
             torch.set_num_threads(1)
-            dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                timeout=datetime.timedelta(seconds=init_timeout_s))
+            port = int(listener.getsockname()[1])
+            store = rank_store(rank, world, port, listener, init_timeout_s)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=init_timeout_s))
             program.run()
         except BaseException as exc:
             program.emit({"fatal": f"{type(exc).__name__}: {exc}", "rank": rank})
@@ -668,12 +669,6 @@ def _rank_main(scn: dict[str, Any], rank: int, world: int, port: int, env: dict[
 
 
 # --- one job (one scenario) -------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pgid_members(pgid: int) -> list[int]:
@@ -891,13 +886,13 @@ def run_job(scn: Scenario, deadline_s: float, tmp: Path | None = None) -> dict[s
 
             shm_build.load()  # built or imported once, before any rank's timed step
         ctx = mp.get_context("fork")
-        port = _free_port()
         reports = [tmp / f"rank{r}.jsonl" for r in range(world)]
-        procs = [ctx.Process(target=_rank_main, args=(data, r, world, port, envs[r],
-                                                      str(reports[r]), deadline_s))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
+        with store_listener() as listener:  # rank 0 serves the store on it; forks inherit it
+            procs = [ctx.Process(target=_rank_main, args=(data, r, world, listener, envs[r],
+                                                          str(reports[r]), deadline_s))
+                     for r in range(world)]
+            for p in procs:
+                p.start()
         pids = [int(p.pid or 0) for p in procs]
         want_hung = {int(r) for r in data.get("expect", {}).get("hung", [])}
         end = started + deadline_s
