@@ -445,16 +445,16 @@ def test_a_store_listener_holds_its_port_until_rank_0_lets_it_go() -> None:
 
     listener = store_listener()
     port = listener.getsockname()[1]
-    with socket.socket() as probe, pytest.raises(OSError):
-        probe.bind(("127.0.0.1", port))
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
     host = rank_store(0, 2, port, listener, 10.0)
     client = rank_store(1, 2, port, None, 10.0)
     client.set("key", "value")
     assert host.get("key") == b"value"
     del host, client
     gc.collect()
-    with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
-        probe.connect(("127.0.0.1", port))
+    with socket.socket() as other, pytest.raises(ConnectionRefusedError):
+        other.connect(("127.0.0.1", port))
 
 
 def _children(pid: int) -> set[int]:

@@ -838,9 +838,9 @@ def rank_finds_the_store_port_taken_before_rank0_starts(rank: int, world: int,
     port = int(os.environ["MASTER_PORT"])
     checked = Path(directory, "checked")
     if rank == 1:
-        with socket.socket() as probe:
+        with socket.socket() as other:
             try:
-                probe.bind(("127.0.0.1", port))
+                other.bind(("127.0.0.1", port))
                 verdict = "free"
             except OSError:
                 verdict = "held"
