@@ -140,3 +140,80 @@ def fp8_dynamic_call(rank: int, world: int, backend: str) -> dict[str, Any]:
             "matches_reference": bool(torch.equal(res.quant_out.view(torch.uint8),
                                                   codes.view(torch.uint8))
                                       and torch.equal(res.scale_out, scales))}
+
+
+def bad_tensor_calls(tokens: int, hidden: int, dtype: torch.dtype) -> dict[str, dict[str, Any]]:
+    """Calls whose tensor argument does not hold plain values in its memory (sparse, nested,
+    meta, quantized, a lazily negated view), or whose x is complex or a conjugate view, and
+    numbers that are meta tensors, by name. Each must be a ValueError or TypeError naming the
+    argument, on every backend and path (the shm kernel's fast path declines them)."""
+    import warnings
+
+    def plain() -> torch.Tensor:
+        return torch.randn(tokens, hidden).to(dtype)
+
+    def weight() -> torch.Tensor:
+        return (torch.rand(hidden) + 0.5).to(dtype)
+
+    def quiet(make: Any) -> Any:
+        """``make`` without torch's notes that these kinds are beta, prototype or deprecated."""
+        def made() -> torch.Tensor:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return make()
+        return made
+
+    def kinds(make: Any) -> dict[str, Any]:
+        def nested() -> torch.Tensor:
+            like = make()
+            return torch.nested.nested_tensor([like, like] if like.dim() == 2 else [like])
+
+        def sparse_csr() -> torch.Tensor:
+            like = make()
+            return like.to_sparse_csr() if like.dim() == 2 else like.to_sparse()
+
+        return {"sparse": lambda: make().to_sparse(),
+                "sparse CSR": quiet(sparse_csr),
+                "nested": quiet(nested),
+                "meta": lambda: torch.empty_like(make(), device="meta"),
+                "quantized": quiet(lambda: torch.quantize_per_tensor(make().float(), 0.1, 0,
+                                                                     torch.qint8)),
+                "negative view": lambda: torch._neg_view(make())}
+
+    calls: dict[str, dict[str, Any]] = {}
+    for kind, bad in kinds(plain).items():
+        calls[f"x {kind}"] = {"x": bad()}
+        calls[f"residual {kind}"] = {"x": plain(), "residual": bad(), "weight": weight()}
+        calls[f"out {kind}"] = {"x": plain(), "out": bad()}
+        calls[f"residual_out {kind}"] = {"x": plain(), "weight": weight(),
+                                         "residual_out": bad()}
+    for kind, bad in kinds(weight).items():
+        calls[f"weight {kind}"] = {"x": plain(), "weight": bad()}
+    complex_x = torch.randn(tokens, hidden, dtype=torch.complex64)
+    calls["x complex"] = {"x": complex_x}
+    calls["x conjugate view"] = {"x": complex_x.conj()}
+    meta_number = torch.tensor(1e-6, device="meta")
+    calls["eps meta"] = {"x": plain(), "weight": weight(), "eps": meta_number}
+    calls["weight_bias meta"] = {"x": plain(), "weight": weight(), "weight_bias": meta_number}
+    calls["scale meta"] = {"x": plain(), "quant": "fp8", "scale": meta_number}
+    return calls
+
+
+def argument_named(name: str) -> str:
+    """The argument a case of ``bad_tensor_calls`` is about: the first word of its name."""
+    return name.split(" ")[0]
+
+
+def bad_tensor_errors(rank: int, world: int, backend: str) -> dict[str, dict[str, Any]]:
+    """Every call of ``bad_tensor_calls`` on a real group: the error of each, then that a good
+    call still works (no rank left a call half done)."""
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,
+                                 backend=backend)
+    errors = {name: _error(lambda call=call: comm(**call))
+              for name, call in bad_tensor_calls(4, 64, torch.float32).items()}
+    ok = comm(torch.ones(2, 64)).out
+    errors["then"] = {"works": bool(torch.all(ok == world)), "backend": comm.backend}
+    comm.close()
+    return errors

@@ -15,14 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from arfuse.cli.launch import store_listener
+
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "arfuse"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -39,18 +35,23 @@ class RankResult:
         return f"RankResult(rank={self.rank}, {state})"
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, env: dict[str, str],
-           args: tuple[Any, ...], results: Any, init: bool) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int,
+           listener: socket.socket | None, env: dict[str, str], args: tuple[Any, ...],
+           results: Any, init: bool) -> None:
     os.environ.update(env)
     import torch
     import torch.distributed as dist
+
+    from arfuse.cli.launch import rank_store
 
     torch.set_num_threads(1)
     started = time.perf_counter()
     try:
         if init:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world, timeout=datetime.timedelta(seconds=30))
+            # rank 0 hosts the store, as in a plain init_process_group
+            store = rank_store(rank, world, port, listener, 30.0)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=30))
         value = fn(rank, world, *args)
         # plain pickle copies tensor data: torch's queue reducers would share memory that dies
         # with this process
@@ -73,12 +74,17 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, env: dict[str, str
     """
     expect = world if expect is None else expect
     results = _CTX.Queue()
-    port = free_port()
-    procs = [_CTX.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), args,
-                                                results, init), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
+    # bound and listening before any rank starts, handed to rank 0 only: no other run can be
+    # given its port (a port found free, closed and bound again later could be)
+    with store_listener() as listener:
+        port = int(listener.getsockname()[1])
+        procs = [_CTX.Process(target=_entry, args=(fn, r, world, port,
+                                                    listener if r == 0 and init else None,
+                                                    dict(env or {}), args, results, init),
+                              daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
     out: dict[int, RankResult] = {}
     deadline = time.monotonic() + timeout
     while len(out) < expect and time.monotonic() < deadline:

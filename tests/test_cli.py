@@ -44,7 +44,7 @@ def test_explain_on_shipped_topologies(name: str, backend: str, fallback: bool,
     plan = explain_json("--topology", str(TOPOLOGIES / name))
     assert set(plan) == {"requested", "explicit", "backend", "candidates", "allow_fallback",
                          "fused", "quant_fusion", "node_count", "workspace_bytes",
-                         "max_fused_tokens", "warnings"}
+                         "max_fused_tokens", "warnings", "local_checks"}
     assert plan["backend"] == backend and plan["allow_fallback"] is fallback
     assert [c["backend"] for c in plan["candidates"] if c["viable"]] == viable
     assert all(c["reason"] for c in plan["candidates"])
@@ -67,6 +67,7 @@ def test_explain_human_output_for_this_machine() -> None:
 
 
 RUN_SMALL = ["--world-size", "2", "--tokens", "1", "--hidden", "64", "--steps", "1"]
+HUGE = "99999999999999999999"  # beyond int64
 
 
 @pytest.mark.parametrize(("args", "env", "message"), [
@@ -88,6 +89,26 @@ RUN_SMALL = ["--world-size", "2", "--tokens", "1", "--hidden", "64", "--steps", 
     (["bench", "--tokens", "1", "--out", __file__], {}, "is a file"),
     (["bench", "--tokens", "1"], {"ARFUSE_TIMEOUT_S": "bogus"}, "ARFUSE_TIMEOUT_S"),
     (["bench", "--tokens", "1"], {"ARFUSE_FAULTS": "bogus"}, "ARFUSE_FAULTS"),
+    # sizes no kernel takes, and jobs this machine cannot hold: refused before any rank starts
+    (["explain", "--world-size", HUGE], {}, "--world-size: '99999999999999999999' is too large"),
+    (["doctor", "--world-size", HUGE], {}, "--world-size: '99999999999999999999' is too large"),
+    (["run", *RUN_SMALL, "--world-size", HUGE], {}, "--world-size"),
+    (["run", *RUN_SMALL, "--world-size", "65536"], {}, "more ranks than this machine runs"),
+    (["bench", "--tokens", "1", "--world-size", "65536"], {}, "more ranks than this machine"),
+    (["run", *RUN_SMALL, "--tokens", HUGE], {}, "--tokens: '99999999999999999999' is too large"),
+    (["run", *RUN_SMALL, "--tokens", f"1,{HUGE}"], {}, "use 1..2147483647"),
+    (["run", *RUN_SMALL, "--hidden", HUGE], {}, "--hidden: '99999999999999999999' is too large"),
+    (["run", *RUN_SMALL, "--hidden", "2147483647"], {}, "GiB of memory"),
+    (["bench", "--tokens", "1", "--hidden", "2147483647", "--backends", "torch"], {},
+     "GiB of memory"),
+    (["explain", "--max-tokens", HUGE], {}, "--max-tokens"),
+    (["run", *RUN_SMALL, "--world-size", "3"],
+     {"ARFUSE_TOPOLOGY": str(TOPOLOGIES / "cpu-host-2.json")},
+     "ARFUSE_TOPOLOGY describes world_size=2 but the job has 3 ranks"),
+    (["bench", "--tokens", "1", "--min-seconds", "-1"], {}, "--min-seconds: '-1' is not valid"),
+    (["bench", "--tokens", "1", "--min-seconds", "nan"], {}, "--min-seconds: 'nan' is not valid"),
+    (["bench", "--tokens", "1", "--min-seconds", "0"], {}, "--min-seconds: '0' is not valid"),
+    (["bench", "--tokens", "1", "--min-seconds", "inf"], {}, "--min-seconds: 'inf' is not valid"),
 ])
 def test_bad_settings_exit_2_with_one_line(args: list[str], env: dict[str, str],
                                            message: str) -> None:
@@ -319,3 +340,149 @@ def test_sigterm_to_a_job_stops_its_ranks(tmp_path: Path) -> None:
     finally:
         if job.poll() is None:
             job.kill()
+
+
+def test_a_world_size_beyond_what_the_cpus_run_is_refused_with_the_rule(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from arfuse.cli import launch
+
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 8)
+    assert launch.max_cpu_ranks() == 32
+    launch.check_ranks(launch.JobRanks(32, 32, True), "cpu")
+    with pytest.raises(ValueError, match=r"--world-size 33 is more ranks than this machine "
+                       r"runs: at most 32 on the CPU \(4 per usable CPU, 8 here, and never "
+                       r"fewer than 16"):
+        launch.check_ranks(launch.JobRanks(33, 33, True), "cpu")
+    launch.check_ranks(launch.JobRanks(33, 1, False), "cpu")  # torchrun started them
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 1)
+    assert launch.max_cpu_ranks() == 16  # the shm backend's whole range, on any machine
+
+
+def test_bench_refuses_more_ranks_than_its_shm_rows_can_use(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from arfuse.cli import launch, main
+
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 8)  # 17 ranks are allowed here
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("ranks were started"))
+    assert main(["bench", "--tokens", "1", "--world-size", "17", "--backends", "shm"]) == 2
+    assert "world size 17 not in 2..16" in capsys.readouterr().err
+
+
+LAUNCHED = {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+@pytest.mark.parametrize(("env", "gpus", "device"), [
+    ({"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}, 1, "cuda"),
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "3"}, 4, "cuda"),
+    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "1"}, 2, "cpu"),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}, 0, "cpu"),
+])
+def test_under_torchrun_the_device_follows_the_launchers_ranks(
+        monkeypatch: pytest.MonkeyPatch, env: dict[str, str], gpus: int, device: str) -> None:
+    """The device was derived from --world-size's default (2), not from the ranks torchrun
+    started on this host: one rank per GPU of a 1-GPU host ran on the CPU, four ranks on a
+    2-GPU host on CUDA."""
+    from arfuse.cli import build_parser, launch
+    from arfuse.cli import run as run_verb
+
+    for name, value in {**LAUNCHED, **env}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    ranks = launch.job_ranks(None)
+    assert ranks == launch.JobRanks(int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"]), False)
+    assert launch.default_device(ranks) == device
+    seen: dict[str, str] = {}
+    monkeypatch.setattr(launch, "launch", lambda body, world, opts, **kw: seen.update(
+        device=opts.device, world=str(world)) or 0)
+    monkeypatch.setattr("arfuse.cli.explain.check_job", lambda *a: None)
+    parsed = build_parser().parse_args(["run", "--tokens", "1", "--hidden", "64"])
+    assert run_verb.run(parsed) == 0
+    assert seen == {"device": device, "world": env["WORLD_SIZE"]}
+
+
+def test_under_torchrun_a_world_size_other_than_the_launchers_is_refused() -> None:
+    env = {**LAUNCHED, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    result = arfuse("run", *RUN_SMALL, env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--world-size 2, but the launcher started 1 ranks (WORLD_SIZE)" in result.stderr
+
+
+def test_run_under_torchrun_joins_the_ranks_it_started() -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed here")
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "arfuse.cli", "run",
+         "--tokens", "1", "--hidden", "64", "--steps", "1"], capture_output=True, text=True,
+        timeout=300, cwd=ROOT, env={**os.environ, "ARFUSE_LOG": "warning",
+                                    "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "world size 2, hidden 64" in result.stdout and "negotiated: shm" in result.stdout
+
+
+def test_the_job_store_port_is_held_before_any_rank_starts(tmp_path: Path) -> None:
+    """A port found free and closed again (then bound by rank 0 later) could go to another
+    job started at the same moment: the launcher holds its store's port from the moment the
+    system picked it. Rank 1 looks while rank 0 has not started."""
+    from arfuse.cli.launch import launch
+
+    import workers
+
+    assert launch(workers.rank_finds_the_store_port_taken_before_rank0_starts, 2,
+                  str(tmp_path)) == 0
+    assert (tmp_path / "verdict").read_text() == "held"
+
+
+def test_a_store_listener_holds_its_port_until_rank_0_lets_it_go() -> None:
+    """How the scenario runner and the test harness start ranks whose rank 0 hosts the store
+    (as a plain init_process_group does): the port is bound and listening before any rank
+    starts, and goes with rank 0."""
+    import gc
+    import socket
+
+    from arfuse.cli.launch import rank_store, store_listener
+
+    listener = store_listener()
+    port = listener.getsockname()[1]
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
+    host = rank_store(0, 2, port, listener, 10.0)
+    client = rank_store(1, 2, port, None, 10.0)
+    client.set("key", "value")
+    assert host.get("key") == b"value"
+    del host, client
+    gc.collect()
+    with socket.socket() as other, pytest.raises(ConnectionRefusedError):
+        other.connect(("127.0.0.1", port))
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text()
+        found.update(int(p) for p in text.split())
+    return found
+
+
+def test_a_closed_output_ends_the_job_quietly_with_every_rank() -> None:
+    """``arfuse run | head``: rank 0's print found the pipe closed (BrokenPipeError, exit 1 and
+    a line per rank); now the job stops every rank and exits 0, saying nothing."""
+    job = subprocess.Popen([sys.executable, "-m", "arfuse.cli", "run", *RUN_SMALL],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                           env={**os.environ, "ARFUSE_LOG": "warning"})
+    try:
+        assert job.stdout is not None and job.stderr is not None
+        assert job.stdout.readline().startswith("arfuse plan:")
+        started = _children(job.pid)
+        job.stdout.close()  # as head does once it has its lines
+        assert job.wait(timeout=120) == 0
+        assert job.stderr.read() == ""
+    finally:
+        if job.poll() is None:
+            job.kill()
+    for _ in range(200):
+        if not [p for p in started if os.path.exists(f"/proc/{p}")]:
+            break
+        time.sleep(0.05)
+    assert not [p for p in started if os.path.exists(f"/proc/{p}")]

@@ -284,3 +284,150 @@ def test_an_empty_hosts_list_is_a_wrong_length_not_one_host() -> None:
     with pytest.raises(ValueError, match="hosts has 0 entries but world_size=4"):
         Topology.from_dict({"device": "cpu", "world_size": 4, "hosts": []})
     assert Topology.from_dict({"device": "cpu", "world_size": 4}).node_count == 1  # left out
+
+
+# --- paths the user gives: only regular files are read ---
+
+def _fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "fifo.json"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "directory", "character device"])
+def test_a_topology_path_that_is_no_regular_file_is_refused_naming_its_source(
+        tmp_path: Path, kind: str) -> None:
+    """A FIFO blocked open() forever (no writer ever comes); a device or a directory is no
+    file of settings either. Each is refused at once, naming the path and where it came from.
+    Run in a child process: the old behaviour hangs, and the test must fail, not hang."""
+    path = {"FIFO": lambda: _fifo(tmp_path), "directory": lambda: tmp_path,
+            "character device": lambda: Path("/dev/null")}[kind]()
+    code = ("import sys; from arfuse import topology\n"
+            "try:\n"
+            f"    topology.load({str(path)!r}, '--topology')\n"
+            "except ValueError as exc:\n"
+            "    print(exc); sys.exit(3)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert f"topology file {str(path)!r} (--topology) is not a regular file ({'a ' + kind})" \
+        in result.stdout
+
+
+def test_an_arfuse_topology_fifo_fails_creation_instead_of_blocking(tmp_path: Path) -> None:
+    path = _fifo(tmp_path)
+    code = ("import sys, torch, arfuse\n"
+            "try:\n"
+            "    arfuse.FusedAllReduce(max_token_num=4, hidden_dim=16, dtype=torch.float32,\n"
+            "                          timeout_s=3)\n"
+            "except ValueError as exc:\n"
+            "    print(exc); sys.exit(3)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT,
+                            env={**os.environ, "ARFUSE_TOPOLOGY": str(path),
+                                 "ARFUSE_LOG": "warning"})
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "(ARFUSE_TOPOLOGY) is not a regular file (a FIFO)" in result.stdout
+
+
+@pytest.mark.parametrize("source", ["flag", "variable"])
+def test_explain_with_a_fifo_topology_is_one_line_exit_2(tmp_path: Path, source: str) -> None:
+    path = _fifo(tmp_path)
+    if source == "flag":
+        result = _explain("--topology", str(path))
+    else:
+        result = _explain(env={"ARFUSE_TOPOLOGY": str(path)})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert ("(--topology)" if source == "flag" else "(ARFUSE_TOPOLOGY)") in result.stderr
+    assert "not a regular file (a FIFO)" in result.stderr
+
+
+def test_a_fifo_among_scenario_files_fails_that_scenario_instead_of_blocking(
+        tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "blocked.toml")
+    result = subprocess.run([sys.executable, "-m", "arfuse.cli", "scenario", "run",
+                             str(tmp_path)], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT, env={**os.environ, "ARFUSE_LOG": "warning"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAIL" in result.stdout and "is not a regular file (a FIFO)" in result.stdout
+
+
+# --- tensors that hold no plain values, complex x, meta numbers: errors naming the argument ---
+
+BAD_TENSOR_CALLS = dw.bad_tensor_calls(2, 16, torch.float32)
+
+
+@pytest.mark.parametrize("name", list(BAD_TENSOR_CALLS))
+def test_a_tensor_argument_without_plain_values_is_an_error_naming_it(name: str) -> None:
+    """Sparse, nested, meta or quantized tensors, lazily negated or conjugated views, complex x
+    and meta numbers: torch-internal RuntimeErrors, misleading advice ("call .contiguous()")
+    or, for a negated view, a result from its raw memory. One process: the torch backend."""
+    comm = arfuse.FusedAllReduce(max_token_num=4, hidden_dim=16, dtype=torch.float32)
+    try:
+        with pytest.raises((ValueError, TypeError)) as info:
+            comm(**dw.bad_tensor_calls(2, 16, torch.float32)[name])
+        assert dw.argument_named(name) in str(info.value), info.value
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("backend", ["torch", "shm"])
+def test_tensor_arguments_without_plain_values_are_errors_on_a_real_group(backend: str) -> None:
+    """The same calls on two ranks: on shm they reach the kernel's fast path first, which must
+    decline each so that the Python path raises the error that names the argument."""
+    for errors in values(run_ranks(dw.bad_tensor_errors, 2, backend, timeout=120)):
+        assert errors.pop("then") == {"works": True, "backend": backend}
+        for name, error in errors.items():
+            assert error["type"] in ("ValueError", "TypeError"), (name, error)
+            assert dw.argument_named(name) in error["error"], (name, error)
+
+
+# --- explain runs the local checks creation runs ---
+
+@pytest.fixture
+def shm_dir_without_room(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The shm backend's directory with 64 KiB free: too small for any segment here."""
+    from types import SimpleNamespace
+
+    from arfuse.backends.shm import workspace as shm_workspace
+
+    if torch.cuda.is_available():
+        pytest.skip("explain plans for CUDA ranks on this machine: shm is not a candidate")
+    for name in ("ARFUSE_TOPOLOGY", "ARFUSE_BACKEND", "ARFUSE_STRICT"):
+        monkeypatch.delenv(name, raising=False)
+    statvfs = os.statvfs
+    monkeypatch.setenv("ARFUSE_SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(shm_workspace.os, "statvfs", lambda path: SimpleNamespace(
+        f_bavail=16, f_frsize=4096) if Path(path) == tmp_path else statvfs(path))
+    return tmp_path
+
+
+def test_explain_for_this_machine_runs_the_local_checks_creation_runs(
+        shm_dir_without_room: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """/dev/shm could not hold the segment: explain said shm, negotiation picked torch."""
+    from arfuse.cli import main
+    from arfuse.cli.explain import LOCAL_CHECKS_NOT_RUN, LOCAL_CHECKS_RUN
+
+    assert main(["explain", "--world-size", "2", "--max-tokens", "64", "--hidden", "256",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["backend"] == "torch" and plan["local_checks"] == LOCAL_CHECKS_RUN, plan
+    shm = next(c for c in plan["candidates"] if c["backend"] == "shm")
+    assert not shm["viable"] and shm["reason"].startswith(f"{shm_dir_without_room} has 64 KiB")
+    # a topology file describes another group: this machine's checks do not apply, and say so
+    assert main(["explain", "--topology", str(ROOT / "examples/topologies/cpu-host-2.json")]) == 0
+    text = capsys.readouterr().out
+    assert "chosen: shm" in text and f"local checks: {LOCAL_CHECKS_NOT_RUN}" in text
+
+
+def test_run_refuses_before_starting_ranks_what_their_local_checks_refuse(
+        shm_dir_without_room: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from arfuse.cli import launch, main
+
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("ranks were started"))
+    assert main(["run", "--tokens", "64", "--hidden", "256", "--backend", "shm", "--strict"]) == 2
+    error = capsys.readouterr().err
+    assert "ARFUSE_STRICT=1 and no fused backend can run here" in error
+    assert f"{shm_dir_without_room} has 64 KiB free" in error

@@ -27,6 +27,7 @@ from arfuse.epilogue import FusedOutput
 from arfuse.pattern import Pattern
 
 import workers
+from defect_workers import bad_tensor_calls
 from harness import run_ranks, values
 
 DTYPE = {torch.bfloat16: (0, "bf16"), torch.float16: (1, "fp16"), torch.float32: (2, "fp32")}
@@ -311,6 +312,9 @@ BAD: dict[str, tuple[str, Build]] = {
     "out and residual_out same": ("fp32", lambda c: (lambda o: {
         "x": c.x(), "residual": c.x(), "weight": c.w(), "out": o, "residual_out": o})(
         torch.empty(c.tokens, c.hidden))),
+    # tensors whose memory does not hold their values as they read, complex x, meta numbers
+    **{name: ("fp32", lambda c, name=name: bad_tensor_calls(c.tokens, c.hidden, c.dtype)[name])
+       for name in bad_tensor_calls(2, 16, torch.float32)},
 }
 
 COMMS: dict[str, Callable[[], Comm]] = {

@@ -1030,3 +1030,36 @@ def create_with_user_files_in_the_working_directory(rank: int, world: int,
     comm.close()
     torch.distributed.barrier()
     return sorted(os.listdir(directory))
+
+
+def rank_finds_the_store_port_taken_before_rank0_starts(rank: int, world: int,
+                                                        directory: str) -> int:
+    """Rank 1 tries to bind the job's MASTER_PORT while rank 0 has not started yet: the port
+    must already be held (a port found free, then bound by rank 0 later, can be taken by
+    anyone in between). Then the ranks meet through it, from the environment."""
+    import socket
+
+    import torch.distributed as dist
+
+    from arfuse.cli.launch import init_from_env
+
+    port = int(os.environ["MASTER_PORT"])
+    checked = Path(directory, "checked")
+    if rank == 1:
+        with socket.socket() as other:
+            try:
+                other.bind(("127.0.0.1", port))
+                verdict = "free"
+            except OSError:
+                verdict = "held"
+        Path(directory, "verdict").write_text(verdict)
+        checked.touch()
+    else:
+        for _ in range(1200):
+            if checked.exists():
+                break
+            time.sleep(0.05)
+    init_from_env("cpu", timeout_s=60)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return 0 if int(total.item()) == world else 1

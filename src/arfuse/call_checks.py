@@ -62,8 +62,15 @@ class CallArgs:
 
 
 def real_number(value: Any, name: str) -> float:
-    """A real scalar as a Python float: int, float, NumPy scalar, or a one-element tensor."""
+    """A real scalar as a Python float: int, float, NumPy scalar, or a one-element tensor
+    that holds its value (not a meta or nested tensor)."""
     if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            raise TypeError(f"{name} must be a number or a one-element tensor, got a nested "
+                            "tensor")
+        if value.is_meta:
+            raise ValueError(f"{name} is a meta tensor, which holds no value; pass a number "
+                             "or a one-element tensor with data")
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
                              f"{tuple(value.shape)}")
@@ -131,6 +138,7 @@ def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, wei
     if weight is not None:
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        check_plain(weight, "weight")
         if tuple(weight.shape) != (shape.hidden,):
             raise ValueError(f"weight must have shape ({shape.hidden},), got "
                              f"{tuple(weight.shape)}")
@@ -163,9 +171,29 @@ def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, wei
                     residual_out, op)
 
 
+def check_plain(tensor: torch.Tensor, name: str) -> None:
+    """A tensor whose memory holds its values as they read: dense (strided) and not nested,
+    not quantized, and no lazy conjugate or negative view (the kernels read raw memory)."""
+    if tensor.layout is torch.strided and not (tensor.is_nested or tensor.is_quantized
+                                               or tensor.is_conj() or tensor.is_neg()):
+        return
+    if tensor.is_nested:
+        raise ValueError(f"{name} is a nested tensor; pass a dense [tokens, hidden] tensor")
+    if tensor.layout is not torch.strided:
+        raise ValueError(f"{name} has layout {tensor.layout}; pass a dense (torch.strided) "
+                         "tensor (.to_dense())")
+    if tensor.is_quantized:
+        raise ValueError(f"{name} is a quantized tensor ({tensor.dtype}); pass a bf16, fp16 "
+                         "or fp32 tensor (.dequantize())")
+    if tensor.is_conj():
+        raise ValueError(f"{name} is a lazily conjugated view; call .resolve_conj() first")
+    raise ValueError(f"{name} is a lazily negated view; call .resolve_neg() first")
+
+
 def _check_x(shape: OpShape, x: Any) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_plain(x, "x")
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
     if x.dtype != shape.dtype:
@@ -182,6 +210,7 @@ def _check_x(shape: OpShape, x: Any) -> None:
 def check_like(tensor: Any, x: torch.Tensor, name: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    check_plain(tensor, name)
     if tensor.shape != x.shape:
         raise ValueError(f"{name} has shape {tuple(tensor.shape)}; x has {tuple(x.shape)}")
     if tensor.dtype != x.dtype:

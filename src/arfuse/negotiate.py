@@ -79,20 +79,27 @@ def _local_payload(ctx: GroupContext, spec: Spec) -> dict[str, Any]:
     facts = topology.local_facts(ctx.device)
     file_topology = (topology.load(settings.topology_path).to_dict()
                      if settings.topology_path else None)
-    blocked: dict[str, str] = {}
-    for descriptor in catalog.descriptors():
-        name = descriptor.name
-        if ctx.device not in descriptor.devices:
-            continue  # the policy rules it out from the device alone; no local check to pay
-        why = _local_check(ctx, name, spec)
-        if why:
-            blocked[name] = why
+    blocked = local_blockers(ctx, spec)
     return {
         "facts": asdict(facts),
         "file_topology": file_topology,
         "blocked": blocked,
         "backends": {d.name: d.implementation for d in catalog.descriptors()},
     }
+
+
+def local_blockers(ctx: GroupContext, spec: Spec) -> dict[str, str]:
+    """This rank's local checks (``Backend.local_check``) of every backend its device allows:
+    the backends it cannot create, with why. ``arfuse explain`` runs them too, so that its plan
+    for this machine is the one creation finds."""
+    blocked: dict[str, str] = {}
+    for descriptor in catalog.descriptors():
+        if ctx.device not in descriptor.devices:
+            continue  # the policy rules it out from the device alone; no local check to pay
+        why = _local_check(ctx, descriptor.name, spec)
+        if why:
+            blocked[descriptor.name] = why
+    return blocked
 
 
 def _local_check(ctx: GroupContext, name: str, spec: Spec) -> str:

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .files import read_regular_file
+
 DEVICES = ("cpu", "cuda")
 MAX_WORLD_SIZE = 1 << 16          # far beyond any all-reduce group; bounds what a file may ask
 MAX_FILE_BYTES = 4 << 20          # a topology of MAX_WORLD_SIZE ranks fits with room to spare
@@ -147,16 +149,14 @@ def _safe_bool(data: Mapping[str, Any], name: str, reasons: Mapping[str, Any]) -
     return value
 
 
-def load(path: str | os.PathLike[str]) -> Topology:
-    """Read a topology JSON file; every problem is a ``ValueError`` naming the file. What is
-    read is bounded (file size, nesting, world size), so an absurd file fails at once."""
+def load(path: str | os.PathLike[str], source: str = "ARFUSE_TOPOLOGY") -> Topology:
+    """Read a topology JSON file; every problem is a ``ValueError`` naming the file and
+    ``source``, where its path came from (``ARFUSE_TOPOLOGY``, ``--topology``). Only a regular
+    file is read (a FIFO or a device would block), and what is read is bounded (file size,
+    nesting, world size), so an absurd file fails at once."""
     path = Path(path)
-    name = repr(str(path))
-    try:
-        with path.open("rb") as handle:
-            raw = handle.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(f"cannot read topology file {name}: {exc.strerror}") from None
+    name = f"{str(path)!r} ({source})"
+    raw = read_regular_file(path, MAX_FILE_BYTES, f"topology file {name}")
     if len(raw) > MAX_FILE_BYTES:
         raise ValueError(f"topology file {name} is larger than {MAX_FILE_BYTES >> 20} MiB; a "
                          "topology lists one host per rank and needs far less")
@@ -277,6 +277,8 @@ def _nvlink_all_pairs(facts: Sequence[LocalFacts]) -> tuple[bool | None, list[in
     trivially yes.) Also the ranks whose missing facts leave it unknown."""
     if any(f.nvlink_all_pairs is False for f in facts):
         return False, []
+    if all(f.nvlink_all_pairs for f in facts):
+        return True, []  # every rank reaches every GPU of its host: no pair to judge
     by_host: dict[str, list[int]] = {}
     for rank, f in enumerate(facts):
         by_host.setdefault(f.host, []).append(rank)

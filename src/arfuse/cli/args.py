@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import NoReturn
 
 from .. import settings
 from ..dtypes import parse_dtype
 from ..spec import parse_quant
+from ..topology import MAX_WORLD_SIZE
+
+CALL_SIZE_MAX = 2**31 - 1
+"""Tokens and hidden size of a call: FlashInfer's kernels take both as 32-bit ints, so no larger
+value describes a call arfuse could fuse (and every size a job derives from them stays far
+inside torch's 64-bit sizes)."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -17,24 +24,56 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def positive_int(text: str) -> int:
+def _int(text: str, high: int | None, why: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    if high is not None and value > high:
+        raise argparse.ArgumentTypeError(f"{text!r} is too large; use 1..{high} ({why})")
     return value
 
 
+def positive_int(text: str) -> int:
+    return _int(text, None, "")
+
+
+def call_size(text: str) -> int:
+    """Tokens or hidden size of a call: 1..CALL_SIZE_MAX."""
+    return _int(text, CALL_SIZE_MAX, "the GPU kernels take it as a 32-bit int")
+
+
+def group_size(text: str) -> int:
+    """Ranks of a group arfuse describes: 1..MAX_WORLD_SIZE (whether this machine can start
+    them is the launcher's check, ``launch.check_ranks``)."""
+    return _int(text, MAX_WORLD_SIZE, "the largest group a topology describes")
+
+
 def int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
-    if not values or any(v < 1 for v in values):
+    """Comma list of call sizes (token counts), each 1..CALL_SIZE_MAX."""
+    items = [v for v in text.split(",") if v.strip()]
+    if not items:
         raise argparse.ArgumentTypeError(f"{text!r} must list integers >= 1")
-    return tuple(values)
+    try:
+        return tuple(call_size(v.strip()) for v in items)
+    except argparse.ArgumentTypeError as exc:
+        if len(items) == 1:
+            raise
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+
+def positive_seconds(text: str) -> float:
+    """A duration: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid; use a finite number of "
+                                         "seconds > 0, such as 0.3")
+    return value
 
 
 def dtype(text: str) -> str:
@@ -61,7 +100,7 @@ def quant(text: str) -> str | None:
 def add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=settings.backend_choices(), default=None,
                    help="backend to ask for (default: ARFUSE_BACKEND or auto)")
-    p.add_argument("--hidden", type=positive_int, default=4096, help="hidden size (4096)")
+    p.add_argument("--hidden", type=call_size, default=4096, help="hidden size (4096)")
     p.add_argument("--dtype", type=dtype, default="bf16", help="bf16, fp16 or fp32 (bf16)")
     p.add_argument("--quant", type=quant, default=None,
                    help="none, fp8, nvfp4 or fp8_dynamic (none)")

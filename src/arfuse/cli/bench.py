@@ -796,37 +796,54 @@ ROWS = ("shm", "torch", "deepspeed")
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="latency sweep: shm vs torch (gloo) vs deepspeed")
-    p.add_argument("--world-size", type=cli_args.positive_int, default=2, help="ranks (2)")
+    p.add_argument("--world-size", type=cli_args.group_size, default=None,
+                   help="ranks to start (2; under torchrun: the ranks it started)")
     p.add_argument("--tokens", type=cli_args.int_list, default=BENCH_TOKENS,
                    help="token counts (1,2,4,...,4096)")
-    p.add_argument("--hidden", type=cli_args.positive_int, default=4096,
+    p.add_argument("--hidden", type=cli_args.call_size, default=4096,
                    help="hidden size (4096)")
     p.add_argument("--dtype", type=cli_args.dtype_list, default=("bf16", "fp32"),
                    help="dtypes (bf16,fp32)")
     p.add_argument("--backends", default=",".join(ROWS),
                    help="rows to measure (shm,torch,deepspeed)")
     p.add_argument("--out", default="bench-out", help="folder for bench.json/.txt/.png")
-    p.add_argument("--min-seconds", type=float, default=0.3,
+    p.add_argument("--min-seconds", type=cli_args.positive_seconds, default=0.3,
                    help="measure each row for about this long (0.3)")
     p.set_defaults(func=run)
 
 
+def bytes_per_rank(tokens: int, hidden: int, dtypes: tuple[str, ...]) -> int:
+    """A lower bound of what one rank allocates at once: the largest size's input and
+    residual, of the widest dtype."""
+    return 2 * tokens * hidden * max(TORCH_DTYPES[d].itemsize for d in dtypes)
+
+
 def run(args: argparse.Namespace) -> int:
-    from .explain import job_settings
-    from .launch import launch
+    from ..spec import Spec
+    from .explain import check_job
+    from .launch import check_memory, job_ranks, launch
 
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     unknown = set(backends) - set(ROWS)
     if unknown or not backends:
         raise ValueError(f"--backends: {'unknown ' + str(sorted(unknown)) if unknown else 'none'}"
                          f"; use some of {', '.join(ROWS)}")
-    if args.world_size < 2:
+    ranks = job_ranks(args.world_size)
+    if ranks.world < 2:
         raise ValueError("--world-size must be >= 2 for a benchmark of a collective")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out} is a file; give a folder for bench.json/.txt/.png")
-    job_settings()  # what every rank would fail on, once here (one line, exit 2)
-    opts = BenchOptions(world_size=args.world_size, tokens=tuple(args.tokens),
+    # what every rank would fail on, once here (one line, exit 2); the shm rows ask for shm
+    # and nothing else, as the ranks do
+    shm = "shm" in backends
+    for dtype in args.dtype:
+        check_job("shm" if shm else None, True if shm else None, ranks, "cpu",
+                  Spec(max_tokens=max(args.tokens), hidden=args.hidden, dtype=dtype))
+    check_memory(bytes_per_rank(max(args.tokens), args.hidden, tuple(args.dtype)), ranks,
+                 f"--tokens {max(args.tokens)} --hidden {args.hidden} needs the inputs and "
+                 "residuals")
+    opts = BenchOptions(world_size=ranks.world, tokens=tuple(args.tokens),
                         hidden=args.hidden, dtypes=tuple(args.dtype), backends=backends,
                         out=args.out, min_seconds=args.min_seconds)
     if "deepspeed" in backends and not _prebuild_deepspeed() and backends == ("deepspeed",):
@@ -838,7 +855,7 @@ def run(args: argparse.Namespace) -> int:
         build.load()  # build once here, not in every rank at once
     # the report names the backend and its negotiation time; the plan log would only cut
     # through the progress bar (ARFUSE_LOG=info brings it back)
-    return launch(bench_body, args.world_size, opts,
+    return launch(bench_body, ranks.world, opts,
                   env={"OMP_NUM_THREADS": "1",
                        "ARFUSE_LOG": os.environ.get("ARFUSE_LOG", "warning")})
 

@@ -10,12 +10,12 @@ from .. import catalog, policy, settings, topology
 from ..dtypes import DTYPES
 from ..spec import Spec
 from . import args as cli_args
-from .explain import installation_blockers
+from .explain import this_machine_blockers
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("doctor", help="what this machine has, and which backends can run")
-    p.add_argument("--world-size", type=cli_args.positive_int, default=None,
+    p.add_argument("--world-size", type=cli_args.group_size, default=None,
                    help="ranks to check for (default: GPUs, or 2 on CPU)")
     p.set_defaults(func=run)
 
@@ -82,13 +82,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {directory}: {stat.f_bavail * stat.f_frsize / 2**30:.1f} GiB free")
     except OSError as exc:
         print(f"  {directory}: not usable ({exc.strerror})")
-    blocked = installation_blockers()
+    conf = settings.load()
     spec = Spec(max_tokens=2048, hidden=4096, dtype="bf16")
+    blocked = this_machine_blockers(conf, world, device, spec)  # what creation checks here
     print("\n  backend  can run here  why")
     for descriptor in catalog.descriptors():
         why = descriptor.unmet(topo, spec) or blocked.get(descriptor.name, "")
         print(f"  {descriptor.name:<8} {'yes' if not why else 'no':<13} {why or 'ok'}")
-    conf = settings.load()
     plan = policy.resolve(conf, topo, spec, blocked)
     print(f"\n  {picks_label(conf)}: {plan.backend} for {world} ranks (arfuse explain shows why)")
     removed = shm.clean_stale_segments()

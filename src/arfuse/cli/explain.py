@@ -9,14 +9,15 @@ from typing import Any
 from .. import catalog, faults, policy, settings, topology
 from ..spec import Spec
 from . import args as cli_args
+from .launch import JobRanks, check_ranks
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("explain", help="what arfuse would pick, and why")
     p.add_argument("--topology", default=None, help="topology JSON (default: this machine)")
-    p.add_argument("--world-size", type=cli_args.positive_int, default=None,
+    p.add_argument("--world-size", type=cli_args.group_size, default=None,
                    help="ranks, for this machine without --topology (default: GPUs, or 2 on CPU)")
-    p.add_argument("--max-tokens", type=cli_args.positive_int, default=2048,
+    p.add_argument("--max-tokens", type=cli_args.call_size, default=2048,
                    help="tokens per call (2048)")
     cli_args.add_spec_flags(p)
     p.add_argument("--strict", action="store_true", default=None,
@@ -25,13 +26,9 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _topology(args: argparse.Namespace, conf: settings.Settings) -> topology.Topology:
-    path = args.topology or conf.topology_path
-    if path:
-        return topology.load(path)
-    device = topology.default_device()
-    world = args.world_size or cli_args.default_world_size(device)
-    return topology.this_machine(world, device)
+LOCAL_CHECKS_RUN = "run on this machine, as creating the op runs them"
+LOCAL_CHECKS_NOT_RUN = ("not run: the plan is for the topology file, not this machine; each "
+                        "rank runs them when it creates the op")
 
 
 def installation_blockers() -> dict[str, str]:
@@ -46,12 +43,29 @@ def installation_blockers() -> dict[str, str]:
     return blocked
 
 
-def resolve(conf: settings.Settings, topo: topology.Topology, spec: Spec) -> policy.Plan:
+def this_machine_blockers(conf: settings.Settings, world: int, device: str,
+                          spec: Spec) -> dict[str, str]:
+    """What the local checks of creation (``negotiate.local_blockers``: free space in the shm
+    directory, a usable kernel, CUDA, FlashInfer) refuse here, for one rank of ``world`` on
+    this machine, and what this installation cannot import."""
+    from ..group import GroupContext
+    from ..negotiate import local_blockers
+    from ..rendezvous import Channel
+
+    what_if = GroupContext(group=None, rank=0, world_size=world, device=device, key="explain",
+                           channel=Channel(None, "arfuse/explain", 0, 1), settings=conf)
+    return {**installation_blockers(), **local_blockers(what_if, spec)}
+
+
+def resolve(conf: settings.Settings, topo: topology.Topology, spec: Spec,
+            blocked: dict[str, str] | None = None) -> policy.Plan:
     """The plan, with what the ranks would refuse first raised here: a malformed
     ARFUSE_FAULTS (the same error as in the API), an explicit backend the topology refuses,
-    strict with nothing fused."""
+    strict with nothing fused. ``blocked``: the backends that cannot run (default: what this
+    installation cannot import)."""
     faults.parse(conf.faults)
-    return policy.resolve(conf, topo, spec, installation_blockers())
+    return policy.resolve(conf, topo, spec,
+                          installation_blockers() if blocked is None else blocked)
 
 
 def job_settings(backend: str | None = None,
@@ -64,23 +78,39 @@ def job_settings(backend: str | None = None,
     return conf, topology.load(conf.topology_path) if conf.topology_path else None
 
 
-def check_job(backend: str | None, strict: bool | None, world_size: int, device: str,
+def check_job(backend: str | None, strict: bool | None, ranks: JobRanks, device: str,
               spec: Spec) -> None:
-    """``job_settings``, and a plan that cannot run or CUDA that is not there."""
+    """``job_settings``, ranks this machine cannot hold (``launch.check_ranks``), an
+    ARFUSE_TOPOLOGY file of another group size, and a plan that cannot run, with the local
+    checks each rank started here will run. Ranks a launcher such as torchrun started may
+    span hosts: their plan is left to the facts they gather."""
     conf, file_topology = job_settings(backend, strict)
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
-            raise ValueError(f"--device cuda: this machine has {torch.cuda.device_count()} "
-                             f"usable CUDA device(s) for {world_size} ranks")
-    resolve(conf, file_topology or topology.this_machine(world_size, device), spec)
+    check_ranks(ranks, device)
+    if file_topology is not None and file_topology.world_size != ranks.world:
+        raise ValueError(f"ARFUSE_TOPOLOGY describes world_size={file_topology.world_size} "
+                         f"but the job has {ranks.world} ranks")
+    if ranks.started_here:
+        resolve(conf, file_topology or topology.this_machine(ranks.world, device), spec,
+                this_machine_blockers(conf, ranks.world, device, spec))
+    elif file_topology is not None:
+        resolve(conf, file_topology, spec)
 
 
 def run(args: argparse.Namespace) -> int:
     conf = settings.load(backend=args.backend, strict=args.strict)
-    topo = _topology(args, conf)
     spec = Spec(max_tokens=args.max_tokens, hidden=args.hidden, dtype=args.dtype, quant=args.quant)
-    plan = resolve(conf, topo, spec)
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.explain())
+    if args.topology or conf.topology_path:
+        topo = (topology.load(args.topology, "--topology") if args.topology
+                else topology.load(str(conf.topology_path)))
+        plan, checks = resolve(conf, topo, spec), LOCAL_CHECKS_NOT_RUN
+    else:
+        device = topology.default_device()
+        world = args.world_size or cli_args.default_world_size(device)
+        plan = resolve(conf, topology.this_machine(world, device), spec,
+                       this_machine_blockers(conf, world, device, spec))
+        checks = LOCAL_CHECKS_RUN
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "local_checks": checks}, indent=2))
+    else:
+        print(f"{plan.explain()}\nlocal checks: {checks}")
     return 0

@@ -1,8 +1,12 @@
 """Start the ranks of a CLI job on this machine, or join the ones ``torchrun`` started.
 
 The launcher sets the standard ``torch.distributed`` environment (``MASTER_ADDR``,
-``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_SIZE``) so a job body can
-``init_process_group`` from the environment whether it runs under this launcher or torchrun.
+``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) so a job body
+can ``init_process_group`` from the environment whether it runs under this launcher or torchrun.
+As torchrun's agent does, the launcher itself hosts the job's store: it binds port 0 (the
+system picks a free port) and keeps it bound for the job's life, so two jobs started at once
+can never be handed one port, and the ranks connect to it as clients
+(``TORCHELASTIC_USE_AGENT_STORE``, read by torch's ``env://`` rendezvous).
 """
 
 from __future__ import annotations
@@ -18,19 +22,126 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 JobBody = Callable[[int, int, Any], int]
+
+RANKS_PER_CPU = 4
+"""A job started here runs at most this many ranks per usable CPU (and never fewer than the shm
+backend's largest group, so that one can always be tried): each rank is a process, and a typo
+in ``--world-size`` must not start thousands of them."""
+
+OUTPUT_CLOSED = 141
+"""A rank's exit code when the reader of the job's output went away (``arfuse run | head``):
+128 + SIGPIPE, as a shell reports a process that SIGPIPE ended. The job then ends quietly, with
+exit 0 (output cut short by its reader is not a failure of the job)."""
 
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@dataclass(frozen=True)
+class JobRanks:
+    """The ranks of one CLI job."""
+
+    world: int
+    local: int
+    """Of them, the ranks on this host."""
+    started_here: bool
+    """This process starts them (else a launcher such as torchrun did)."""
+
+
+def _launcher_int(name: str, default: int | None = None) -> int:
+    text = os.environ.get(name)
+    if text is None and default is not None:
+        return default
+    try:
+        value = int(text or "")
+    except ValueError:
+        raise ValueError(f"{name}={text!r} (set by the launcher) is not an integer") from None
+    if value < 1:
+        raise ValueError(f"{name}={text!r} (set by the launcher) must be >= 1")
+    return value
+
+
+def job_ranks(world_size: int | None, default: int = 2) -> JobRanks:
+    """The job's ranks: ``--world-size`` (``default`` when not given) started here, or under
+    torchrun the ones it started (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``)."""
+    if not under_torchrun():
+        world = world_size or default
+        return JobRanks(world, world, True)
+    world = _launcher_int("WORLD_SIZE")
+    local = _launcher_int("LOCAL_WORLD_SIZE", world)
+    if world_size is not None and world_size != world:
+        raise ValueError(f"--world-size {world_size}, but the launcher started {world} ranks "
+                         "(WORLD_SIZE); leave --world-size out under torchrun")
+    return JobRanks(world, local, False)
+
+
+def default_device(ranks: JobRanks) -> str:
+    """``cuda`` when this host has a CUDA device for each of its ranks, else ``cpu``; under
+    torchrun from the launcher's ranks on this host (``LOCAL_WORLD_SIZE``), so every rank of a
+    host picks the same."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= ranks.local:
+        return "cuda"
+    return "cpu"
+
+
+def usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def max_cpu_ranks() -> int:
+    from ..backends.shm.layout import MAX_WORLD
+
+    return max(MAX_WORLD, RANKS_PER_CPU * usable_cpus())
+
+
+def check_ranks(ranks: JobRanks, device: str) -> None:
+    """Whether this machine can hold the job's ranks, as one line (``ValueError``): on CUDA one
+    device per rank of this host; on the CPU, for ranks started here, ``max_cpu_ranks``."""
+    if device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count < ranks.local:
+            raise ValueError(f"--device cuda: this machine has {count} usable CUDA device(s) "
+                             f"for {ranks.local} ranks (one device per rank)")
+        return
+    limit = max_cpu_ranks()
+    if ranks.started_here and ranks.world > limit:
+        from ..backends.shm.layout import MAX_WORLD
+
+        raise ValueError(
+            f"--world-size {ranks.world} is more ranks than this machine runs: at most {limit} "
+            f"on the CPU ({RANKS_PER_CPU} per usable CPU, {usable_cpus()} here, and never fewer "
+            f"than {MAX_WORLD}, the shm backend's largest group); each rank is a process")
+
+
+def memory_bytes() -> int | None:
+    """This machine's memory (physical pages), or ``None`` where it cannot be read."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(per_rank: int, ranks: JobRanks, what: str) -> None:
+    """Refuse a job whose ranks on this host certainly do not fit in its memory: ``per_rank``
+    is a lower bound of what each rank allocates (``what`` says for what)."""
+    total = memory_bytes()
+    need = per_rank * ranks.local
+    if total is not None and need > total:
+        gib = 2**30
+        raise ValueError(f"{what}: at least {per_rank / gib:,.1f} GiB per rank "
+                         f"({ranks.local} ranks here: {need / gib:,.1f} GiB), and this machine "
+                         f"has {total / gib:,.1f} GiB of memory")
 
 
 def init_from_env(device: str, timeout_s: float = 120.0) -> None:
@@ -86,51 +197,125 @@ def terminate_as_interrupt() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+def _close_output() -> None:
+    """Point stdout at /dev/null: nothing more reaches a reader that went away, and no flush
+    at exit raises again."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def _rank_main(body: JobBody, rank: int, world: int, port: int, options: Any,
-               env: dict[str, str]) -> None:
+               env: dict[str, str], output_closed: Any) -> None:
     die_with_parent()
     os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "TORCHELASTIC_USE_AGENT_STORE": "True",  # the launcher hosts the store
                        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_SIZE": str(world)})
+                       "LOCAL_WORLD_SIZE": str(world)})
     code = 1
     try:
         code = body(rank, world, options)
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:  # the reader of the output went away (| head)
+        _close_output()
+        code = OUTPUT_CLOSED
     except Exception as exc:
         print(f"arfuse: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         code = 1
     finally:
         with contextlib.suppress(Exception):  # what a normal exit would run (arfuse's own
             atexit._run_exitfuncs()           # cleanup among them), without its waits
-        sys.stdout.flush()
-        sys.stderr.flush()
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _close_output()
+            code = code or OUTPUT_CLOSED
+        except (OSError, ValueError):
+            pass
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+    if code == OUTPUT_CLOSED:
+        # The launcher stops every rank now, this one included: were it to exit first, its
+        # peers would see it leave mid-collective and report that as an error.
+        output_closed.set()
+        time.sleep(30.0)
     os._exit(code)
+
+
+def job_store(timeout_s: float = 120.0) -> Any:
+    """The job's store, hosted here on a port the system picks (bound from that moment on,
+    until the store is let go): ``.port`` says which."""
+    from torch._C._distributed_c10d import TCPStore  # what torch.distributed re-exports
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def store_listener() -> socket.socket:
+    """For ranks whose rank 0 hosts the store, as in a plain ``init_process_group``: a socket
+    listening on a port the system picks, made by whoever starts the ranks before any of
+    them, and handed to rank 0 (``rank_store``). The port is held from the moment it is chosen,
+    so no other job can be given it."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def rank_store(rank: int, world: int, port: int, listener: socket.socket | None,
+               timeout_s: float) -> Any:
+    """This rank's store of the group: rank 0 serves it on ``listener`` (which it takes over),
+    the others connect to ``port``."""
+    from torch._C._distributed_c10d import TCPStore
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        if listener is None:
+            raise ValueError("rank 0 hosts the store: it needs the listening socket")
+        return TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                        master_listen_fd=listener.detach(), timeout=timeout)
+    if listener is not None:
+        listener.close()  # only rank 0 may hold it: its exit must close the port
+    return TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
 
 
 def launch(body: JobBody, world: int, options: Any, env: dict[str, str] | None = None,
            timeout_s: float | None = None) -> int:
-    """Run ``body(rank, world, options)`` in ``world`` processes; the worst exit code wins.
+    """Run ``body(rank, world, options)`` in ``world`` processes; the worst exit code wins
+    (a rank that found the output closed ends the job with 0).
 
     Under torchrun this process is one of the ranks: run the body in place instead.
     """
     if under_torchrun():
         return body(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), options)
     ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(body, r, world, port, options, env or {}))
+    store = job_store()  # held until the job ends: its port cannot go to anyone else
+    output_closed = ctx.Event()
+    procs = [ctx.Process(target=_rank_main, args=(body, r, world, store.port, options,
+                                                  env or {}, output_closed))
              for r in range(world)]
     with terminate_as_interrupt():
-        return _run(procs, timeout_s)
+        try:
+            return _run(procs, timeout_s, output_closed)
+        finally:
+            del store
 
 
-def _run(procs: list[Any], timeout_s: float | None) -> int:
+def _run(procs: list[Any], timeout_s: float | None, output_closed: Any) -> int:
     for p in procs:
         p.start()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while any(p.is_alive() for p in procs):
+            if output_closed.is_set():
+                break  # nobody reads what the job says any more: stop every rank
             if any(p.exitcode not in (None, 0) for p in procs):
                 time.sleep(2.0)  # a failed rank: give the others a moment to report, then stop
                 break
@@ -147,5 +332,9 @@ def _run(procs: list[Any], timeout_s: float | None) -> int:
                 p.kill()
                 p.join(5)
     codes = [p.exitcode if p.exitcode is not None else 1 for p in procs]
+    if output_closed.is_set():
+        # ranks stopped because the output closed did not fail; one that failed before did
+        failed = [c for c in codes if c not in (0, OUTPUT_CLOSED) and c > 0]
+        return failed[0] if failed else 0
     bad = [c for c in codes if c != 0]
     return 0 if not bad else (bad[0] if bad[0] > 0 else 1)

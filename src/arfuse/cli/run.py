@@ -70,17 +70,17 @@ def run_body(rank: int, world: int, opts: RunOptions) -> int:
     _say(rank, f"negotiated: {comm.backend} ({'; '.join(a.describe() for a in comm.attempts)})"
          f"{'; ranks pinned to cores' if pinned else ''}"
          f"{'; residual promised the same on every rank' if comm.replicated_residual else ''}")
-    in_features = 2 * opts.hidden // world * world or world
-    shard = in_features // world
+    width = in_features(opts.hidden, world)
+    shard = width // world
     gen = torch.Generator().manual_seed(20261129)
-    weight_full = (torch.randn(opts.hidden, in_features, generator=gen) /
-                   math.sqrt(in_features)).to(dtype)
+    weight_full = (torch.randn(opts.hidden, width, generator=gen) /
+                   math.sqrt(width)).to(dtype)
     gamma = (torch.rand(opts.hidden, generator=gen) + 0.5).to(dtype).to(device)
     w_shard = weight_full[:, rank * shard:(rank + 1) * shard].contiguous().to(device)
     failures = 0
     rows = []
     for tokens in opts.tokens:
-        act = torch.randn(tokens, in_features, generator=gen).to(dtype)
+        act = torch.randn(tokens, width, generator=gen).to(dtype)
         residual = torch.randn(tokens, opts.hidden, generator=gen).to(dtype).to(device)
         a_shard = act[:, rank * shard:(rank + 1) * shard].contiguous().to(device)
         partial = a_shard @ w_shard.t()
@@ -206,37 +206,48 @@ DEFAULT_TOKENS = (1, 8, 64, 512)
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("run", help="the main job: row-parallel layer + fused all-reduce, "
                        "checked against a reference and timed against the unfused path")
-    p.add_argument("--world-size", type=cli_args.positive_int, default=2, help="ranks (2)")
+    p.add_argument("--world-size", type=cli_args.group_size, default=None,
+                   help="ranks to start (2; under torchrun: the ranks it started)")
     p.add_argument("--tokens", type=cli_args.int_list, default=DEFAULT_TOKENS,
                    help="token counts (1,8,64,512)")
     p.add_argument("--steps", type=cli_args.positive_int, default=50,
                    help="timed steps per size (50)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="default: cuda when there is a GPU per rank, else cpu")
+                   help="default: cuda when this host has a GPU per rank, else cpu")
     p.add_argument("--strict", action="store_true", default=None,
                    help="fail instead of running unfused")
     cli_args.add_spec_flags(p)
     p.set_defaults(func=run)
 
 
-def _default_device(world: int) -> str:
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
-        return "cuda"
-    return "cpu"
+def in_features(hidden: int, world: int) -> int:
+    """The layer's input width: about twice ``hidden``, split evenly over the ranks."""
+    return 2 * hidden // world * world or world
+
+
+def bytes_per_rank(tokens: int, hidden: int, dtype: str, world: int) -> int:
+    """A lower bound of what one rank of the job allocates at once: the whole layer's weight
+    and the largest activation, each also in float64 for the reference."""
+    width = in_features(hidden, world)
+    return (hidden + tokens) * width * (TORCH_DTYPES[dtype].itemsize + 8)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..spec import Spec
     from .explain import check_job
-    from .launch import launch
+    from .launch import check_memory, default_device, job_ranks, launch
 
-    device = args.device or _default_device(args.world_size)
+    ranks = job_ranks(args.world_size)
+    device = args.device or default_device(ranks)
     spec = Spec(max_tokens=max(args.tokens), hidden=args.hidden, dtype=args.dtype,
                 quant=args.quant)
-    check_job(args.backend, args.strict, args.world_size, device, spec)
-    opts = RunOptions(world_size=args.world_size, tokens=tuple(args.tokens), hidden=args.hidden,
+    check_job(args.backend, args.strict, ranks, device, spec)
+    check_memory(bytes_per_rank(spec.max_tokens, spec.hidden, spec.dtype, ranks.world), ranks,
+                 f"--tokens {spec.max_tokens} --hidden {spec.hidden} ({spec.dtype}) needs the "
+                 "layer's weight and activations, and their float64 reference")
+    opts = RunOptions(world_size=ranks.world, tokens=tuple(args.tokens), hidden=args.hidden,
                       dtype=args.dtype, quant=args.quant, steps=args.steps,
                       backend=args.backend, device=device, strict=args.strict)
     # the job prints the plan itself; the log repeats it only if asked (ARFUSE_LOG=info)
-    return launch(run_body, args.world_size, opts,
+    return launch(run_body, ranks.world, opts,
                   env={"ARFUSE_LOG": os.environ.get("ARFUSE_LOG", "warning")})

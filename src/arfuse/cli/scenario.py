@@ -39,9 +39,10 @@ from typing import Any
 
 from ..backends.shm import build as shm_build
 from ..digest import digest
+from ..files import read_regular_file
 from ..pattern import Pattern
 from ..reference import expected
-from .launch import die_with_parent
+from .launch import die_with_parent, rank_store, store_listener
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -62,6 +63,7 @@ _TOP_KEYS = {"name", "summary", "cases", "rows", "requirements", "level", "limit
 NAMED_SEGMENT = re.compile(r"arfuse-\d+-\d+-[0-9a-f]+")
 UNNAMED_FILE = re.compile(r"#\d+")  # an O_TMPFILE file, as /proc shows it
 _JOB_ENTRY = "from arfuse.cli.scenario import job_main; job_main()"
+MAX_SCENARIO_BYTES = 1 << 20      # a scenario is a few dozen lines; bounds what is read
 
 
 # --- loading ------------------------------------------------------------------------------------
@@ -113,10 +115,14 @@ class Scenario:
 def load_scenario(path: str | os.PathLike[str]) -> Scenario:
     """Parse and check one scenario file; a bad file is a ``ValueError`` naming it."""
     path = Path(path)
+    raw = read_regular_file(path, MAX_SCENARIO_BYTES, f"scenario {str(path)!r}")
+    if len(raw) > MAX_SCENARIO_BYTES:
+        raise ValueError(f"scenario {str(path)!r} is larger than {MAX_SCENARIO_BYTES >> 10} KiB; "
+                         "a scenario is a few steps")
     try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"scenario {str(path)!r} cannot be read: {exc}") from None
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"scenario {str(path)!r} is not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"scenario {str(path)!r} is not valid TOML: {exc}") from None
     unknown = sorted(set(data) - _TOP_KEYS)
@@ -397,7 +403,8 @@ def _decide(scn: Scenario, case: dict[str, Any], index: int) -> tuple[list[str],
         if "topology" in case:
             topo = topology.Topology.from_dict(case["topology"])
         else:
-            topo = topology.load(_resolve_path(scn, str(case["topology_file"])))
+            topo = topology.load(_resolve_path(scn, str(case["topology_file"])),
+                                 f"topology_file of {scn.name} {where}")
         spec = Spec(**case.get("spec", {}))
         parsed = faults.parse(case.get("faults"))
         plan = policy.resolve(conf, topo, spec, case.get("blocked"))
@@ -664,8 +671,8 @@ def _fill_before_create(leave_bytes: int) -> None:
     shm_ws.ShmBackend.create = create  # type: ignore[method-assign]
 
 
-def _rank_main(scn: dict[str, Any], rank: int, world: int, port: int, env: dict[str, str],
-               report_path: str, init_timeout_s: float) -> None:
+def _rank_main(scn: dict[str, Any], rank: int, world: int, listener: socket.socket,
+               env: dict[str, str], report_path: str, init_timeout_s: float) -> None:
     """Entry of a forked rank: its own environment first, then the process group, then the
     steps."""
     os.environ.update(env)
@@ -678,9 +685,10 @@ def _rank_main(scn: dict[str, Any], rank: int, world: int, port: int, env: dict[
             import torch.distributed as dist
 
             torch.set_num_threads(1)
-            dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                timeout=datetime.timedelta(seconds=init_timeout_s))
+            port = int(listener.getsockname()[1])
+            store = rank_store(rank, world, port, listener, init_timeout_s)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=init_timeout_s))
             program.run()
         except BaseException as exc:
             program.emit({"fatal": f"{type(exc).__name__}: {exc}", "rank": rank})
@@ -689,12 +697,6 @@ def _rank_main(scn: dict[str, Any], rank: int, world: int, port: int, env: dict[
 
 
 # --- one job (one scenario) -------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pgid_members(pgid: int) -> list[int]:
@@ -910,13 +912,13 @@ def run_job(scn: Scenario, deadline_s: float, tmp: Path | None = None) -> dict[s
 
             shm_build.load()  # built or imported once, before any rank's timed step
         ctx = mp.get_context("fork")
-        port = _free_port()
         reports = [tmp / f"rank{r}.jsonl" for r in range(world)]
-        procs = [ctx.Process(target=_rank_main, args=(data, r, world, port, envs[r],
-                                                      str(reports[r]), deadline_s))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
+        with store_listener() as listener:  # rank 0 serves the store on it; forks inherit it
+            procs = [ctx.Process(target=_rank_main, args=(data, r, world, listener, envs[r],
+                                                          str(reports[r]), deadline_s))
+                     for r in range(world)]
+            for p in procs:
+                p.start()
         pids = [int(p.pid or 0) for p in procs]
         want_hung = {int(r) for r in data.get("expect", {}).get("hung", [])}
         end = started + deadline_s

@@ -210,7 +210,15 @@ void ShmComm::set_output_stores(int64_t mode) {
 
 // ---- checks (call_checks.check_call, rule for rule) --------------------------------------------
 
+// call_checks.check_plain: memory that holds the values as they read (dense, not nested, not
+// quantized, no lazy conjugate or negative view). First: sizes and strides of the others throw.
+static bool plain_tensor(const at::Tensor& t) {
+  return t.layout() == c10::kStrided && !t.is_nested() && !t.is_quantized() && !t.is_conj() &&
+         !t.is_neg();
+}
+
 const char* ShmComm::x_problem(const at::Tensor& x, bool fast) const {
+  if (!plain_tensor(x)) return "x must be a dense tensor (not sparse, nested, quantized, a view)";
   if (x.dim() != 2) return "x must be 2-D [tokens, hidden]";
   if (x.scalar_type() != scalar_type()) return "x has another dtype than this workspace";
   if (x.size(1) != hidden_) return "x has another hidden size than this workspace";
@@ -222,8 +230,8 @@ const char* ShmComm::x_problem(const at::Tensor& x, bool fast) const {
 }
 
 bool ShmComm::like_x(const at::Tensor& t, const at::Tensor& x) const {
-  return t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() && t.is_cpu() &&
-         t.is_contiguous();
+  return plain_tensor(t) && t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() &&
+         t.is_cpu() && t.is_contiguous();
 }
 
 const char* ShmComm::tensors_problem(const Tensors& t) const {
@@ -233,8 +241,8 @@ const char* ShmComm::tensors_problem(const Tensors& t) const {
   }
   if (t.weight) {
     const at::Tensor& w = *t.weight;
-    if (w.dim() != 1 || w.size(0) != hidden_ || w.scalar_type() != t.x->scalar_type() ||
-        !w.is_cpu() || !w.is_contiguous()) {
+    if (!plain_tensor(w) || w.dim() != 1 || w.size(0) != hidden_ ||
+        w.scalar_type() != t.x->scalar_type() || !w.is_cpu() || !w.is_contiguous()) {
       return "weight must be a contiguous CPU tensor of shape (hidden,) typed as x";
     }
   }
