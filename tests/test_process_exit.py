@@ -7,15 +7,14 @@ import subprocess
 import sys
 import textwrap
 
-from harness import free_port
-
 RANK = textwrap.dedent("""
     import datetime, sys, time
     import torch, torch.distributed as dist
     import arfuse
-    rank, port = int(sys.argv[1]), sys.argv[2]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=600))
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)  # the test's process hosts it
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=600))
     comm = arfuse.FusedAllReduce(max_token_num=4, hidden_dim=16, dtype=torch.float32,
                                  backend="torch", timeout_s=1.0)
     print("made", flush=True)
@@ -31,7 +30,10 @@ RANK = textwrap.dedent("""
 
 
 def _exit_after_a_timed_out_call(end: str) -> None:
-    port = str(free_port())
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    port = str(store.port)
     ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(r), port, end],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
