@@ -43,7 +43,7 @@ import torch.distributed as dist
 from shm_common import DTYPES
 
 from arfuse.backends.shm import layout as shm_layout
-from arfuse.cli.launch import init_from_env, launch, pin_to_core
+from arfuse.launch import init_from_env, launch, pin_to_core
 
 DTYPE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
 FORMS = ("inplace", "new", "new-read", "plain", "plain-new")

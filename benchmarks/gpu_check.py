@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from arfuse.cli.launch import init_from_env, launch
 from arfuse.digest import digest
+from arfuse.launch import init_from_env, launch
 from arfuse.pattern import Pattern
 from arfuse.reference import expected
 
@@ -203,7 +203,7 @@ def body(rank: int, world: int, opts: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from arfuse import topology
-    from arfuse.cli.launch import pin_to_core
+    from arfuse.launch import pin_to_core
 
     init_from_env(opts.device)
     if opts.device == "cpu":

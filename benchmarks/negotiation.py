@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from arfuse.cli.launch import init_from_env, launch, pin_to_core
+from arfuse.launch import init_from_env, launch, pin_to_core
 
 SPEC = {"max_token_num": 2048, "hidden_dim": 4096, "dtype": torch.bfloat16}
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from arfuse.cli.launch import init_from_env, pin_to_core
+from arfuse.launch import init_from_env, pin_to_core
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

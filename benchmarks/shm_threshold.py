@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from shm_common import DTYPES, save, start_rank
 
-from arfuse.cli.launch import launch
+from arfuse.launch import launch
 
 
 @dataclass(frozen=True)

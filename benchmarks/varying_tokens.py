@@ -15,7 +15,7 @@ import time
 import torch
 from shm_common import start_rank
 
-from arfuse.cli.launch import launch
+from arfuse.launch import launch
 
 HIDDEN = 4096
 COUNTS = list(range(33, 73))

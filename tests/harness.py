@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from arfuse.cli.launch import store_listener
+from arfuse.launch import store_listener
 
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "arfuse"])
@@ -42,7 +42,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int,
     import torch
     import torch.distributed as dist
 
-    from arfuse.cli.launch import rank_store
+    from arfuse.launch import rank_store
 
     torch.set_num_threads(1)
     started = time.perf_counter()

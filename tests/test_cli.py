@@ -303,7 +303,7 @@ def test_exchange_copy_moves_every_byte_and_refuses_mismatched_buffers(read_ahea
 def test_launched_ranks_run_their_exit_handlers(tmp_path: Path) -> None:
     """Ranks end with os._exit (no waits at interpreter shutdown), which skipped atexit: the
     kernel build's temporary folder stayed in /tmp after every run with an unusable cache."""
-    from arfuse.cli.launch import launch
+    from arfuse.launch import launch
 
     import workers
 
@@ -317,7 +317,7 @@ def test_sigterm_to_a_job_stops_its_ranks(tmp_path: Path) -> None:
     import signal
 
     script = ("import sys; sys.path.insert(0, 'tests'); import workers\n"
-              "from arfuse.cli.launch import launch\n"
+              "from arfuse.launch import launch\n"
               "try:\n"
               f"    sys.exit(launch(workers.rank_that_sleeps, 2, {str(tmp_path)!r}))\n"
               "except KeyboardInterrupt:\n"
@@ -344,7 +344,7 @@ def test_sigterm_to_a_job_stops_its_ranks(tmp_path: Path) -> None:
 
 def test_a_world_size_beyond_what_the_cpus_run_is_refused_with_the_rule(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from arfuse.cli import launch
+    from arfuse import launch
 
     monkeypatch.setattr(launch, "usable_cpus", lambda: 8)
     assert launch.max_cpu_ranks() == 32
@@ -360,7 +360,8 @@ def test_a_world_size_beyond_what_the_cpus_run_is_refused_with_the_rule(
 
 def test_bench_refuses_more_ranks_than_its_shm_rows_can_use(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from arfuse.cli import launch, main
+    from arfuse import launch
+    from arfuse.cli import main
 
     monkeypatch.setattr(launch, "usable_cpus", lambda: 8)  # 17 ranks are allowed here
     monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("ranks were started"))
@@ -382,7 +383,8 @@ def test_under_torchrun_the_device_follows_the_launchers_ranks(
     """The device was derived from --world-size's default (2), not from the ranks torchrun
     started on this host: one rank per GPU of a 1-GPU host ran on the CPU, four ranks on a
     2-GPU host on CUDA."""
-    from arfuse.cli import build_parser, launch
+    from arfuse import launch
+    from arfuse.cli import build_parser
     from arfuse.cli import run as run_verb
 
     for name, value in {**LAUNCHED, **env}.items():
@@ -425,7 +427,7 @@ def test_the_job_store_port_is_held_before_any_rank_starts(tmp_path: Path) -> No
     """A port found free and closed again (then bound by rank 0 later) could go to another
     job started at the same moment: the launcher holds its store's port from the moment the
     system picked it. Rank 1 looks while rank 0 has not started."""
-    from arfuse.cli.launch import launch
+    from arfuse.launch import launch
 
     import workers
 
@@ -441,7 +443,7 @@ def test_a_store_listener_holds_its_port_until_rank_0_lets_it_go() -> None:
     import gc
     import socket
 
-    from arfuse.cli.launch import rank_store, store_listener
+    from arfuse.launch import rank_store, store_listener
 
     listener = store_listener()
     port = listener.getsockname()[1]

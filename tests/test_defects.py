@@ -424,7 +424,8 @@ def test_explain_for_this_machine_runs_the_local_checks_creation_runs(
 def test_run_refuses_before_starting_ranks_what_their_local_checks_refuse(
         shm_dir_without_room: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from arfuse.cli import launch, main
+    from arfuse import launch
+    from arfuse.cli import main
 
     monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("ranks were started"))
     assert main(["run", "--tokens", "64", "--hidden", "256", "--backend", "shm", "--strict"]) == 2

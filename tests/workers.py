@@ -1041,7 +1041,7 @@ def rank_finds_the_store_port_taken_before_rank0_starts(rank: int, world: int,
 
     import torch.distributed as dist
 
-    from arfuse.cli.launch import init_from_env
+    from arfuse.launch import init_from_env
 
     port = int(os.environ["MASTER_PORT"])
     checked = Path(directory, "checked")

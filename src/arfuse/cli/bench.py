@@ -168,7 +168,7 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> int:
 
     import arfuse
 
-    from .launch import init_from_env, pin_to_core
+    from ..launch import init_from_env, pin_to_core
 
     torch.set_num_threads(1)
     ds, ds_note = (None, "not requested")
@@ -819,9 +819,9 @@ def bytes_per_rank(tokens: int, hidden: int, dtypes: tuple[str, ...]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..launch import check_memory, job_ranks, launch
     from ..spec import Spec
     from .explain import check_job
-    from .launch import check_memory, job_ranks, launch
 
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     unknown = set(backends) - set(ROWS)

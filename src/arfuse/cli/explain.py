@@ -7,9 +7,9 @@ import json
 from typing import Any
 
 from .. import catalog, faults, policy, settings, topology
+from ..launch import JobRanks, check_ranks
 from ..spec import Spec
 from . import args as cli_args
-from .launch import JobRanks, check_ranks
 
 
 def add_parser(sub: Any) -> None:

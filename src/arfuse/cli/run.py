@@ -56,7 +56,7 @@ def run_body(rank: int, world: int, opts: RunOptions) -> int:
     import arfuse
     from arfuse import quant as q
 
-    from .launch import init_from_env, pin_to_core
+    from ..launch import init_from_env, pin_to_core
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world) if opts.device == "cpu" else 1)
     init_from_env(opts.device)
@@ -233,9 +233,9 @@ def bytes_per_rank(tokens: int, hidden: int, dtype: str, world: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..launch import check_memory, default_device, job_ranks, launch
     from ..spec import Spec
     from .explain import check_job
-    from .launch import check_memory, default_device, job_ranks, launch
 
     ranks = job_ranks(args.world_size)
     device = args.device or default_device(ranks)

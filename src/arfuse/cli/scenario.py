@@ -40,9 +40,9 @@ from typing import Any
 from ..backends.shm import build as shm_build
 from ..digest import digest
 from ..files import read_regular_file
+from ..launch import die_with_parent, rank_store, store_listener
 from ..pattern import Pattern
 from ..reference import expected
-from .launch import die_with_parent, rank_store, store_listener
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -1,4 +1,5 @@
-"""Start the ranks of a CLI job on this machine, or join the ones ``torchrun`` started.
+"""Start the ranks of a job on this machine (the CLI's, a benchmark's), or join the ones
+``torchrun`` started.
 
 The launcher sets the standard ``torch.distributed`` environment (``MASTER_ADDR``,
 ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) so a job body
@@ -98,7 +99,7 @@ def usable_cpus() -> int:
 
 
 def max_cpu_ranks() -> int:
-    from ..backends.shm.layout import MAX_WORLD
+    from .backends.shm.layout import MAX_WORLD
 
     return max(MAX_WORLD, RANKS_PER_CPU * usable_cpus())
 
@@ -116,7 +117,7 @@ def check_ranks(ranks: JobRanks, device: str) -> None:
         return
     limit = max_cpu_ranks()
     if ranks.started_here and ranks.world > limit:
-        from ..backends.shm.layout import MAX_WORLD
+        from .backends.shm.layout import MAX_WORLD
 
         raise ValueError(
             f"--world-size {ranks.world} is more ranks than this machine runs: at most {limit} "
