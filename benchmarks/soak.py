@@ -107,7 +107,7 @@ def rank_body(rank: int, world: int, port: int, opts: dict[str, Any], results: A
     import torch.distributed as dist
 
     import arfuse
-    from arfuse.cli.scenario import LeakBaseline, check_result, run_pattern
+    from arfuse.scenarios import LeakBaseline, check_result, run_pattern
 
     torch.set_num_threads(1)
     report: dict[str, Any] = {"rank": rank, "errors": []}
@@ -189,7 +189,7 @@ def run_soak(calls: int = 100_000, check_every: int = 50, sample_every: int = 10
     import torch  # noqa: F401  (loaded once, shared by the forked ranks)
 
     from arfuse.backends.shm import build as shm_build
-    from arfuse.cli.scenario import child_pids
+    from arfuse.scenarios import child_pids
 
     if os.environ.get("ARFUSE_SHM_PURE_TORCH") != "1":
         shm_build.load()

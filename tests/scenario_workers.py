@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from arfuse.cli.scenario import LeakBaseline, check_result, make_inputs, run_pattern
+from arfuse.scenarios import LeakBaseline, check_result, make_inputs, run_pattern
 
 PATTERNS = ("plain", "norm", "norm_residual", "fp8", "in_place")
 

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 import arfuse
 from arfuse import faults, topology
 from arfuse import settings as settings_mod
-from arfuse.cli.scenario import mapped_segments
+from arfuse.scenarios import mapped_segments
 
 import scenario_workers
 from harness import run_ranks, values

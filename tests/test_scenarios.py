@@ -15,20 +15,23 @@ from pathlib import Path
 
 import pytest
 
-from arfuse.cli import main, scenario
+from arfuse import scenarios
+from arfuse.cli import main
+from arfuse.cli import scenario as scenario_cli
+from arfuse.scenarios import runner
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = sorted((ROOT / "scenarios").glob("*.toml"))
 
 
 def test_every_design_row_has_a_scenario() -> None:
-    rows = {row for path in SCENARIOS for row in scenario.load_scenario(path).rows}
+    rows = {row for path in SCENARIOS for row in scenarios.load_scenario(path).rows}
     assert rows == set(range(1, 13)), sorted(set(range(1, 13)) - rows)
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
 def test_scenario(path: Path) -> None:
-    outcome = scenario.run_one(path)
+    outcome = scenarios.run_one(path)
     if outcome.status == "skip":
         assert outcome.summary, "a skip must say why"
         pytest.skip(outcome.summary)
@@ -54,7 +57,7 @@ def test_an_unexpected_hang_fails_within_the_limit(tmp_path: Path) -> None:
         ranks = [0]
         timeout_s = 60
         """)
-    outcome = scenario.run_one(path)
+    outcome = scenarios.run_one(path)
     assert outcome.status == "fail"
     assert any("had to be killed (hung)" in p for p in outcome.problems), outcome.problems
 
@@ -71,9 +74,9 @@ def test_an_overrunning_job_is_killed_with_what_it_started(tmp_path: Path,
         reuse = true
         """)
     # a job that never ends and has a child of its own
-    monkeypatch.setattr(scenario, "_JOB_ENTRY", "import subprocess, time; "
+    monkeypatch.setattr(runner, "JOB_ENTRY", "import subprocess, time; "
                         "subprocess.Popen(['sleep', '300']); time.sleep(300)")
-    outcome = scenario.run_one(path)
+    outcome = scenarios.run_one(path)
     assert outcome.status == "fail" and "overran its limit" in outcome.problems[0]
     leftover = subprocess.run(["pgrep", "-f", "^sleep 300$"], capture_output=True, text=True)
     mine = [p for p in leftover.stdout.split() if _parent_gone_or_ours(int(p))]
@@ -102,7 +105,7 @@ def test_a_wrong_expectation_fails(tmp_path: Path) -> None:
         do = "call"
         tokens = 3
         """)
-    outcome = scenario.run_one(path)
+    outcome = scenarios.run_one(path)
     assert outcome.status == "fail"
     assert any("backend='shm', expected 'torch'" in p for p in outcome.problems), outcome.problems
 
@@ -115,7 +118,7 @@ def test_a_wrong_decision_expectation_fails(tmp_path: Path) -> None:
         spec = { max_tokens = 8, hidden = 16 }
         expect = { backend = "torch", node_count = 3 }
         """)
-    outcome = scenario.run_one(path)
+    outcome = scenarios.run_one(path)
     assert outcome.status == "fail", outcome
     assert {p.split(":")[1].strip() for p in outcome.problems} == {
         "backend='shm', expected 'torch'", "node_count=1, expected 3"}
@@ -147,7 +150,7 @@ def test_limit_scale_reaches_the_ranks_deadline(tmp_path: Path) -> None:
         do = "sleep"
         seconds = 2
         """)
-    outcome = scenario.run_one(path, scale=5.0)
+    outcome = scenarios.run_one(path, scale=5.0)
     assert outcome.status == "pass", outcome.problems
     assert outcome.scenario.limit_s == 15.0
 
@@ -167,10 +170,10 @@ def test_a_bad_json_path_fails_before_any_scenario(where: str, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """A typo in --json must not cost a whole run and then end in a traceback."""
-    def never(path: Path, scale: float = 1.0) -> scenario.Outcome:
+    def never(path: Path, scale: float = 1.0) -> scenarios.Outcome:
         raise AssertionError(f"{path} ran although --json cannot be written")
 
-    monkeypatch.setattr(scenario, "run_one", never)
+    monkeypatch.setattr(scenario_cli, "run_one", never)
     monkeypatch.setenv("ARFUSE_SHM_PURE_TORCH", "1")  # no build either
     target = tmp_path / where
     code = main(["scenario", "run", str(ROOT / "scenarios"), "--json", str(target)])
@@ -239,7 +242,7 @@ def test_the_leak_check_counts_what_only_a_garbage_collection_would_free(
     class Holder:
         pass
 
-    baseline = scenario.LeakBaseline()
+    baseline = scenarios.LeakBaseline()
     gc.disable()
     try:
         holder = Holder()

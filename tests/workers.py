@@ -853,7 +853,7 @@ def _mapped_bytes(start: int, end: int) -> int:
 
 def _segments_held() -> dict[str, list[str]]:
     """This process's descriptors and mappings of arfuse segments (as the leak check sees them)."""
-    from arfuse.cli.scenario import fd_targets, is_segment, mapped_segments
+    from arfuse.scenarios import fd_targets, is_segment, mapped_segments
 
     return {"fds": sorted(t for t in fd_targets().values() if is_segment(t)),
             "maps": mapped_segments()}
