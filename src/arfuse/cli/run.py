@@ -50,92 +50,137 @@ def _rmsnorm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class _Layer:
+    """The row-parallel linear layer: the whole weight (for the reference), this rank's column
+    shard of it, and the norm's weight."""
+
+    weight_full: torch.Tensor
+    weight_shard: torch.Tensor
+    gamma: torch.Tensor
+    width: int
+    shard: int
+
+
+@dataclass(frozen=True)
+class _SizeResult:
+    tokens: int
+    out_err: float
+    res_err: float
+    identical: bool
+    quant_ok: bool
+    fused_us: float
+    unfused_us: float
+    ok: bool
+
+
+def _make_layer(rank: int, world: int, opts: RunOptions, gen: torch.Generator) -> _Layer:
+    dtype, device = TORCH_DTYPES[opts.dtype], device_of(opts.device)
+    width = in_features(opts.hidden, world)
+    shard = width // world
+    weight_full = (torch.randn(opts.hidden, width, generator=gen) / math.sqrt(width)).to(dtype)
+    gamma = (torch.rand(opts.hidden, generator=gen) + 0.5).to(dtype).to(device)
+    weight_shard = weight_full[:, rank * shard:(rank + 1) * shard].contiguous().to(device)
+    return _Layer(weight_full, weight_shard, gamma, width, shard)
+
+
+def _quant_matches(result: Any, quant: str | None, scale: float | None) -> bool:
+    """The quantised outputs equal arfuse's own quantisation of the output it returned."""
+    from arfuse import quant as q
+
+    if quant == "fp8":
+        assert scale is not None
+        return _mostly_equal(result.quant_out, q.fp8_quantize(result.out.cpu(), scale))
+    if quant == "fp8_dynamic":
+        codes, scales = q.fp8_dynamic_quantize(result.out.cpu())
+        return _mostly_equal(result.quant_out, codes) and result.scale_out is not None \
+            and torch.equal(result.scale_out.cpu(), scales)
+    if quant == "nvfp4":
+        assert scale is not None
+        packed, scales = q.nvfp4_quantize(result.out.cpu(), scale)
+        return _mostly_equal(result.quant_out, packed) and _mostly_equal(result.scale_out, scales)
+    return True
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(((got.double().cpu() - want).abs().max() / want.abs().max()).item())
+
+
+def _check_size(comm: Any, layer: _Layer, tokens: int, rank: int, world: int, opts: RunOptions,
+                gen: torch.Generator) -> _SizeResult:
+    """One token count: the layer on every rank, the fused op, its outputs against the float64
+    reference of the whole layer in one process, then both paths timed."""
+    import torch.distributed as dist
+
+    dtype, device = TORCH_DTYPES[opts.dtype], device_of(opts.device)
+    act = torch.randn(tokens, layer.width, generator=gen).to(dtype)
+    residual = torch.randn(tokens, opts.hidden, generator=gen).to(dtype).to(device)
+    a_shard = act[:, rank * layer.shard:(rank + 1) * layer.shard].contiguous().to(device)
+    partial = a_shard @ layer.weight_shard.t()
+    first = comm(partial, residual=residual, weight=layer.gamma, eps=EPS)
+    scale = None
+    if opts.quant in ("fp8", "nvfp4"):
+        amax = first.out.abs().max().float().item()
+        scale = amax / 448.0 if opts.quant == "fp8" else 448.0 * 6.0 / amax
+    result = comm(partial, residual=residual, weight=layer.gamma, eps=EPS, quant=opts.quant,
+                  scale=scale)
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, digest(result.out, result.residual_out,
+                                            result.quant_out, result.scale_out))
+    identical = len(set(digests)) == 1
+    want = expected([act.double().cpu() @ layer.weight_full.double().cpu().t()],
+                    Pattern("residual_rmsnorm"), residual.cpu(), layer.gamma.cpu(), EPS)
+    assert want.residual_out is not None and result.residual_out is not None
+    out_err = _relative_error(result.out, want.out)
+    res_err = _relative_error(result.residual_out, want.residual_out)
+    quant_ok = _quant_matches(result, opts.quant, scale)
+    ok = identical and quant_ok and max(out_err, res_err) <= TOLERANCE[opts.dtype]
+    fused_us, unfused_us = _time_side_by_side(comm, partial, residual, layer.gamma, opts, scale)
+    return _SizeResult(tokens, out_err, res_err, identical, quant_ok, fused_us, unfused_us, ok)
+
+
+def _print_table(rank: int, world: int, rows: list[_SizeResult], opts: RunOptions,
+                 stats: Any) -> None:
+    _say(rank, "")
+    _say(rank, f"{'tokens':>7} {'max err':>9} {'resid err':>9} {'identical':>9} "
+         f"{'quant':>5} {'fused us':>10} {'unfused us':>10} {'speedup':>8}  check")
+    for r in rows:
+        _say(rank, f"{r.tokens:>7} {r.out_err:>9.2e} {r.res_err:>9.2e} "
+             f"{'yes' if r.identical else 'NO':>9} "
+             f"{('ok' if r.quant_ok else 'BAD') if opts.quant else '-':>5} {r.fused_us:>10.1f} "
+             f"{r.unfused_us:>10.1f} {r.unfused_us / r.fused_us:>7.1f}x  "
+             f"{'ok' if r.ok else 'MISMATCH'}")
+    _say(rank, f"\nworld size {world}, hidden {opts.hidden}, {opts.dtype}, quant "
+         f"{opts.quant or 'none'}, {math.prod(_rounds(opts.steps))} timed steps per size "
+         f"and path; latency = median per call on "
+         f"rank 0; unfused = torch.distributed all_reduce + add + RMSNorm"
+         f"{' + quantisation' if opts.quant else ''}; stats {stats}")
+
+
 def run_body(rank: int, world: int, opts: RunOptions) -> int:
     import torch.distributed as dist
 
     import arfuse
-    from arfuse import quant as q
 
     from ..launch import init_from_env, pin_to_core
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world) if opts.device == "cpu" else 1)
     init_from_env(opts.device)
     pinned = pin_to_core(rank, world) if opts.device == "cpu" else False
-    device = device_of(opts.device)
-    dtype = TORCH_DTYPES[opts.dtype]
     comm = arfuse.FusedAllReduce(max_token_num=max(opts.tokens), hidden_dim=opts.hidden,
-                                 dtype=dtype, backend=opts.backend, quant=opts.quant,
-                                 strict=opts.strict, device=opts.device)
+                                 dtype=TORCH_DTYPES[opts.dtype], backend=opts.backend,
+                                 quant=opts.quant, strict=opts.strict, device=opts.device)
     _say(rank, comm.plan.explain())
     _say(rank, f"negotiated: {comm.backend} ({'; '.join(a.describe() for a in comm.attempts)})"
          f"{'; ranks pinned to cores' if pinned else ''}"
          f"{'; residual promised the same on every rank' if comm.replicated_residual else ''}")
-    width = in_features(opts.hidden, world)
-    shard = width // world
     gen = torch.Generator().manual_seed(20261129)
-    weight_full = (torch.randn(opts.hidden, width, generator=gen) /
-                   math.sqrt(width)).to(dtype)
-    gamma = (torch.rand(opts.hidden, generator=gen) + 0.5).to(dtype).to(device)
-    w_shard = weight_full[:, rank * shard:(rank + 1) * shard].contiguous().to(device)
-    failures = 0
-    rows = []
-    for tokens in opts.tokens:
-        act = torch.randn(tokens, width, generator=gen).to(dtype)
-        residual = torch.randn(tokens, opts.hidden, generator=gen).to(dtype).to(device)
-        a_shard = act[:, rank * shard:(rank + 1) * shard].contiguous().to(device)
-        partial = a_shard @ w_shard.t()
-        first = comm(partial, residual=residual, weight=gamma, eps=EPS)
-        scale = None
-        if opts.quant in ("fp8", "nvfp4"):
-            amax = first.out.abs().max().float().item()
-            scale = amax / 448.0 if opts.quant == "fp8" else 448.0 * 6.0 / amax
-        result = comm(partial, residual=residual, weight=gamma, eps=EPS, quant=opts.quant,
-                      scale=scale)
-        digests: list[Any] = [None] * world
-        dist.all_gather_object(digests, digest(result.out, result.residual_out,
-                                                result.quant_out, result.scale_out))
-        identical = len(set(digests)) == 1
-        # the whole layer in one process, float64
-        want = expected([act.double().cpu() @ weight_full.double().cpu().t()],
-                        Pattern("residual_rmsnorm"), residual.cpu(), gamma.cpu(), EPS)
-        ref_pre, ref_out = want.residual_out, want.out
-        assert ref_pre is not None
-        out_err = ((result.out.double().cpu() - ref_out).abs().max() /
-                   ref_out.abs().max()).item()
-        res_err = ((result.residual_out.double().cpu() - ref_pre).abs().max() /  # type: ignore[union-attr]
-                   ref_pre.abs().max()).item()
-        quant_ok = True
-        if opts.quant == "fp8":
-            assert scale is not None
-            codes = q.fp8_quantize(result.out.cpu(), scale)
-            quant_ok = _mostly_equal(result.quant_out, codes)
-        elif opts.quant == "fp8_dynamic":
-            codes, scales = q.fp8_dynamic_quantize(result.out.cpu())
-            quant_ok = _mostly_equal(result.quant_out, codes) and result.scale_out is not None \
-                and torch.equal(result.scale_out.cpu(), scales)
-        elif opts.quant == "nvfp4":
-            assert scale is not None
-            packed, scales = q.nvfp4_quantize(result.out.cpu(), scale)
-            quant_ok = _mostly_equal(result.quant_out, packed) and _mostly_equal(
-                result.scale_out, scales)
-        ok = identical and quant_ok and max(out_err, res_err) <= TOLERANCE[opts.dtype]
-        failures += not ok
-        fused_us, unfused_us = _time_side_by_side(comm, partial, residual, gamma, opts, scale)
-        rows.append((tokens, out_err, res_err, identical, quant_ok, fused_us, unfused_us, ok))
-    _say(rank, "")
-    _say(rank, f"{'tokens':>7} {'max err':>9} {'resid err':>9} {'identical':>9} "
-         f"{'quant':>5} {'fused us':>10} {'unfused us':>10} {'speedup':>8}  check")
-    for tokens, out_err, res_err, identical, quant_ok, fused, unfused, ok in rows:
-        _say(rank, f"{tokens:>7} {out_err:>9.2e} {res_err:>9.2e} {'yes' if identical else 'NO':>9} "
-             f"{('ok' if quant_ok else 'BAD') if opts.quant else '-':>5} {fused:>10.1f} "
-             f"{unfused:>10.1f} {unfused / fused:>7.1f}x  {'ok' if ok else 'MISMATCH'}")
-    _say(rank, f"\nworld size {world}, hidden {opts.hidden}, {opts.dtype}, quant "
-         f"{opts.quant or 'none'}, {math.prod(_rounds(opts.steps))} timed steps per size "
-         f"and path; latency = median per call on "
-         f"rank 0; unfused = torch.distributed all_reduce + add + RMSNorm"
-         f"{' + quantisation' if opts.quant else ''}; stats {comm.stats()}")
+    layer = _make_layer(rank, world, opts, gen)
+    rows = [_check_size(comm, layer, tokens, rank, world, opts, gen) for tokens in opts.tokens]
+    _print_table(rank, world, rows, opts, comm.stats())
     comm.close()
     dist.barrier()
+    failures = sum(not r.ok for r in rows)
     if failures:
         print(f"arfuse run: rank {rank}: {failures} size(s) did not match the reference",
               file=sys.stderr, flush=True)

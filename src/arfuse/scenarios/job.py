@@ -206,6 +206,53 @@ def _mount_tmpfs(target: Path, size: str) -> str:
     return "" if proc.returncode == 0 else f"mount failed: {proc.stderr.strip()}"
 
 
+def _prepare_ranks(envs: list[dict[str, str]]) -> None:
+    """Import torch and build (or load) the kernel once in the parent, so the forked ranks share
+    them and no rank's timed step pays for either."""
+    import torch  # noqa: F401
+
+    if not any(e.get("ARFUSE_SHM_PURE_TORCH") == "1" for e in envs):
+        from ..backends.shm import build as shm_build
+
+        shm_build.load()
+
+
+def _wait_for_ranks(procs: list[Any], want_hung: set[int], end: float) -> list[int]:
+    """Wait until every rank exits, or only the ranks expected to hang are left, or ``end``;
+    then kill what still runs. Returns the ranks that were still running."""
+    while time.monotonic() < end and any(p.is_alive() for p in procs):
+        others = [p for r, p in enumerate(procs) if r not in want_hung]
+        if want_hung and not any(p.is_alive() for p in others):
+            time.sleep(0.3)  # the expected hang must still be hanging, not exiting late
+            break
+        time.sleep(0.02)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    return hung
+
+
+def _leftovers(pids: list[int], dirs: set[Path]) -> list[str]:
+    """What the job left behind: rank processes, other processes of its group, segments."""
+    problems = []
+    left = [p for p in pids if Path(f"/proc/{p}").exists()
+            and "Z" not in Path(f"/proc/{p}/stat").read_text().split(")")[-1][:3]]
+    if left:
+        problems.append(f"rank processes still alive: {left}")
+    stray = [p for p in pgid_members(os.getpgrp()) if p != os.getpid()
+             and p not in (os.getppid(),)]
+    if stray:
+        problems.append(f"processes of the job still running: {stray}")
+    segs = segments_of(pids, dirs)
+    private = [d for d in dirs if d != Path("/dev/shm")]
+    segs += [str(d / n) for d in private for n in os.listdir(d) if n.startswith("arfuse-")]
+    if segs:
+        problems.append(f"segments left behind: {sorted(set(segs))}")
+    return problems
+
+
 def run_job(scn: Scenario, deadline_s: float, tmp: Path | None = None) -> dict[str, Any]:
     """Fork the ranks, wait for them within ``deadline_s``, and check outcome and leaks. ``tmp``
     is the job's folder (the runner's, so that it can remove it when it has to kill the job)."""
@@ -217,7 +264,6 @@ def run_job(scn: Scenario, deadline_s: float, tmp: Path | None = None) -> dict[s
     if tmp is None:
         tmp = Path(tempfile.mkdtemp(prefix="arfuse_scenario_"))
     tmpfs: Path | None = None
-    result: dict[str, Any] = {}
     try:
         if scn.needs_tmpfs:
             tmpfs = tmp / "tmpfs"
@@ -229,12 +275,7 @@ def run_job(scn: Scenario, deadline_s: float, tmp: Path | None = None) -> dict[s
                                      if "ARFUSE_SHM_DIR" in e}
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
-        import torch  # noqa: F401  (loaded once, shared by the forked ranks)
-
-        if not any(e.get("ARFUSE_SHM_PURE_TORCH") == "1" for e in envs):
-            from ..backends.shm import build as shm_build
-
-            shm_build.load()  # built or imported once, before any rank's timed step
+        _prepare_ranks(envs)
         ctx = mp.get_context("fork")
         reports = [tmp / f"rank{r}.jsonl" for r in range(world)]
         with store_listener() as listener:  # rank 0 serves the store on it; forks inherit it
@@ -245,38 +286,14 @@ def run_job(scn: Scenario, deadline_s: float, tmp: Path | None = None) -> dict[s
                 p.start()
         pids = [int(p.pid or 0) for p in procs]
         want_hung = {int(r) for r in data.get("expect", {}).get("hung", [])}
-        end = started + deadline_s
-        while time.monotonic() < end and any(p.is_alive() for p in procs):
-            others = [p for r, p in enumerate(procs) if r not in want_hung]
-            if want_hung and not any(p.is_alive() for p in others):
-                time.sleep(0.3)  # the expected hang must still be hanging, not exiting late
-                break
-            time.sleep(0.02)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+        hung = _wait_for_ranks(procs, want_hung, started + deadline_s)
         exitcodes = {r: p.exitcode for r, p in enumerate(procs)}
         per_rank = {r: _records(reports[r]) for r in range(world)}
         problems, summary = evaluate(scn, per_rank, exitcodes, hung)
-        left = [p for p in pids if Path(f"/proc/{p}").exists()
-                and "Z" not in Path(f"/proc/{p}/stat").read_text().split(")")[-1][:3]]
-        if left:
-            problems.append(f"rank processes still alive: {left}")
-        stray = [p for p in pgid_members(os.getpgrp()) if p != os.getpid()
-                 and p not in (os.getppid(),)]
-        if stray:
-            problems.append(f"processes of the job still running: {stray}")
-        segs = segments_of(pids, dirs)
-        private = [d for d in dirs if d != Path("/dev/shm")]
-        segs += [str(d / n) for d in private for n in os.listdir(d) if n.startswith("arfuse-")]
-        if segs:
-            problems.append(f"segments left behind: {sorted(set(segs))}")
-        result = {"status": "fail" if problems else "pass", "problems": problems,
-                  "summary": summary, "pids": pids, "hung": hung,
-                  "exitcodes": {str(k): v for k, v in exitcodes.items()}}
-        return result
+        problems += _leftovers(pids, dirs)
+        return {"status": "fail" if problems else "pass", "problems": problems,
+                "summary": summary, "pids": pids, "hung": hung,
+                "exitcodes": {str(k): v for k, v in exitcodes.items()}}
     finally:
         if tmpfs is not None:
             subprocess.run(["umount", "-l", str(tmpfs)], capture_output=True)

@@ -77,10 +77,50 @@ def _stop_session(proc: subprocess.Popen[str]) -> None:
         time.sleep(0.02)
 
 
+@dataclass
+class _JobRun:
+    """How the job's process ended: its code and output, whether it overran (and the processes
+    its session had then), and the processes of its session still there after it ended."""
+
+    returncode: int | None
+    output: str
+    overran: bool
+    seen: set[int]
+    remaining: list[int]
+
+
+def _run_job_process(path: Path, out: Path, scale: float, prefix: list[str],
+                     env: dict[str, str], limit: float) -> _JobRun:
+    """The job in a session of its own, killed whole at ``limit``. Its folder is made and
+    removed here: a job killed (overrun, Ctrl-C) cannot clean up after itself."""
+    job_tmp = tempfile.mkdtemp(prefix="arfuse_scenario_")
+    proc: subprocess.Popen[str] | None = None
+    try:
+        proc = subprocess.Popen([*prefix, sys.executable, "-c", JOB_ENTRY, str(path),
+                                 str(out), repr(scale), job_tmp],
+                                env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        seen: set[int] = set()
+        overran = False
+        try:
+            output, _ = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            overran = True
+            seen.update(pgid_members(proc.pid))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        time.sleep(0.05)
+        return _JobRun(proc.returncode, output, overran, seen, pgid_members(proc.pid))
+    finally:  # also on Ctrl-C: the job's session goes, then its folder
+        if proc is not None:
+            _stop_session(proc)
+        shutil.rmtree(job_tmp, ignore_errors=True)
+
+
 def run_one(path: Path, scale: float = 1.0) -> Outcome:
     """One scenario under its hard limit (times ``scale``): the job's whole session is
-    killed when it overruns, and what it left is checked either way. The job's folder is made
-    and removed here: a job killed (overrun, Ctrl-C) cannot clean up after itself."""
+    killed when it overruns, and what it left is checked either way."""
     started = time.monotonic()
     try:
         scn = load_scenario(path).scaled(scale)
@@ -94,47 +134,23 @@ def run_one(path: Path, scale: float = 1.0) -> Outcome:
             return Outcome(scn, "skip", 0.0, f"/dev/shm full needs a tmpfs: {why}", [])
         prefix = found
         env["ARFUSE_SCENARIO_PRIVATE_MOUNTS"] = "1"
-    limit = scn.limit_s
     with tempfile.TemporaryDirectory(prefix="arfuse_scenario_out_") as out_dir:
         out = Path(out_dir) / "result.json"
-        job_tmp = tempfile.mkdtemp(prefix="arfuse_scenario_")
-        proc: subprocess.Popen[str] | None = None
-        try:
-            proc = subprocess.Popen([*prefix, sys.executable, "-c", JOB_ENTRY, str(path),
-                                     str(out), repr(scale), job_tmp],
-                                    env=env, start_new_session=True, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-            seen: set[int] = set()
-            overran = False
-            output = ""
-            try:
-                output, _ = proc.communicate(timeout=limit)
-            except subprocess.TimeoutExpired:
-                overran = True
-                seen.update(pgid_members(proc.pid))
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                output, _ = proc.communicate()
-            time.sleep(0.05)
-            remaining = pgid_members(proc.pid)
-        finally:  # also on Ctrl-C: the job's session goes, then its folder
-            if proc is not None:
-                _stop_session(proc)
-            shutil.rmtree(job_tmp, ignore_errors=True)
+        job = _run_job_process(path, out, scale, prefix, env, scn.limit_s)
         seconds = time.monotonic() - started
-        if overran:
-            left = segments_of(seen, [Path("/dev/shm")])
+        if job.overran:
+            left = segments_of(job.seen, [Path("/dev/shm")])
             return Outcome(scn, "fail", seconds, "", [
-                f"overran its limit of {limit:g} s: killed (a hang fails, it never blocks)"]
+                f"overran its limit of {scn.limit_s:g} s: killed (a hang fails, it never blocks)"]
                 + ([f"segments left: {left}"] if left else []))
         try:
             result = json.loads(out.read_text())
         except (OSError, json.JSONDecodeError):
             return Outcome(scn, "fail", seconds, "", [
-                f"the job ended (code {proc.returncode}) without a result: {output[-800:]}"])
+                f"the job ended (code {job.returncode}) without a result: {job.output[-800:]}"])
     problems = list(result.get("problems", []))
-    if remaining:
-        problems.append(f"processes of the job outlived it: {remaining}")
+    if job.remaining:
+        problems.append(f"processes of the job outlived it: {job.remaining}")
     left = segments_of(result.get("pids", []), [Path("/dev/shm")])
     if left:
         problems.append(f"segments left in /dev/shm: {left}")

@@ -761,27 +761,8 @@ class ShmBackend(Backend):
                                                         "need_name": need_name}, segment,
                                     opened=True)
             if any(o["need_name"] for o in opened):
-                if ctx.rank == 0:
-                    try:
-                        segment.name = _name_segment(segment.directory, fd,
-                                                     shared["label"])
-                    except (Exception, MemoryError) as exc:
-                        failure = exc
-                named = self._exchange(ctx, "shm-named", {"name": segment.name,
-                                                          "why": _why_or_none(failure)},
-                                       segment)[0]
-                if need_name and failure is None:
-                    try:
-                        if not named["name"]:
-                            raise CreationFailed(f"rank 0 could not name the segment for "
-                                                 f"ranks that cannot reach its descriptor: "
-                                                 f"{named['why']}")
-                        segment.name = named["name"]
-                        mine = _open_shared(segment, shared, layout)
-                    except (Exception, MemoryError) as exc:
-                        failure = exc
-                self._exchange(ctx, "shm-named-opened", _why_or_none(failure), segment,
-                               opened=True)
+                mine, failure = self._open_by_name(ctx, layout, segment, shared, fd, mine,
+                                                   need_name, failure)
             workspace = None
             if failure is None and mode != "none":
                 try:
@@ -805,6 +786,33 @@ class ShmBackend(Backend):
         if workspace is not None and mode == "null":
             workspace.poison()
         return workspace
+
+    def _open_by_name(self, ctx: Any, layout: ShmLayout, segment: _SegmentFile,
+                      shared: dict[str, Any], fd: int, mine: int, need_name: bool,
+                      failure: BaseException | None) -> tuple[int, BaseException | None]:
+        """Some rank cannot reach rank 0's descriptor: rank 0 names the segment, those ranks
+        open it by name. Returns this rank's descriptor and its failure, if any."""
+        if ctx.rank == 0:
+            try:
+                segment.name = _name_segment(segment.directory, fd, shared["label"])
+            except (Exception, MemoryError) as exc:
+                failure = exc
+        named = self._exchange(ctx, "shm-named", {"name": segment.name,
+                                                  "why": _why_or_none(failure)}, segment)[0]
+        if need_name and failure is None:
+            try:
+                if not named["name"]:
+                    raise CreationFailed(f"rank 0 could not name the segment for ranks that "
+                                         f"cannot reach its descriptor: {named['why']}")
+                segment.name = named["name"]
+                mine = _open_shared(segment, shared, layout)
+            except (Exception, MemoryError) as exc:
+                failure = exc
+        self._exchange(ctx, "shm-named-opened", _why_or_none(failure), segment, opened=True)
+        try:
+            return mine, failure
+        finally:  # its traceback holds this frame: no reference cycle through it
+            failure = None
 
     def _exchange(self, ctx: Any, phase: str, value: Any, segment: _SegmentFile,
                   workspace: ShmWorkspace | None = None, opened: bool = False) -> list[Any]:
