@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
+from arfuse import negotiate
 from arfuse.backends.flashinfer import version_tuple
 from arfuse.policy import resolve
 from arfuse.settings import Settings
@@ -250,3 +252,15 @@ def test_unknown_facts_are_explained_but_decide_nothing() -> None:
     assert "unknown facts" not in silent.explain()
     assert told.to_dict()["unknown_facts"] == why
     assert "unknown_facts" not in silent.to_dict()
+
+
+def test_a_topology_file_of_another_group_size_is_refused() -> None:
+    topo = Topology(world_size=2)
+    topo.check_rank_count(2, "group")
+    with pytest.raises(ValueError, match="describes world_size=2 but the group has 3 ranks"):
+        topo.check_rank_count(3, "group")
+    # negotiation reads only the group's size from its context
+    group_of_three = SimpleNamespace(world_size=3)
+    payloads = [{"file_topology": topo.to_dict(), "facts": None}] * 3
+    with pytest.raises(ValueError, match="but the group has 3 ranks"):
+        negotiate.topology_of(group_of_three, payloads)  # type: ignore[arg-type]

@@ -131,9 +131,7 @@ def topology_of(ctx: GroupContext, payloads: list[dict[str, Any]]) -> Topology:
     if any(p["file_topology"] is not None for p in payloads):  # on any rank: all alike
         _agree(payloads, "file_topology", "topology files (ARFUSE_TOPOLOGY)")
         topo = Topology.from_dict(payloads[0]["file_topology"])
-        if topo.world_size != ctx.world_size:
-            raise ValueError(f"ARFUSE_TOPOLOGY describes world_size={topo.world_size} but the "
-                             f"group has {ctx.world_size} ranks")
+        topo.check_rank_count(ctx.world_size, "group")
         return topo
     facts = [LocalFacts(**p["facts"]) for p in payloads]
     return topology.merge(facts)

@@ -95,6 +95,13 @@ class Topology:
     def node_count(self) -> int:
         return len(set(self.hosts))
 
+    def check_rank_count(self, ranks: int, holder: str) -> None:
+        """A topology file describes one group size: a ``holder`` (the group, the job) of
+        another size cannot use it."""
+        if self.world_size != ranks:
+            raise ValueError(f"ARFUSE_TOPOLOGY describes world_size={self.world_size} but "
+                             f"the {holder} has {ranks} ranks")
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; ``unknown`` only when some fact is, so files stay readable by older
         versions whenever nothing is unknown."""

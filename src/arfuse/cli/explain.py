@@ -86,9 +86,8 @@ def check_job(backend: str | None, strict: bool | None, ranks: JobRanks, device:
     span hosts: their plan is left to the facts they gather."""
     conf, file_topology = job_settings(backend, strict)
     check_ranks(ranks, device)
-    if file_topology is not None and file_topology.world_size != ranks.world:
-        raise ValueError(f"ARFUSE_TOPOLOGY describes world_size={file_topology.world_size} "
-                         f"but the job has {ranks.world} ranks")
+    if file_topology is not None:
+        file_topology.check_rank_count(ranks.world, "job")
     if ranks.started_here:
         resolve(conf, file_topology or topology.this_machine(ranks.world, device), spec,
                 this_machine_blockers(conf, ranks.world, device, spec))
