@@ -302,8 +302,11 @@ def run_job(scn: Scenario, deadline_s: float, tmp: Path | None = None) -> dict[s
 
 def job_main(argv: list[str] | None = None) -> None:
     """``python -c 'from arfuse.scenarios.job import job_main; job_main()' FILE OUT [SCALE
-    [TMP]]``: the file is read again here, so the runner's ``--limit-scale`` comes as SCALE
-    (else the ranks' deadline would be the unscaled one) and its folder for the job as TMP."""
+    [TMP [KILL_AT]]]``: the file is read again here, so the runner's ``--limit-scale`` comes as
+    SCALE (else the ranks' deadline would be the unscaled one), its folder for the job as TMP,
+    and as KILL_AT the ``time.monotonic()`` (one clock for every process of the machine) at
+    which it kills the job: the ranks' deadline is counted from there, so the time this
+    process takes to start on a loaded machine cannot push the job past the runner's kill."""
     argv = sys.argv[1:] if argv is None else argv
     path, out = argv[0], argv[1]
     scale = float(argv[2]) if len(argv) > 2 else 1.0
@@ -312,11 +315,12 @@ def job_main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     try:
         scn = load_scenario(path).scaled(scale)
-        margin = min(3.0, 0.2 * scn.limit_s)
+        kill_at = float(argv[4]) if len(argv) > 4 else started + scn.limit_s
+        margin = min(3.0, 0.2 * scn.limit_s)  # to stop the ranks, check leaks, report
         if scn.level == "decision":
             result = run_decision(scn)
         else:
-            result = run_job(scn, scn.limit_s - margin - 1.0, tmp)
+            result = run_job(scn, max(0.5, kill_at - margin - 1.0 - time.monotonic()), tmp)
     except Exception as exc:
         result = {"status": "fail", "problems": [f"{type(exc).__name__}: {exc}"], "summary": ""}
     result["seconds"] = round(time.monotonic() - started, 3)

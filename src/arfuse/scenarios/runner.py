@@ -96,8 +96,9 @@ def _run_job_process(path: Path, out: Path, scale: float, prefix: list[str],
     job_tmp = tempfile.mkdtemp(prefix="arfuse_scenario_")
     proc: subprocess.Popen[str] | None = None
     try:
+        kill_at = time.monotonic() + limit
         proc = subprocess.Popen([*prefix, sys.executable, "-c", JOB_ENTRY, str(path),
-                                 str(out), repr(scale), job_tmp],
+                                 str(out), repr(scale), job_tmp, repr(kill_at)],
                                 env=env, start_new_session=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         seen: set[int] = set()
