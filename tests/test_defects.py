@@ -18,7 +18,10 @@ import arfuse
 from arfuse import topology
 from arfuse.call_checks import OpShape, check_call
 
-import defect_workers as dw
+import ranks_call_pairing
+import ranks_calls
+import ranks_negotiation
+import ranks_registry
 from harness import run_ranks, values
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +91,7 @@ def test_non_numbers_are_type_errors(eps: object) -> None:
 # --- items 7 and R11 on the torch backend ---
 
 def test_torch_backend_keeps_the_timeout_and_names_the_silent_rank() -> None:
-    results = run_ranks(dw.torch_peer_never_calls, 2, 2.0, timeout=60)
+    results = run_ranks(ranks_call_pairing.torch_peer_never_calls, 2, 2.0, timeout=60)
     caller = results[0].value
     assert caller is not None, results
     assert caller["type"] == "CallTimeout", caller
@@ -104,7 +107,8 @@ def test_torch_backend_keeps_the_timeout_and_names_the_silent_rank() -> None:
     (2, [4, 4], [True, False])])
 def test_torch_backend_mismatched_calls_fail_on_every_rank(world: int, tokens: list[int],
                                                            residual_on: list[bool]) -> None:
-    for result in values(run_ranks(dw.mismatched_tokens, world, tokens, "torch", residual_on)):
+    for result in values(run_ranks(ranks_call_pairing.mismatched_tokens, world, tokens, "torch",
+                                   residual_on)):
         assert result["type"] == "MismatchedCall", result
         for rank in range(world):
             assert f"rank {rank}: tokens={tokens[rank]}" in result["error"], result
@@ -114,7 +118,7 @@ def test_torch_backend_mismatched_calls_fail_on_every_rank(world: int, tokens: l
 
 @pytest.mark.parametrize("backend", ["torch", "shm"])
 def test_close_and_destroy_all_release_the_process_group(backend: str) -> None:
-    for refs in values(run_ranks(dw.process_group_references, 2, backend)):
+    for refs in values(run_ranks(ranks_registry.process_group_references, 2, backend)):
         assert refs["during"] > refs["before"], refs  # arfuse did hold it while in use
         assert refs["after_close"] == refs["before"], refs
         assert refs["after_destroy_all"] == refs["before"], refs
@@ -123,7 +127,8 @@ def test_close_and_destroy_all_release_the_process_group(backend: str) -> None:
 # --- item 12: store keys do not pile up ---
 
 def test_store_keys_stay_bounded_over_many_creations() -> None:
-    for seen in values(run_ranks(dw.store_keys_after_creations, 2, [2, 10, 40], timeout=120)):
+    for seen in values(run_ranks(ranks_registry.store_keys_after_creations, 2, [2, 10, 40],
+                                 timeout=120)):
         assert seen[2] <= seen[0] + 2, seen  # not 16 more per creation
 
 
@@ -148,7 +153,7 @@ def test_group_and_device_arguments_name_themselves() -> None:
 
 def test_rank0_exiting_in_creation_is_named_by_the_survivor() -> None:
     env = {"ARFUSE_FAULTS": "shm.create@*=exit", "ARFUSE_TIMEOUT_S": "3"}
-    results = run_ranks(dw.create_then_report, 2, env=env, timeout=60, expect=1)
+    results = run_ranks(ranks_negotiation.create_then_report, 2, env=env, timeout=60, expect=1)
     survivor = results[1].value
     assert survivor is not None, results
     # rank 0 may die while rank 1 still reads the facts exchange, or in the shm exchange
@@ -161,7 +166,7 @@ def test_rank0_exiting_in_creation_is_named_by_the_survivor() -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "shm"])
 def test_out_requiring_grad_is_refused_on_every_backend(backend: str) -> None:
-    for result in values(run_ranks(dw.requires_grad_destination, 2, backend)):
+    for result in values(run_ranks(ranks_calls.requires_grad_destination, 2, backend)):
         assert result["type"] == "ValueError" and "requires grad" in result["error"], result
         assert result["version"] == 0 and result["then_works"], result
 
@@ -355,7 +360,7 @@ def test_a_fifo_among_scenario_files_fails_that_scenario_instead_of_blocking(
 
 # --- tensors that hold no plain values, complex x, meta numbers: errors naming the argument ---
 
-BAD_TENSOR_CALLS = dw.bad_tensor_calls(2, 16, torch.float32)
+BAD_TENSOR_CALLS = ranks_calls.bad_tensor_calls(2, 16, torch.float32)
 
 
 @pytest.mark.parametrize("name", list(BAD_TENSOR_CALLS))
@@ -366,8 +371,8 @@ def test_a_tensor_argument_without_plain_values_is_an_error_naming_it(name: str)
     comm = arfuse.FusedAllReduce(max_token_num=4, hidden_dim=16, dtype=torch.float32)
     try:
         with pytest.raises((ValueError, TypeError)) as info:
-            comm(**dw.bad_tensor_calls(2, 16, torch.float32)[name])
-        assert dw.argument_named(name) in str(info.value), info.value
+            comm(**ranks_calls.bad_tensor_calls(2, 16, torch.float32)[name])
+        assert ranks_calls.argument_named(name) in str(info.value), info.value
     finally:
         comm.close()
 
@@ -376,11 +381,11 @@ def test_a_tensor_argument_without_plain_values_is_an_error_naming_it(name: str)
 def test_tensor_arguments_without_plain_values_are_errors_on_a_real_group(backend: str) -> None:
     """The same calls on two ranks: on shm they reach the kernel's fast path first, which must
     decline each so that the Python path raises the error that names the argument."""
-    for errors in values(run_ranks(dw.bad_tensor_errors, 2, backend, timeout=120)):
+    for errors in values(run_ranks(ranks_calls.bad_tensor_errors, 2, backend, timeout=120)):
         assert errors.pop("then") == {"works": True, "backend": backend}
         for name, error in errors.items():
             assert error["type"] in ("ValueError", "TypeError"), (name, error)
-            assert dw.argument_named(name) in error["error"], (name, error)
+            assert ranks_calls.argument_named(name) in error["error"], (name, error)
 
 
 # --- explain runs the local checks creation runs ---
