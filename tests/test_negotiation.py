@@ -71,6 +71,17 @@ def test_hang_or_exit_times_out_naming_the_rank(clause: str, backend: str | None
         assert results[1].exitcode == faults.EXIT_CODE
 
 
+def test_rank0_exiting_in_creation_is_named_by_the_survivor() -> None:
+    env = {"ARFUSE_FAULTS": "shm.create@*=exit", "ARFUSE_TIMEOUT_S": "3"}
+    results = run_ranks(ranks_negotiation.create_then_report, 2, env=env, timeout=60, expect=1)
+    survivor = results[1].value
+    assert survivor is not None, results
+    # rank 0 may die while rank 1 still reads the facts exchange, or in the shm exchange
+    assert ("phase 'shm-name'" in survivor["error"] and "backend shm" in survivor["error"]) \
+        or "phase 'facts'" in survivor["error"] or "phase 'open'" in survivor["error"], survivor
+    assert "store stopped answering" in survivor["error"] and "rank 0" in survivor["error"]
+
+
 def test_strict_explicit_backend_failure_raises_on_every_rank() -> None:
     env = {"ARFUSE_FAULTS": "shm.create@1=raise", "ARFUSE_STRICT": "1"}
     results = values(run_ranks(ranks_negotiation.expect_failure, 2, "shm", env=env))
