@@ -76,7 +76,7 @@ def test_a_topology_path_that_is_no_regular_file_is_refused_naming_its_source(
         tmp_path: Path, kind: str) -> None:
     """A FIFO blocked open() forever (no writer ever comes); a device or a directory is no
     file of settings either. Each is refused at once, naming the path and where it came from.
-    Run in a child process: the old behaviour hangs, and the test must fail, not hang."""
+    Run in a child process: a blocking open would hang, and the test must fail, not hang."""
     path = {"FIFO": lambda: _fifo(tmp_path), "directory": lambda: tmp_path,
             "character device": lambda: Path("/dev/null")}[kind]()
     code = ("import sys; from arfuse import topology\n"
