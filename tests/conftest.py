@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-# the multi-process workers import these test helpers by module name
+# the rank bodies (ranks_*.py) and the tests import the modules here by name
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("ARFUSE_LOG", "warning")
 

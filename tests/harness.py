@@ -127,3 +127,15 @@ def values(results: list[RankResult]) -> list[Any]:
     bad = [r for r in results if not r.ok]
     assert not bad, "\n".join(f"rank {r.rank}: {r.error}" for r in bad)
     return [r.value for r in results]
+
+
+def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    """What ``fn()`` ended with in a rank: the error's class and text ("" for none) and the
+    seconds it took, for the test to check."""
+    started = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        return {"type": type(exc).__name__, "error": str(exc),
+                "seconds": time.monotonic() - started}
+    return {"type": "", "error": "", "seconds": time.monotonic() - started}

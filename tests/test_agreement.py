@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-import agreement_workers as aw
+import ranks_agreement
 from harness import run_ranks, values
 
 BAD_LOCAL = [
@@ -27,7 +27,7 @@ def test_a_local_error_on_one_rank_fails_every_rank_at_once_and_leaves_the_group
     """The rank with the bad argument or setting raises its own error; the other learns it at
     once (``PeerAborted`` naming that rank and why, not a ``NegotiationTimeout`` after its
     30 s); every later op of the group, before and after ``destroy_all``, works."""
-    results = values(run_ranks(aw.local_error_then_recovery, 2, bad_rank, bad, env,
+    results = values(run_ranks(ranks_agreement.local_error_then_recovery, 2, bad_rank, bad, env,
                                timeout=120))
     for rank, report in enumerate(results):
         if rank == bad_rank:
@@ -40,7 +40,7 @@ def test_a_local_error_on_one_rank_fails_every_rank_at_once_and_leaves_the_group
 
 
 def test_the_vllm_drop_in_tells_every_rank_of_a_local_error() -> None:
-    results = values(run_ranks(aw.vllm_local_error_then_recovery, 2, timeout=120))
+    results = values(run_ranks(ranks_agreement.vllm_local_error_then_recovery, 2, timeout=120))
     assert results[1]["bad"].startswith("ValueError: world_size=2, rank=0 do not match")
     assert results[0]["bad"].startswith("PeerAborted: "), results[0]
     for report in results:
@@ -63,7 +63,7 @@ def test_calls_that_differ_in_quantisation_or_layout_fail_on_every_rank(
     """R11 on every path: the quantisation (and NVFP4's scale layout) is part of the call's
     descriptor also where the backend quantises as a step of its own (torch, and a call over
     capacity, which runs there): ``MismatchedCall`` on every rank, and the next call works."""
-    results = values(run_ranks(aw.quantised_calls_that_differ, 2, backend, tokens,
+    results = values(run_ranks(ranks_agreement.quantised_calls_that_differ, 2, backend, tokens,
                                QUANTISED_CASES[case], timeout=120))
     for report in results:
         assert report["backend"] == backend, report
@@ -73,7 +73,7 @@ def test_calls_that_differ_in_quantisation_or_layout_fail_on_every_rank(
 
 
 def test_a_backend_registered_on_some_ranks_only_fails_on_every_rank_at_once() -> None:
-    for report in values(run_ranks(aw.backend_registered_on_one_rank, 2, timeout=120)):
+    for report in values(run_ranks(ranks_agreement.backend_registered_on_one_rank, 2, timeout=120)):
         assert report.startswith("NegotiationError: ranks have different backends"), report
         assert "backend 'extra' is registered on ranks [0] but not on ranks [1]" in report
 
@@ -81,7 +81,8 @@ def test_a_backend_registered_on_some_ranks_only_fails_on_every_rank_at_once() -
 def test_the_unfused_backend_blocked_by_a_local_check_is_not_used() -> None:
     """What the plan lists as blocked is never used, the unfused backend included."""
     env = {"ARFUSE_BACKEND": "torch", "ARFUSE_FAULTS": "torch.probe@1=raise"}
-    for report in values(run_ranks(aw.unfused_backend_blocked, 2, env=env, timeout=120)):
+    for report in values(run_ranks(ranks_agreement.unfused_backend_blocked, 2, env=env,
+                                   timeout=120)):
         assert report.startswith("ValueError: no backend can run"), report
         assert "torch: rank 1: local check failed: InjectedFault" in report, report
 
@@ -97,8 +98,8 @@ def test_ops_called_in_other_orders_are_a_mismatched_call_on_every_rank(
     descriptors name: the group stays in step. Ops in two shm workspaces wait in different
     segments: each rank sees the other in a call there, and both workspaces are out of step
     (``WorkspaceBroken``) until the ops are closed."""
-    results = values(run_ranks(aw.ops_called_in_other_orders, 2, backend, hidden_b, env=env,
-                               timeout=150))
+    results = values(run_ranks(ranks_agreement.ops_called_in_other_orders, 2, backend, hidden_b,
+                               env=env, timeout=150))
     in_step = hidden_b == 64 or backend == "torch"
     for report in results:
         assert report["shared"] == (hidden_b == 64), report
@@ -116,18 +117,19 @@ def test_ops_called_in_other_orders_are_a_mismatched_call_on_every_rank(
 
 
 def test_ranks_forced_into_different_modes_are_a_mismatched_call() -> None:
-    for report in values(run_ranks(aw.ranks_in_different_modes, 2, timeout=120)):
+    for report in values(run_ranks(ranks_agreement.ranks_in_different_modes, 2, timeout=120)):
         assert report["call"].startswith("MismatchedCall: "), report
         assert "they differ in mode;" in report["call"], report
         assert report["after"] == "2", report
 
 
 def test_a_call_timeout_leaves_no_key_in_the_store_past_the_next_ops() -> None:
-    results = values(run_ranks(aw.store_keys_after_a_call_timeout, 2, timeout=120))
+    results = values(run_ranks(ranks_agreement.store_keys_after_a_call_timeout, 2, timeout=120))
     assert results[0]["timed out"] and results[0]["left"], results
     assert not results[0]["after"] and not results[1]["after"], results
 
 
 def test_a_local_error_leaves_no_reference_cycle_holding_the_group() -> None:
-    for report in values(run_ranks(aw.contexts_left_after_a_local_error, 2, timeout=120)):
+    for report in values(run_ranks(ranks_agreement.contexts_left_after_a_local_error, 2,
+                                   timeout=120)):
         assert report == {"left": 0}, report

@@ -270,7 +270,7 @@ def test_bench_rates_split_a_copy_into_its_two_sides() -> None:
 def test_bench_peer_rates_are_measured_or_skipped_on_every_rank(tmp_path: Path,
                                                                    blocked: int | None) -> None:
     from harness import run_ranks, values
-    from workers import peer_rates
+    from ranks_cli import peer_rates
 
     got = values(run_ranks(peer_rates, 2, blocked, str(tmp_path), timeout=60))
     if blocked is None:
@@ -305,9 +305,9 @@ def test_launched_ranks_run_their_exit_handlers(tmp_path: Path) -> None:
     kernel build's temporary folder stayed in /tmp after every run with an unusable cache."""
     from arfuse.launch import launch
 
-    import workers
+    import ranks_cli
 
-    assert launch(workers.rank_with_an_exit_handler, 2, str(tmp_path)) == 0
+    assert launch(ranks_cli.rank_with_an_exit_handler, 2, str(tmp_path)) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
 
 
@@ -316,10 +316,10 @@ def test_sigterm_to_a_job_stops_its_ranks(tmp_path: Path) -> None:
     used to run on, re-parented to init)."""
     import signal
 
-    script = ("import sys; sys.path.insert(0, 'tests'); import workers\n"
+    script = ("import sys; sys.path.insert(0, 'tests'); import ranks_cli\n"
               "from arfuse.launch import launch\n"
               "try:\n"
-              f"    sys.exit(launch(workers.rank_that_sleeps, 2, {str(tmp_path)!r}))\n"
+              f"    sys.exit(launch(ranks_cli.rank_that_sleeps, 2, {str(tmp_path)!r}))\n"
               "except KeyboardInterrupt:\n"
               "    sys.exit(130)\n")
     job = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
@@ -429,9 +429,9 @@ def test_the_job_store_port_is_held_before_any_rank_starts(tmp_path: Path) -> No
     system picked it. Rank 1 looks while rank 0 has not started."""
     from arfuse.launch import launch
 
-    import workers
+    import ranks_cli
 
-    assert launch(workers.rank_finds_the_store_port_taken_before_rank0_starts, 2,
+    assert launch(ranks_cli.rank_finds_the_store_port_taken_before_rank0_starts, 2,
                   str(tmp_path)) == 0
     assert (tmp_path / "verdict").read_text() == "held"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import workers
+import ranks_calls
 from harness import run_ranks, values
 
 
@@ -18,7 +18,7 @@ from harness import run_ranks, values
 def test_given_outputs_and_in_place_equal_new_outputs(world: int, backend: str,
                                                       mode: str | None,
                                                       env: dict[str, str]) -> None:
-    reports = values(run_ranks(workers.in_place, world, backend, mode, env=env))
+    reports = values(run_ranks(ranks_calls.in_place, world, backend, mode, env=env))
     for report in reports:
         *cases, tail = report
         assert tail["backend"] == backend
@@ -59,7 +59,7 @@ EXPECTED = {
 
 
 def test_bad_arguments_name_themselves_and_leave_the_op_usable() -> None:
-    for errors in values(run_ranks(workers.bad_calls, 2, timeout=120)):
+    for errors in values(run_ranks(ranks_calls.bad_calls, 2, timeout=120)):
         assert errors.pop("after") == "True"
         assert set(errors) == set(EXPECTED)
         for name, (kind, text) in EXPECTED.items():

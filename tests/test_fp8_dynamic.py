@@ -13,7 +13,7 @@ import torch
 import arfuse
 from arfuse import quant as q
 
-import defect_workers as dw
+import ranks_numerics
 from harness import run_ranks, values
 
 
@@ -55,7 +55,7 @@ def test_fp8_dynamic_takes_no_scale() -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "shm"])
 def test_every_rank_gets_the_reference_bytes(backend: str) -> None:
-    results = values(run_ranks(dw.fp8_dynamic_call, 2, backend))
+    results = values(run_ranks(ranks_numerics.fp8_dynamic_call, 2, backend))
     assert results[0]["digest"] == results[1]["digest"]
     for r in results:
         assert r["matches_reference"], r

@@ -36,7 +36,7 @@ from arfuse import faults, topology
 from arfuse import settings as settings_mod
 from arfuse.scenarios import mapped_segments
 
-import scenario_workers
+import ranks_fuzz
 from harness import run_ranks, values
 from reference import fp8_codes_independent, nvfp4_independent, swizzle_offset
 
@@ -409,7 +409,7 @@ BAD_NAMES = {"eps": "eps", "scale": "scale", "x_dtype": "x", "x_stride": "x",
           suppress_health_check=list(HealthCheck))
 @given(st.lists(shm_cases(), min_size=20, max_size=30))
 def test_fused_op_on_a_real_shm_group(cases: list[dict[str, Any]]) -> None:
-    results = values(run_ranks(scenario_workers.fuzz_shm_calls, 2, cases, timeout=60))
+    results = values(run_ranks(ranks_fuzz.fuzz_shm_calls, 2, cases, timeout=60))
     for per_rank in results:
         assert per_rank[0]["backend"] == "shm", per_rank[0]
     for i, case in enumerate(cases, start=1):

@@ -370,12 +370,12 @@ def test_nvfp4_nan_and_inf_follow_flashinfer_on_every_path(dtype: torch.dtype,
 def test_nvfp4_nan_and_inf_on_real_ranks() -> None:
     from arfuse import quant
 
-    import workers
+    import ranks_numerics
     from harness import run_ranks, values
 
     # rank 0 passes the blocks, the others zeros: the sum is the blocks, but for -0 (+0 then)
     x, codes, scales = nvfp4_special(torch.bfloat16, NVFP4_SPECIAL[:-1])
-    for result in values(run_ranks(workers.quant_edges, 2, x, "nvfp4", 6.0, "linear")):
+    for result in values(run_ranks(ranks_numerics.quant_edges, 2, x, "nvfp4", 6.0, "linear")):
         assert result["backend"] == "shm"
         assert torch.equal(result["quant_out"], codes)
         assert torch.equal(result["scale_out"], scales)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import workers
+import ranks_call_pairing
 from harness import run_ranks, values
 
 # (tokens, pattern, quant) of rank 0, then of every other rank
@@ -62,14 +62,14 @@ def check(reports: list[list[dict[str, Any]]], world: int, path: str) -> None:
 @pytest.mark.parametrize(("world", "mode"), [(2, "oneshot"), (2, "twoshot"), (3, "oneshot"),
                                              (3, "twoshot")])
 def test_every_rank_raises_mismatched_call(world: int, mode: str) -> None:
-    reports = values(run_ranks(workers.mismatched_calls, world, mode, CASES, timeout=90))
+    reports = values(run_ranks(ranks_call_pairing.mismatched_calls, world, mode, CASES, timeout=90))
     check(reports, world, "c++")
 
 
 def test_mismatched_call_when_the_ranks_pick_different_modes() -> None:
     """Automatic mode: 1 token is one-shot, 40 tokens of 16 KiB rows two-shot."""
     cases = [{"name": "1 vs 40", "ranks": [(1, "plain", None), (40, "plain", None)]}]
-    reports = values(run_ranks(workers.mismatched_calls, 2, None, cases, timeout=60))
+    reports = values(run_ranks(ranks_call_pairing.mismatched_calls, 2, None, cases, timeout=60))
     for report in reports:
         assert report[0]["error"].startswith("MismatchedCall:"), report
         assert "rank 0: tokens=1 " in report[0]["error"]
@@ -78,7 +78,7 @@ def test_mismatched_call_when_the_ranks_pick_different_modes() -> None:
 
 
 def test_pure_torch_path_raises_mismatched_call_too() -> None:
-    reports = values(run_ranks(workers.mismatched_calls, 2, None, CASES, timeout=90,
+    reports = values(run_ranks(ranks_call_pairing.mismatched_calls, 2, None, CASES, timeout=90,
                                env={"ARFUSE_SHM_PURE_TORCH": "1"}))
     check(reports, 2, "pure-torch")
 
@@ -87,7 +87,7 @@ def test_pure_torch_path_raises_mismatched_call_too() -> None:
 def test_a_call_over_capacity_announced_meets_the_group(env: dict[str, str]) -> None:
     """``ShmWorkspace.announce``: what a call that runs unfused (over capacity) does on the shm
     group first, so that tokens that differ across the capacity are a MismatchedCall too."""
-    reports = values(run_ranks(workers.announce_across_capacity, 2, env=env, timeout=60))
+    reports = values(run_ranks(ranks_call_pairing.announce_across_capacity, 2, env=env, timeout=60))
     for rank, report in enumerate(reports):
         assert report["path"] == ("pure-torch" if env else "c++")
         assert report["after_same"] is True, report

@@ -8,7 +8,8 @@ import pytest
 
 from arfuse import faults
 
-import workers
+import ranks_negotiation
+import ranks_registry
 from harness import run_ranks, values
 
 NON_FATAL = [
@@ -22,7 +23,7 @@ NON_FATAL = [
 
 
 def test_non_fatal_faults_every_rank_ends_on_the_same_backend() -> None:
-    results = values(run_ranks(workers.fault_sequence, 2, NON_FATAL, timeout=240))
+    results = values(run_ranks(ranks_negotiation.fault_sequence, 2, NON_FATAL, timeout=240))
     for i, clause in enumerate(NON_FATAL):
         per_rank = [r[i] for r in results]
         backends = {p["backend"] for p in per_rank}
@@ -31,7 +32,7 @@ def test_non_fatal_faults_every_rank_ends_on_the_same_backend() -> None:
         if not clause.startswith("shm.probe"):
             assert per_rank[0]["attempts"][0].startswith("shm: failed"), per_rank[0]
     # and without faults, shm is what the group negotiates
-    clean = values(run_ranks(workers.fault_sequence, 2, [""]))
+    clean = values(run_ranks(ranks_negotiation.fault_sequence, 2, [""]))
     assert {r[0]["backend"] for r in clean} == {"shm"}
 
 
@@ -39,13 +40,13 @@ def test_a_torch_workspace_created_broken_fails_validation_on_every_rank() -> No
     """torch.create@1=null (design 3.8: create takes every mode): the workspace succeeds
     broken and validation catches it; the injection used to be ignored."""
     env = {"ARFUSE_FAULTS": "torch.create@1=null"}
-    for got in values(run_ranks(workers.expect_failure, 2, "torch", env=env, timeout=60)):
+    for got in values(run_ranks(ranks_negotiation.expect_failure, 2, "torch", env=env, timeout=60)):
         assert got["error"].startswith("NegotiationError"), got
         assert "torch: failed at validate" in got["error"], got
 
 
 def test_fault_on_three_ranks_names_the_failing_rank() -> None:
-    results = values(run_ranks(workers.fault_sequence, 3, ["shm.create@2=oom"]))
+    results = values(run_ranks(ranks_negotiation.fault_sequence, 3, ["shm.create@2=oom"]))
     first = results[0][0]
     assert {r[0]["backend"] for r in results} == {"torch"}
     assert "rank 2: MemoryError" in first["attempts"][0]
@@ -57,7 +58,7 @@ def test_fault_on_three_ranks_names_the_failing_rank() -> None:
     ("shm.probe@1=exit", None)])
 def test_hang_or_exit_times_out_naming_the_rank(clause: str, backend: str | None) -> None:
     env = {"ARFUSE_FAULTS": clause, "ARFUSE_TIMEOUT_S": "3"}
-    results = run_ranks(workers.expect_failure, 2, backend, env=env, timeout=60, expect=1)
+    results = run_ranks(ranks_negotiation.expect_failure, 2, backend, env=env, timeout=60, expect=1)
     survivor = results[0].value
     assert survivor is not None, results
     assert "NegotiationTimeout" in survivor["error"], survivor
@@ -70,15 +71,26 @@ def test_hang_or_exit_times_out_naming_the_rank(clause: str, backend: str | None
         assert results[1].exitcode == faults.EXIT_CODE
 
 
+def test_rank0_exiting_in_creation_is_named_by_the_survivor() -> None:
+    env = {"ARFUSE_FAULTS": "shm.create@*=exit", "ARFUSE_TIMEOUT_S": "3"}
+    results = run_ranks(ranks_negotiation.create_then_report, 2, env=env, timeout=60, expect=1)
+    survivor = results[1].value
+    assert survivor is not None, results
+    # rank 0 may die while rank 1 still reads the facts exchange, or in the shm exchange
+    assert ("phase 'shm-name'" in survivor["error"] and "backend shm" in survivor["error"]) \
+        or "phase 'facts'" in survivor["error"] or "phase 'open'" in survivor["error"], survivor
+    assert "store stopped answering" in survivor["error"] and "rank 0" in survivor["error"]
+
+
 def test_strict_explicit_backend_failure_raises_on_every_rank() -> None:
     env = {"ARFUSE_FAULTS": "shm.create@1=raise", "ARFUSE_STRICT": "1"}
-    results = values(run_ranks(workers.expect_failure, 2, "shm", env=env))
+    results = values(run_ranks(ranks_negotiation.expect_failure, 2, "shm", env=env))
     for r in results:
         assert "NegotiationError" in r["error"] and "ARFUSE_STRICT=1" in r["error"], r
 
 
 def test_spec_mismatch_is_a_clear_error_not_a_hang() -> None:
-    errors = values(run_ranks(workers.mismatched_spec, 2))
+    errors = values(run_ranks(ranks_negotiation.mismatched_spec, 2))
     for err in errors:
         assert "NegotiationError" in err and "different specs" in err and "rank 1" in err
 
@@ -86,7 +98,8 @@ def test_spec_mismatch_is_a_clear_error_not_a_hang() -> None:
 def test_topology_file_of_two_hosts_means_no_shm(tmp_path) -> None:
     topo = tmp_path / "two-hosts.json"
     topo.write_text(json.dumps({"device": "cpu", "world_size": 2, "hosts": ["a", "b"]}))
-    results = values(run_ranks(workers.fault_sequence, 2, [""], env={"ARFUSE_TOPOLOGY": str(topo)}))
+    results = values(run_ranks(ranks_negotiation.fault_sequence, 2, [""],
+                               env={"ARFUSE_TOPOLOGY": str(topo)}))
     assert {r[0]["backend"] for r in results} == {"torch"}
 
 
@@ -96,7 +109,8 @@ def test_a_topology_file_on_one_rank_only_fails_on_every_rank(tmp_path, file_ran
     ignored: every rank used the detected facts)."""
     topo = tmp_path / "two-hosts.json"
     topo.write_text(json.dumps({"device": "cpu", "world_size": 2, "hosts": ["a", "b"]}))
-    for got in values(run_ranks(workers.topology_file_on_one_rank, 2, file_rank, str(topo))):
+    for got in values(run_ranks(ranks_negotiation.topology_file_on_one_rank, 2, file_rank,
+                                str(topo))):
         assert got.startswith("NegotiationError") and "topology files (ARFUSE_TOPOLOGY)" in got, got
 
 
@@ -106,7 +120,7 @@ def test_a_plan_with_nothing_to_run_fails_on_every_rank(tmp_path) -> None:
     reads them)."""
     topo = tmp_path / "two-hosts.json"
     topo.write_text(json.dumps({"device": "cpu", "world_size": 2, "hosts": ["a", "b"]}))
-    results = values(run_ranks(workers.expect_failure, 2, "shm",
+    results = values(run_ranks(ranks_negotiation.expect_failure, 2, "shm",
                                env={"ARFUSE_TOPOLOGY": str(topo), "ARFUSE_STRICT": "1"}))
     for got in results:
         assert got["error"].startswith("ValueError: ARFUSE_STRICT=1 and no fused backend"), got
@@ -121,7 +135,7 @@ def test_what_workspace_broken_advises_brings_the_group_back(pure: bool) -> None
     from arfuse.errors import WorkspaceBroken
 
     env = {"ARFUSE_SHM_PURE_TORCH": "1"} if pure else {}
-    rank0, rank1 = values(run_ranks(workers.new_ops_after_a_broken_workspace, 2, "shm",
+    rank0, rank1 = values(run_ranks(ranks_negotiation.new_ops_after_a_broken_workspace, 2, "shm",
                                     env=env, timeout=60))
     assert rank0["first"].startswith("CallTimeout"), rank0
     assert rank0["first_again"].startswith("WorkspaceBroken"), rank0
@@ -130,7 +144,7 @@ def test_what_workspace_broken_advises_brings_the_group_back(pure: bool) -> None
 
 
 def test_registry_reuse_growth_sharing_and_destroy() -> None:
-    stories = values(run_ranks(workers.registry_story, 2))
+    stories = values(run_ranks(ranks_registry.registry_story, 2))
     for story in stories:
         assert story["plain_and_quant_share"] and story["live_after_two"] == 1
         assert story["quant_ok"]

@@ -27,6 +27,7 @@ def cases() -> list[Case]:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_torch_backend_numerics(world: int) -> None:
     all_cases = cases()
-    results = values(run_ranks(__import__("workers").numerics, world, "torch", all_cases, 256))
+    results = values(run_ranks(__import__("ranks_numerics").numerics, world, "torch", all_cases,
+                               256))
     for case in all_cases:
         check_case(case, [r[case] for r in results], "torch")

@@ -9,7 +9,7 @@ import torch
 
 from arfuse import quant as q
 
-import workers
+import ranks_numerics
 from harness import run_ranks, values
 from reference import E2M1, fp8_codes_independent, nvfp4_independent
 
@@ -55,7 +55,7 @@ def test_nvfp4_reference_matches_independent() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_shm_kernel_fp8_edges_match_reference(dtype: torch.dtype) -> None:
     x = fp8_edges().to(dtype)
-    for result in values(run_ranks(workers.quant_edges, 2, x, "fp8", 0.5, "linear")):
+    for result in values(run_ranks(ranks_numerics.quant_edges, 2, x, "fp8", 0.5, "linear")):
         assert result["backend"] == "shm"
         expected = q.fp8_quantize(result["out"], 0.5).view(torch.uint8)
         assert torch.equal(result["quant_out"], expected)
@@ -64,7 +64,7 @@ def test_shm_kernel_fp8_edges_match_reference(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("layout", ["linear", "swizzled_128x4"])
 def test_shm_kernel_nvfp4_edges_match_reference(layout: str) -> None:
     x = nvfp4_edges().to(torch.bfloat16)
-    for result in values(run_ranks(workers.quant_edges, 2, x, "nvfp4", 448.0, layout)):
+    for result in values(run_ranks(ranks_numerics.quant_edges, 2, x, "nvfp4", 448.0, layout)):
         assert result["backend"] == "shm"
         packed, scales = q.nvfp4_quantize(result["out"], 448.0, layout)
         assert torch.equal(result["quant_out"], packed)

@@ -10,7 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-import workers
+import ranks_call_pairing
+import ranks_numerics
+import ranks_residual
+import ranks_shm_lifetime
 from harness import run_ranks, values
 from numerics_check import check_case
 from reference import PATTERNS, Case
@@ -41,7 +44,7 @@ def test_shm_numerics(world: int, mode: str) -> None:
              # two-shot in several steps (the next step's copy taken between rows or segments)
              Case("fp32", 100, 1040, "plain"), Case("fp16", 100, 1040, "fp8"),
              Case("bf16", 100, 1040, "nvfp4_linear")]
-    results = values(run_ranks(workers.numerics, world, "shm", cases, 256, mode))
+    results = values(run_ranks(ranks_numerics.numerics, world, "shm", cases, 256, mode))
     for case in cases:
         entries = [r[case] for r in results]
         assert all(e["path"] == "c++" for e in entries)
@@ -57,7 +60,7 @@ def test_shm_automatic_threshold_both_sides() -> None:
     big = ONESHOT_MAX_BYTES // (1040 * 2) + 3
     cases = [Case("bf16", 1, 1040, "norm"), Case("bf16", big, 1040, "norm"),
              Case("bf16", big, 1040, "plain")]
-    results = values(run_ranks(workers.numerics, 3, "shm", cases, big, None))
+    results = values(run_ranks(ranks_numerics.numerics, 3, "shm", cases, big, None))
     for case in cases:
         check_case(case, [r[case] for r in results], "shm")
     assert results[0][cases[0]]["mode"] == "oneshot"
@@ -71,8 +74,8 @@ def test_cxx_and_pure_torch_paths_agree() -> None:
     cases = [Case(d, 9, h, p) for d in ("bf16", "fp32") for p in ("plain", "norm", "fp8")
              for h in (208, 88, 37)]
     cases.append(Case("bf16", 9, 208, "nvfp4_linear"))
-    cxx = values(run_ranks(workers.numerics, 2, "shm", cases, 64, None))
-    pure = values(run_ranks(workers.numerics, 2, "shm", cases, 64, None,
+    cxx = values(run_ranks(ranks_numerics.numerics, 2, "shm", cases, 64, None))
+    pure = values(run_ranks(ranks_numerics.numerics, 2, "shm", cases, 64, None,
                             env={"ARFUSE_SHM_PURE_TORCH": "1"}))
     assert pure[0][cases[0]]["path"] == "pure-torch" and cxx[0][cases[0]]["path"] == "c++"
     for case in cases:
@@ -207,8 +210,8 @@ def test_user_files_in_the_working_directory_survive_an_empty_shm_dir(tmp_path: 
     there and the sweep deleted files merely named like them."""
     for name in ("arfuse-1-1-notes.txt", "arfuse-2024-12-report.csv", "arfuse-3-4-x"):
         (tmp_path / name).write_text("the user's")
-    listings = values(run_ranks(workers.create_with_user_files_in_the_working_directory, 2,
-                                str(tmp_path), env={"ARFUSE_SHM_DIR": ""}))
+    listings = values(run_ranks(ranks_shm_lifetime.create_with_user_files_in_the_working_directory,
+                                2, str(tmp_path), env={"ARFUSE_SHM_DIR": ""}))
     expected = ["arfuse-1-1-notes.txt", "arfuse-2024-12-report.csv", "arfuse-3-4-x"]
     assert listings == [expected, expected]
     assert all((tmp_path / name).read_text() == "the user's" for name in expected)
@@ -222,7 +225,7 @@ def test_a_slot_view_outlives_close_reading_zeros_and_frees_with_its_last_view(
     process's own), the segment itself is let go at once, and the addresses are freed when
     the last view goes (reference counts alone, no garbage collection)."""
     env = {"ARFUSE_SHM_PURE_TORCH": "1"} if pure else {}
-    results = run_ranks(workers.slot_view_after_close, 2, env=env, timeout=90)
+    results = run_ranks(ranks_shm_lifetime.slot_view_after_close, 2, env=env, timeout=90)
     assert [r.exitcode for r in results] == [0, 0], results  # was -11 (SIGSEGV) on both
     for report in values(results):
         assert report["path"] == ("pure-torch" if pure else "c++")
@@ -247,8 +250,8 @@ def test_a_peer_failing_creation_leaves_the_others_no_descriptor_mapping_or_file
     mapping of the segment, and nothing is left in the directory. A failure while freeing
     does not keep the failing rank from giving its reason in the exchange."""
     env = {"ARFUSE_SHM_DIR": str(tmp_path), "ARFUSE_TIMEOUT_S": "20"}
-    results = values(run_ranks(workers.peer_fails_in_shm_exchange, 3, phase, str(tmp_path),
-                               fails, env=env, timeout=90))
+    results = values(run_ranks(ranks_shm_lifetime.peer_fails_in_shm_exchange, 3, phase,
+                               str(tmp_path), fails, env=env, timeout=90))
     for rank in (0, 2):
         report = results[rank]
         assert report["backend"] == "torch", report
@@ -273,7 +276,7 @@ def test_what_a_creator_killed_during_creation_leaves(tmp_path: Path, named: str
     from arfuse.backends.shm import workspace as shm
 
     env = {"ARFUSE_SHM_DIR": str(tmp_path), "ARFUSE_TIMEOUT_S": "10"}
-    results = run_ranks(workers.creator_killed_at, 2, point, named, env=env, timeout=90)
+    results = run_ranks(ranks_shm_lifetime.creator_killed_at, 2, point, named, env=env, timeout=90)
     assert results[0].exitcode == -9, results
     assert results[1].ok and results[1].value != "created", results
     remaining = sorted(os.listdir(tmp_path))
@@ -286,7 +289,7 @@ def test_what_a_creator_killed_during_creation_leaves(tmp_path: Path, named: str
 def test_every_way_of_opening_the_segment_works_and_leaves_no_name(tmp_path: Path,
                                                                    named: str) -> None:
     env = {"ARFUSE_SHM_DIR": str(tmp_path)}
-    for report in values(run_ranks(workers.shm_segment_named, 2, named, env=env)):
+    for report in values(run_ranks(ranks_shm_lifetime.shm_segment_named, 2, named, env=env)):
         assert report == {"out": 2 * 64 * 2, "left": []}, report
 
 
@@ -294,15 +297,15 @@ def test_no_segment_left_when_a_peer_never_answers_creation(tmp_path) -> None:
     """Rank 0 made the segment, then timed out waiting for a peer that never took part: the
     segment goes with the error (it stayed while the creator lived)."""
     env = {"ARFUSE_SHM_DIR": str(tmp_path)}
-    got = values(run_ranks(workers.shm_create_with_a_silent_peer, 2, str(tmp_path), env=env,
-                           timeout=60))[0]
+    got = values(run_ranks(ranks_shm_lifetime.shm_create_with_a_silent_peer, 2, str(tmp_path),
+                           env=env, timeout=60))[0]
     assert got == "NegotiationTimeout; left: []", got
 
 
 @pytest.mark.parametrize("mode", ["oneshot", "twoshot"])
 def test_hung_rank_in_a_call_times_out_naming_it(mode: str) -> None:
     env = {"ARFUSE_FAULTS": "shm.call@1=hang", "ARFUSE_TIMEOUT_S": "2"}
-    results = run_ranks(workers.call_then_report, 2, mode, env=env, timeout=60, expect=1)
+    results = run_ranks(ranks_call_pairing.call_then_report, 2, mode, env=env, timeout=60, expect=1)
     survivor = results[0].value
     assert survivor is not None and survivor["backend"] == "shm", results
     assert "timed out" in survivor["error"] and "rank(s) 1" in survivor["error"], survivor
@@ -313,7 +316,7 @@ def test_hung_rank_in_a_call_times_out_naming_it(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["oneshot", "twoshot"])
 def test_input_written_into_the_shared_slot(mode: str) -> None:
-    for result in values(run_ranks(workers.zero_copy, 2, mode)):
+    for result in values(run_ranks(ranks_numerics.zero_copy, 2, mode)):
         assert all(result["same"]), result
         assert result["stats"]["unfused_over_capacity"] == 1
 
@@ -321,7 +324,7 @@ def test_input_written_into_the_shared_slot(mode: str) -> None:
 @pytest.mark.parametrize(("world", "mode"), [(2, None), (3, "twoshot")])
 def test_copy_modes_give_the_same_results_and_ranks_agree_on_the_mode(
         world: int, mode: str | None) -> None:
-    reports = values(run_ranks(workers.copy_modes, world, mode))
+    reports = values(run_ranks(ranks_numerics.copy_modes, world, mode))
     for report in reports:
         assert report["same"] and all(report["same"])
     for dtype, modes in reports[0]["modes"].items():
@@ -333,7 +336,7 @@ def test_copy_modes_give_the_same_results_and_ranks_agree_on_the_mode(
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_shot_and_two_shot_agree_bit_for_bit_with_special_values(world: int) -> None:
-    for differ in values(run_ranks(workers.one_vs_two_shot, world)):
+    for differ in values(run_ranks(ranks_numerics.one_vs_two_shot, world)):
         assert differ == [], differ
 
 
@@ -421,7 +424,7 @@ def test_workspace_released_during_an_operator_call() -> None:
     """The Python side lets go of the kernel while a torch operator call is waiting for a
     peer: the call's own reference is the last, and it is released on a thread without the
     GIL (the process used to abort in ~ShmComm)."""
-    results = run_ranks(workers.release_during_operator_call, 2, timeout=60)
+    results = run_ranks(ranks_shm_lifetime.release_during_operator_call, 2, timeout=60)
     assert [r.exitcode for r in results] == [0, 0], [(r.exitcode, r.error[-400:]) for r in results]
     rank0, rank1 = values(results)
     assert rank0 == {"out": 3.0, "released": True} and rank1["out"] == 3.0, (rank0, rank1)
@@ -433,7 +436,7 @@ def test_calls_from_two_threads_run_one_at_a_time(pure: bool) -> None:
     path): calls from two threads of one rank pair up whole with the other rank's calls, in
     the order each rank made them, instead of mixing two calls' rows in one output."""
     env = {"ARFUSE_SHM_PURE_TORCH": "1"} if pure else {}
-    results = values(run_ranks(workers.calls_from_two_threads, 2, 8, 300, env=env,
+    results = values(run_ranks(ranks_call_pairing.calls_from_two_threads, 2, 8, 300, env=env,
                                timeout=150))
     assert results[0]["path"] == ("pure-torch" if pure else "c++")
     sums = {1.0 + 2.0, 1.0 + 200.0, 100.0 + 2.0, 100.0 + 200.0}
@@ -461,7 +464,7 @@ def test_replicated_residual_is_a_promise_two_shot_relies_on(world: int,
     tokens = 10
     chunk = -(-tokens // world)
     for replicated, mode in ((False, "twoshot"), (True, "twoshot"), (True, "oneshot")):
-        results = values(run_ranks(workers.residual_per_rank, world, replicated, mode,
+        results = values(run_ranks(ranks_residual.residual_per_rank, world, replicated, mode,
                                    in_place))
         for rank, got in enumerate(results):
             assert got["uniform"] and got["path"] == "c++", got
@@ -473,7 +476,7 @@ def test_replicated_residual_is_a_promise_two_shot_relies_on(world: int,
 
 
 def test_ranks_that_disagree_on_the_replicated_residual_fail_to_negotiate() -> None:
-    for message in values(run_ranks(workers.replicated_residual_disagreement, 2)):
+    for message in values(run_ranks(ranks_residual.replicated_residual_disagreement, 2)):
         assert "ARFUSE_REPLICATED_RESIDUAL" in message and "replicated_residual" in message, \
             message
 
@@ -485,7 +488,7 @@ def test_replicated_residual_check_compares_the_ranks_residuals_every_call(
     """"check": the promise, verified across ranks before each call; residuals that differ
     are a ValueError on every rank, and the group stays in step for the next call. Changes
     that a sum of the values (weighted by position or not) cannot see are caught too."""
-    results = values(run_ranks(workers.residual_check, 2, same, 10, 1040, change))
+    results = values(run_ranks(ranks_residual.residual_check, 2, same, 10, 1040, change))
     world = 2
     for got in results:
         assert got["promised"] and got["after"] == float(sum(range(1, world + 1)))
@@ -504,7 +507,7 @@ def test_residual_digest_sees_every_change_of_the_bytes(change: str) -> None:
 
     residual = torch.randn(10, 1040, generator=torch.Generator().manual_seed(5)).bfloat16()
     changed = residual.clone()
-    workers.change_residual(changed, change)
+    ranks_residual.change_residual(changed, change)
     assert not torch.equal(changed, residual)
     assert not torch.equal(residual_digest(changed), residual_digest(residual))
     assert torch.equal(residual_digest(residual.clone()), residual_digest(residual))
@@ -515,7 +518,8 @@ def test_replicated_residual_check_when_only_some_ranks_pass_a_residual(backend:
     """"check" with a residual on rank 0 only: MismatchedCall on every rank (R11), at once,
     and the next matching call goes ahead (this used to pair the check's all_gather on one
     rank with the backend's collective on the other: a crash or a hang past the timeout)."""
-    results = values(run_ranks(workers.residual_check_presence, 2, backend, False, timeout=60))
+    results = values(run_ranks(ranks_residual.residual_check_presence, 2, backend, False,
+                               timeout=60))
     for got in results:
         assert got["error"].startswith("MismatchedCall: arfuse: ranks [0] passed a residual "
                                        "and ranks [1] did not"), got
@@ -525,7 +529,7 @@ def test_replicated_residual_check_when_only_some_ranks_pass_a_residual(backend:
 def test_replicated_residual_check_keeps_the_deadline() -> None:
     """A peer that never calls: the check's exchange times out within the op's timeout,
     naming the silent rank, and the op refuses later calls (the group is out of step)."""
-    results = run_ranks(workers.residual_check_presence, 2, "shm", True, timeout=60)
+    results = run_ranks(ranks_residual.residual_check_presence, 2, "shm", True, timeout=60)
     got = values(results)[0]
     assert got["error"].startswith("CallTimeout") and "residual-check" in got["error"], got
     assert "rank(s) 1" in got["error"], got  # our deadline, not the process group's

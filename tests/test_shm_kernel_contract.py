@@ -26,9 +26,9 @@ from arfuse.call_checks import FP32_MAX, FP32_TINY, OpShape, check_call
 from arfuse.epilogue import FusedOutput
 from arfuse.pattern import Pattern
 
-import workers
-from defect_workers import bad_tensor_calls
+import ranks_calls
 from harness import run_ranks, values
+from ranks_calls import bad_tensor_calls
 
 DTYPE = {torch.bfloat16: (0, "bf16"), torch.float16: (1, "fp16"), torch.float32: (2, "fp32")}
 QUANT_CODE = {None: 0, "fp8": 1, "nvfp4": 2}
@@ -538,7 +538,7 @@ def test_torch_op_traces_under_torch_compile() -> None:
 def test_inputs_inside_the_segment_raise_instead_of_corrupting_rows(mode: str) -> None:
     """x = input_buffer(T + 1)[1:] used to corrupt a row per rank at T=65 and 130 in two-shot
     mode, and a residual inside input_buffer() was overwritten by the copy of x."""
-    for errors in values(run_ranks(workers.offset_views, 2, mode, timeout=60)):
+    for errors in values(run_ranks(ranks_calls.offset_views, 2, mode, timeout=60)):
         for name, error in errors.items():
             if name.startswith("after"):
                 assert error == "True", (name, errors)

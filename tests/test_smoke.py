@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import agreement_workers as aw
+import ranks_agreement
 from harness import run_ranks, values
 
 
@@ -13,7 +13,8 @@ from harness import run_ranks, values
 @pytest.mark.parametrize(("backend", "env"), [("shm", {}), ("shm", {"ARFUSE_SHM_PURE_TORCH": "1"}),
                                               ("torch", {})], ids=["shm", "pure-torch", "torch"])
 def test_two_ranks_agree_with_the_reference(backend: str, env: dict[str, str]) -> None:
-    results = values(run_ranks(aw.one_call_per_epilogue, 2, backend, env=env, timeout=120))
+    results = values(run_ranks(ranks_agreement.one_call_per_epilogue, 2, backend, env=env,
+                               timeout=120))
     for report in results:
         assert report["backend"] == backend, report
         assert all(err < 2.0**-6 for err in report["errors"].values()), report

@@ -88,8 +88,8 @@ def two_hosts() -> Iterator[list[int]]:
 
 
 def _run_job(pids: list[int], nproc: int, out: Path) -> list[dict[str, object]]:
-    """The two-host rank body (tests/scenario_workers.py) on both hosts; its reports."""
-    _torchrun(pids, nproc, [str(ROOT / "tests" / "scenario_workers.py"), "two_hosts",
+    """The two-host rank body (tests/ranks_two_hosts.py) on both hosts; its reports."""
+    _torchrun(pids, nproc, [str(ROOT / "tests" / "ranks_two_hosts.py"), "two_hosts",
                             str(out)])
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2 * nproc)]
 

@@ -1,5 +1,6 @@
-"""Rank bodies for test_two_hosts.py (run by torchrun as a script) and test_fuzz.py (run by the
-harness), kept apart from the tests so that they can be pickled or started by path."""
+"""The rank body of test_two_hosts.py: one rank of a job that spans two hosts, run by torchrun
+as a script (``python ranks_two_hosts.py two_hosts OUT_DIR``), kept apart from the test so
+that it can be started by path."""
 
 from __future__ import annotations
 
@@ -107,54 +108,6 @@ def two_hosts(out_dir: str) -> None:
     dist.barrier()
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report, default=str))
     dist.destroy_process_group()
-
-
-# --- fuzzing on a real two-rank shm group (test_fuzz.py) ----------------------------------------
-
-
-def fuzz_shm_calls(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each case on both ranks, in the same order: the outcome class and the error (ValueError /
-    TypeError must name the argument), or the worst error against the float64 reference."""
-    import arfuse
-
-    comm = arfuse.FusedAllReduce(max_token_num=48, hidden_dim=32, dtype=torch.bfloat16,
-                                 timeout_s=20)
-    out = [{"backend": comm.backend}]
-    for i, case in enumerate(cases):
-        out.append(_one_call(comm, case, rank, world, 1000 + i))
-    comm.close()
-    return out
-
-
-def _one_call(comm: Any, case: dict[str, Any], rank: int, world: int,
-              seed: int) -> dict[str, Any]:
-    tokens, pattern = case["tokens"], case["pattern"]
-    xs, residual, weight = make_inputs(seed, tokens, 32, "bf16", list(range(world)))
-    x = xs[rank]
-    bad = case.get("bad")
-    kwargs: dict[str, Any] = {}
-    if bad == "eps":
-        kwargs = {"residual": residual, "weight": weight, "eps": case["value"]}
-    elif bad == "scale":
-        kwargs = {"residual": residual, "weight": weight, "quant": "fp8",
-                  "scale": case["value"]}
-    elif bad == "x_dtype":
-        x = x.float()
-    elif bad == "x_stride":
-        x = torch.cat([x, x], dim=1)[:, ::2]
-    elif bad == "weight_shape":
-        kwargs = {"weight": weight[:-1]}
-    elif bad == "out_overlap":
-        kwargs = {"residual": residual, "weight": weight, "out": residual}
-    try:
-        if bad is None:
-            result = run_pattern(comm, pattern, x, residual, weight)
-            return {"ok": True, "ratio": check_result(pattern, "bf16", xs, residual, weight,
-                                                      result)}
-        comm(x, **kwargs)
-        return {"ok": True, "ratio": 0.0}
-    except (ValueError, TypeError) as exc:
-        return {"ok": False, "type": type(exc).__name__, "error": str(exc)}
 
 
 if __name__ == "__main__":
