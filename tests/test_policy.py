@@ -30,14 +30,14 @@ def reasons(p) -> dict[str, str]:
 # --- vLLM's rules: mnnvl first, trtllm only on one node, explicit never falls back ---------
 
 
-def test_seed_auto_single_node_mnnvl_first_with_trtllm_fallback() -> None:
+def test_auto_on_one_node_tries_mnnvl_then_trtllm() -> None:
     p = plan()
     assert [c.backend for c in p.candidates] == ["mnnvl", "trtllm", "torch"]
     assert p.backend == "mnnvl" and p.viable == ("mnnvl", "trtllm", "torch")
     assert p.allow_fallback is True and p.fused and not p.explicit
 
 
-def test_seed_auto_multi_node_mnnvl_without_trtllm() -> None:
+def test_auto_across_nodes_tries_mnnvl_without_trtllm() -> None:
     topo = replace(NVSWITCH, world_size=16, hosts=("a",) * 8 + ("b",) * 8, fabric=True)
     p = plan(topo)
     assert p.backend == "mnnvl"
@@ -47,13 +47,13 @@ def test_seed_auto_multi_node_mnnvl_without_trtllm() -> None:
 
 
 @pytest.mark.parametrize("backend", ["mnnvl", "trtllm"])
-def test_seed_explicit_never_falls_back_to_another_fused_backend(backend: str) -> None:
+def test_an_explicit_backend_never_falls_back_to_another_fused_one(backend: str) -> None:
     p = plan(backend=backend)
     assert [c.backend for c in p.candidates] == [backend, "torch"]
     assert p.backend == backend and p.explicit and p.allow_fallback is False
 
 
-def test_seed_explicit_trtllm_across_nodes_is_value_error() -> None:
+def test_explicit_trtllm_across_nodes_is_a_value_error() -> None:
     topo = replace(NVSWITCH, world_size=16, hosts=("a",) * 8 + ("b",) * 8)
     with pytest.raises(ValueError, match="use 'mnnvl'"):
         plan(topo, backend="trtllm")
