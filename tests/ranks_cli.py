@@ -65,10 +65,10 @@ def peer_rates(rank: int, world: int, blocked: int | None, directory: str) -> di
     write (a full or missing ARFUSE_SHM_DIR)."""
     from pathlib import Path
 
-    from arfuse.cli import bench
+    from arfuse.bench import floor
 
     os.environ["ARFUSE_SHM_DIR"] = str(Path(directory) / ("missing" if rank == blocked else ""))
-    rates = bench.peer_rates(1 << 16, copy_rate=1e12, tag=4242)
+    rates = floor.peer_rates(1 << 16, copy_rate=1e12, tag=4242)
     torch.distributed.barrier()
     return {"rate": None if rates is None else (rates.read, rates.shared_write),
             "left": sorted(p.name for p in Path(directory).iterdir())}

@@ -177,7 +177,7 @@ def test_run_with_quantisation_and_unfused_backend() -> None:
 def test_bench_traffic_of_the_replicated_rows() -> None:
     """With the promise, two-shot reads the residual of its own rows only (1 of world parts);
     one-shot reads all of it, and in place all of its lines come in to be overwritten."""
-    from arfuse.cli.bench import traffic
+    from arfuse.bench.floor import traffic
 
     size = 3000
     plain = traffic("shm", size, 3)
@@ -251,7 +251,7 @@ def test_explain_shows_unknown_facts_of_a_topology_file(tmp_path: Path) -> None:
 
 
 def test_bench_rates_split_a_copy_into_its_two_sides() -> None:
-    from arfuse.cli.bench import PeerRates, Rates, Traffic, _one_side_rate, traffic
+    from arfuse.bench.floor import PeerRates, Rates, Traffic, _one_side_rate, traffic
 
     # a copy of 1000 bytes that took 3 s, where the other side alone takes 1 s at the copy rate
     assert _one_side_rate(1000, 3.0, copy_rate=1000.0) == pytest.approx(500.0)

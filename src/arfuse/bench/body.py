@@ -1,0 +1,229 @@
+"""One rank of ``arfuse bench``: per dtype and size, every row timed side by side
+(``timing.measure``), the floor's rates measured, each row's figures recorded; rank 0 returns
+the report."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..torch_types import TORCH_DTYPES
+from .baselines import (
+    clean_deepspeed_segments,
+    deepspeed_path,
+    deepspeed_rows,
+    deepspeed_setup,
+    torch_row,
+)
+from .floor import Rates, measure_rates, traffic
+from .machine import machine_record
+from .options import BASELINE, EPS, BenchOptions
+from .overhead import python_overhead
+from .timing import WARMUP, Row, measure, run_tag, summary
+
+
+@dataclass
+class _Rank:
+    """What one rank holds over the run, and what it has found so far."""
+
+    opts: BenchOptions
+    world: int
+    ds: Any
+    ds_note: str
+    tag: int
+    progress: Any
+    gen: torch.Generator
+    same_everywhere: torch.Generator  # the residual: replicated, as in TP
+    results: list[dict[str, Any]] = field(default_factory=list)
+    overhead: dict[str, Any] = field(default_factory=dict)
+    negotiation: dict[str, Any] = field(default_factory=dict)
+    copy_modes: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+def _progress(rank: int, opts: BenchOptions) -> Any:
+    if rank != 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    import threading
+
+    # tqdm's default lock is a multiprocessing semaphore, which a rank (ended by os._exit)
+    # would leak; one process draws the bar, so a thread lock is enough
+    tqdm.set_lock(threading.RLock())
+    return tqdm(total=len(opts.dtypes) * len(opts.tokens), desc="arfuse bench", unit="size",
+                file=sys.stderr)
+
+
+def _fused_ops(st: _Rank, dname: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The op on the shm backend (its negotiation timed), and one with a replicated residual."""
+    import arfuse
+
+    opts = st.opts
+    t0 = time.perf_counter()
+    comm = arfuse.FusedAllReduce(max_token_num=max(opts.tokens), hidden_dim=opts.hidden,
+                                 dtype=dtype, backend="shm", strict=True)
+    st.negotiation[dname] = {"seconds": time.perf_counter() - t0,
+                             "path": getattr(comm.workspace, "path", "")}
+    replicated = arfuse.FusedAllReduce(max_token_num=max(opts.tokens),
+                                       hidden_dim=opts.hidden, dtype=dtype,
+                                       backend="shm", strict=True,
+                                       replicated_residual=True)
+    return comm, replicated
+
+
+def _resets(x: torch.Tensor, work: torch.Tensor, residual: torch.Tensor,
+            res_work: torch.Tensor) -> tuple[Any, Any]:
+    """What restores a row's inputs before each call: ``work`` alone, or with ``res_work``."""
+
+    def reset(work: torch.Tensor = work, x: torch.Tensor = x) -> None:
+        work.copy_(x)
+
+    def reset_both(work: torch.Tensor = work, x: torch.Tensor = x,
+                   res_work: torch.Tensor = res_work, residual: torch.Tensor = residual) -> None:
+        work.copy_(x)
+        res_work.copy_(residual)
+
+    return reset, reset_both
+
+
+def _shm_rows(comm: Any, replicated: Any, x: torch.Tensor, work: torch.Tensor,
+              residual: torch.Tensor, res_work: torch.Tensor, weight: torch.Tensor,
+              resets: tuple[Any, Any]) -> dict[str, Row]:
+    """The fused op's rows: new outputs, in place, from the shared slot, replicated."""
+    reset, reset_both = resets
+    slot: list[torch.Tensor] = []
+
+    def into_slot(c: Any = comm, x: torch.Tensor = x, slot: list[torch.Tensor] = slot,
+                  res_work: torch.Tensor = res_work, residual: torch.Tensor = residual) -> None:
+        # the layer writes its output into the shared slot
+        slot[:] = [c.input_buffer(x.shape[0])]
+        slot[0].copy_(x)
+        res_work.copy_(residual)
+
+    return {
+        "shm": (lambda c=comm, x=work, r=residual, w=weight: c(
+            x, residual=r, weight=w, eps=EPS), reset),
+        "shm-inplace": (lambda c=comm, x=work, r=res_work, w=weight: c(
+            x, residual=r, weight=w, eps=EPS, out=x, residual_out=r), reset_both),
+        "shm-slot": (lambda c=comm, s=slot, r=res_work, w=weight: c(
+            s[0], residual=r, weight=w, eps=EPS, residual_out=r), into_slot),
+        "shm-replicated": (lambda c=replicated, x=work, r=residual, w=weight: c(
+            x, residual=r, weight=w, eps=EPS), reset),
+        "shm-inplace-replicated": (lambda c=replicated, x=work, r=res_work, w=weight: c(
+            x, residual=r, weight=w, eps=EPS, out=x, residual_out=r), reset_both)}
+
+
+def _entry(st: _Rank, dname: str, tokens: int, backend: str, size: int, times: list[float],
+           faults: int, mode: str, rates: Rates) -> dict[str, Any]:
+    """One row's figures at one size: times, page faults, and its floors where it has one."""
+    stats = summary(times)
+    entry: dict[str, Any] = {"dtype": dname, "tokens": tokens, "backend": backend,
+                             "bytes_per_rank": size, **stats,
+                             "page_faults_per_call": faults / len(times)}
+    moved = traffic(backend, size, st.world, mode)
+    if moved is not None:
+        floor_us = rates.floor_s(moved) * 1e6
+        entry.update(moved_bytes=moved.total, traffic=asdict(moved),
+                     copy_gib_s=rates.copy / 2**30,
+                     fresh_write_gib_s=rates.fresh_write / 2**30,
+                     floor_us=floor_us, x_floor=stats["median_us"] / floor_us)
+        measured_s = rates.measured_floor_s(moved)
+        if measured_s is not None and rates.peer is not None:
+            entry.update(peer_read_gib_s=rates.peer.read / 2**30,
+                         shared_write_gib_s=rates.peer.shared_write / 2**30,
+                         measured_floor_us=measured_s * 1e6,
+                         x_measured_floor=stats["median_us"] / (measured_s * 1e6))
+    if backend.startswith("shm"):
+        entry["mode"] = mode
+    if backend.startswith("deepspeed"):
+        entry["path"] = deepspeed_path(dname, st.ds_note)
+    return entry
+
+
+def _run_size(st: _Rank, dname: str, dtype: torch.dtype, tokens: int, weight: torch.Tensor,
+              comm: Any, replicated: Any) -> None:
+    """Every row at one token count, timed side by side, then the floor's rates."""
+    opts = st.opts
+    x = torch.randn(tokens, opts.hidden, generator=st.gen).to(dtype)
+    residual = torch.randn(tokens, opts.hidden, generator=st.same_everywhere).to(dtype)
+    work = x.clone()  # what a row reads and may overwrite
+    res_work = residual.clone()
+    resets = _resets(x, work, residual, res_work)
+    reset = resets[0]
+    candidates: dict[str, Row] = {}
+    mode = "twoshot"
+    if comm is not None:
+        mode = comm.workspace.mode(tokens)
+        candidates.update(_shm_rows(comm, replicated, x, work, residual, res_work, weight,
+                                    resets))
+    if "torch" in opts.backends:
+        candidates["torch"] = torch_row(work, residual, weight, reset)
+    if st.ds is not None:
+        candidates.update(deepspeed_rows(st.ds, work, residual, weight, reset))
+    # the shm rows warm up past the copy-mode trial: timed calls run the chosen mode
+    workspace: Any = None if comm is None else comm.workspace
+    trial = 0 if workspace is None else workspace.copy_trial_calls
+    rows, faults = measure(candidates, opts, WARMUP + trial)
+    size = tokens * opts.hidden * x.element_size()
+    rates = measure_rates(size, st.tag)
+    for backend, times in rows.items():
+        st.results.append(_entry(st, dname, tokens, backend, size, times, faults[backend],
+                                 mode, rates))
+
+
+def _run_dtype(st: _Rank, dname: str) -> None:
+    """Every size of one dtype, then the op's Python overhead and the copy modes it chose."""
+    dtype = TORCH_DTYPES[dname]
+    comm = replicated = None
+    if "shm" in st.opts.backends:
+        comm, replicated = _fused_ops(st, dname, dtype)
+    weight = (torch.rand(st.opts.hidden, generator=st.gen) + 0.5).to(dtype)
+    for tokens in st.opts.tokens:
+        _run_size(st, dname, dtype, tokens, weight, comm, replicated)
+        if st.progress is not None:
+            st.progress.update(1)
+    if comm is not None:
+        st.overhead[dname] = python_overhead(comm, weight, st.opts.hidden)
+        st.copy_modes[dname] = {str(size): mode for size, mode in
+                                comm.workspace.copy_modes().items()}
+        comm.close()
+    if replicated is not None:
+        replicated.close()
+
+
+def bench_body(rank: int, world: int, opts: BenchOptions) -> dict[str, Any] | None:
+    """One rank's run (collective: every rank calls it); the report on rank 0, else None."""
+    import torch.distributed as dist
+
+    from ..launch import init_from_env, pin_to_core
+
+    torch.set_num_threads(1)
+    ds, ds_note = (None, "not requested")
+    if "deepspeed" in opts.backends:
+        ds, ds_note = deepspeed_setup(rank)
+    init_from_env("cpu")
+    pinned = pin_to_core(rank, world)  # after init: gloo's threads stay free (see pin_to_core)
+    progress = _progress(rank, opts)
+    st = _Rank(opts=opts, world=world, ds=ds, ds_note=ds_note, tag=run_tag(),
+               progress=progress, gen=torch.Generator().manual_seed(1234 + rank),
+               same_everywhere=torch.Generator().manual_seed(4321))
+    for dname in opts.dtypes:
+        _run_dtype(st, dname)
+    if progress is not None:
+        progress.close()
+    dist.barrier()
+    if rank != 0:
+        return None
+    report = {"machine": machine_record(pinned, world), "options": asdict(opts),
+              "deepspeed": ds_note, "baseline": BASELINE, "results": st.results,
+              "python_overhead": st.overhead, "negotiation": st.negotiation,
+              "copy_modes": st.copy_modes}
+    if ds is not None:
+        clean_deepspeed_segments()
+    return report
