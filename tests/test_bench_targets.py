@@ -1,16 +1,12 @@
-"""benchmarks/targets.py's verdicts, from synthetic `arfuse bench` and oversubscribed reports:
-the median over runs decides, each run is counted, a missing row is "not measured"."""
+"""The CPU targets' verdicts (arfuse.bench.targets, which benchmarks/targets.py reports), from
+synthetic `arfuse bench` and oversubscribed reports: the median over runs decides, each run is
+counted, a missing row is "not measured"."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import targets  # noqa: E402  (benchmarks/ is not a package)
+from arfuse.bench import targets
 
 
 def _report(in_place: float, new: float, x_floor: float, ds_us: float = 100.0,
