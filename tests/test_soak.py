@@ -1,18 +1,13 @@
-"""The soak (benchmarks/soak.py), short: 2,000 calls on two real ranks of random sizes on both
-sides of the capacity and of the one-/two-shot threshold, every pattern, checked every 20th
-call against the float64 reference; memory, descriptors and threads flat; nothing left."""
+"""The soak (arfuse.bench.soak, which benchmarks/soak.py runs), short: 2,000 calls on two real
+ranks of random sizes on both sides of the capacity and of the one-/two-shot threshold, every
+pattern, checked every 20th call against the float64 reference; memory, descriptors and threads
+flat; nothing left."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import soak  # noqa: E402  (benchmarks/ is not a package)
+from arfuse.bench import soak
 
 
 @pytest.mark.parametrize("output_stores", ["auto", "streaming"])
