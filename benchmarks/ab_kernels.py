@@ -3,8 +3,8 @@ so drift of a shared machine (10-20% between runs on a 2-core VM) hits both alik
 
     python benchmarks/ab_kernels.py --a /tmp/old/src --b src --tokens 64,512 --dtype bf16,fp32
 
-Each source tree is built by its own ``arfuse`` package (``python -c 'build.load()'`` with the
-tree first on PYTHONPATH; the kernel cache keys builds by source hash), and both compiled
+Each source tree is built by its own ``arfuse`` package (``build.build_tree``: ``build.load()``
+with the tree first on PYTHONPATH; the kernel cache keys builds by source hash), and both compiled
 modules are loaded into each rank, each over a shared segment of its own. Per dtype, token
 count and form (``inplace``: ``out=x, residual_out=residual``, as vLLM calls it; ``new``: new
 output tensors; ``new-read``: new output tensors, then one read of both, timed with the call,
@@ -24,14 +24,10 @@ introduced this script on. The inputs are rewritten before every call, untimed.
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import json
 import mmap
 import os
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +39,7 @@ import torch.distributed as dist
 from shm_common import DTYPES
 
 from arfuse.backends.shm import layout as shm_layout
+from arfuse.backends.shm.build import build_tree, load_file
 from arfuse.launch import init_from_env, launch, pin_to_core
 
 DTYPE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
@@ -64,29 +61,6 @@ class Options:
     out: str
     stores: tuple[str, str] = ("auto", "auto")
     replicated: tuple[bool, bool] = (False, False)
-
-
-def build(tree: str) -> str:
-    """Compile (or find in the cache) the kernel of source tree ``tree``; its .so path."""
-    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
-    code = ("from arfuse.backends.shm import build; m = build.load(); "
-            "print('kernel: ' + m.__file__ if m else 'no kernel: ' + str(build.why_not()))")
-    done = subprocess.run([sys.executable, "-c", code], env=env, check=True, text=True,
-                          capture_output=True)
-    out = done.stdout
-    if "kernel: " not in out or "no kernel: " in out:
-        raise SystemExit(f"{tree}: no compiled kernel:\n{out}{done.stderr}")
-    return out.rsplit("kernel: ", 1)[1].strip()
-
-
-def load(path: str) -> ModuleType:
-    name = Path(path).name.split(".")[0]  # PyInit_<name>: the module name is the file's
-    loader = importlib.machinery.ExtensionFileLoader(name, path)
-    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
 
 
 def make_comms(modules: list[ModuleType], rank: int, world: int, opts: Options,
@@ -124,7 +98,7 @@ def body(rank: int, world: int, opts: Options) -> int:
     torch.set_num_threads(1)
     init_from_env("cpu")
     pin_to_core(rank, world)
-    modules = [load(p) for p in opts.modules]
+    modules = [load_file(p) for p in opts.modules]
     keep: list[Any] = []
     comms = make_comms(modules, rank, world, opts, keep)
     gen = torch.Generator().manual_seed(7 + rank)
@@ -226,7 +200,10 @@ def main() -> int:
     dtypes = tuple(args.dtype.split(","))
     if not set(dtypes) <= set(DTYPE_CODE):
         parser.error(f"--dtype: use some of {', '.join(DTYPE_CODE)}")
-    modules = (build(args.a), build(args.b))
+    try:
+        modules = (build_tree(args.a), build_tree(args.b))
+    except ValueError as exc:  # a tree without a compiled kernel
+        raise SystemExit(str(exc)) from None
     opts = Options(modules, tuple(int(t) for t in args.tokens.split(",")), dtypes, forms,
                    args.hidden, args.rounds, args.warm_rounds, args.block, args.out,
                    (args.a_stores, args.b_stores), (args.a_replicated, args.b_replicated))

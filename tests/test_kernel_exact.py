@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import platform
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -94,20 +93,17 @@ def test_out_is_the_documented_formula_bit_for_bit(dtype: torch.dtype, hidden: i
 
 
 def test_two_builds_load_into_one_process_and_agree(monkeypatch: pytest.MonkeyPatch) -> None:
-    """benchmarks/ab_kernels.py loads two builds into one process (ShmComm is module-local in
-    each); here the host's best ISA and the scalar build, one call each on private memory: two
-    distinct modules, the same bytes."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import ab_kernels
-
+    """Two builds load into one process (ShmComm is module-local in each), as
+    benchmarks/ab_kernels.py loads them; here the host's best ISA and the scalar build, one call
+    each on private memory: two distinct modules, the same bytes."""
     if shm_build.load() is None:
         pytest.skip(f"no compiled kernel here: {shm_build.why_not()}")
     src = str(Path(shm_build.__file__).resolve().parents[3])
-    paths = [ab_kernels.build(src)]
+    paths = [shm_build.build_tree(src)]
     monkeypatch.setenv("ARFUSE_SHM_ISA", "scalar")
-    paths.append(ab_kernels.build(src))
+    paths.append(shm_build.build_tree(src))
     assert paths[0] != paths[1]
-    modules = [ab_kernels.load(p) for p in paths]
+    modules = [shm_build.load_file(p) for p in paths]
     assert modules[1].isa == "scalar" and modules[0] is not modules[1]
     tokens, hidden, dtype = 9, 1100, torch.bfloat16
     gen = torch.Generator().manual_seed(5)

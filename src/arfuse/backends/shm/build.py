@@ -35,6 +35,8 @@ import logging
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import sysconfig
 import tempfile
 import threading
@@ -232,6 +234,28 @@ def _import(name: str, path: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module
+
+
+def load_file(path: str) -> ModuleType:
+    """The built kernel at ``path`` as a module of its own (named as the file: its
+    ``PyInit_<name>``), beside any other build loaded into this process (each has its own
+    ``ShmComm``): how two builds are compared in one process."""
+    return _import(Path(path).name.split(".")[0], path)
+
+
+def build_tree(tree: str) -> str:
+    """Compile (or find in the kernel cache) the kernel of the arfuse source tree ``tree`` by
+    that tree's own ``build.load()`` (a child Python with the tree first on PYTHONPATH, this
+    environment otherwise: ARFUSE_SHM_ISA included); the path of its shared object."""
+    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
+    code = ("from arfuse.backends.shm import build; m = build.load(); "
+            "print('kernel: ' + m.__file__ if m else 'no kernel: ' + str(build.why_not()))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, check=True, text=True,
+                          capture_output=True)
+    out = done.stdout
+    if "kernel: " not in out or "no kernel: " in out:
+        raise ValueError(f"{tree}: no compiled kernel:\n{out}{done.stderr}")
+    return out.rsplit("kernel: ", 1)[1].strip()
 
 
 # Who may change a path: its last component's owner, and whoever may write the directory
