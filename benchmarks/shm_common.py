@@ -11,8 +11,7 @@ from typing import Any
 import torch
 
 from arfuse.launch import init_from_env, pin_to_core
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from arfuse.torch_types import TORCH_DTYPES as DTYPES
 
 
 def start_rank(rank: int, world: int, max_tokens: int, hidden: int, dtype: str) -> Any:
