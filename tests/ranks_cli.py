@@ -27,6 +27,28 @@ def rank_with_an_exit_handler(rank: int, world: int, directory: str) -> int:
     return 0
 
 
+def rank_whose_output_closes_while_a_peer_watches(rank: int, world: int,
+                                                  directory: str) -> int:
+    """Rank 0 finds the output closed, with an exit handler that marks its teardown (slowly,
+    as leaving a group can be); rank 1 fails (exit 1) as soon as it sees that mark, as a peer
+    left mid-collective would."""
+    import atexit
+
+    mark = Path(directory, "rank0-teardown")
+    if rank == 0:
+        def teardown() -> None:
+            mark.write_text("left")
+            time.sleep(1.0)
+
+        atexit.register(teardown)
+        raise BrokenPipeError("the reader of the output went away")
+    for _ in range(1200):
+        if mark.exists():
+            return 1
+        time.sleep(0.05)
+    return 0
+
+
 def rank_finds_the_store_port_taken_before_rank0_starts(rank: int, world: int,
                                                         directory: str) -> int:
     """Rank 1 tries to bind the job's MASTER_PORT while rank 0 has not started yet: the port

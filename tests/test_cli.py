@@ -311,6 +311,18 @@ def test_launched_ranks_run_their_exit_handlers(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
 
 
+def test_a_closed_output_stops_the_ranks_before_any_leaves_the_group(tmp_path: Path) -> None:
+    """The rank that found the output closed tells the launcher before its teardown could make
+    a peer fail: the job ends with 0, the peer stopped by the launcher, not failed."""
+    from arfuse.launch import launch
+
+    import ranks_cli
+
+    assert launch(ranks_cli.rank_whose_output_closes_while_a_peer_watches, 2,
+                  str(tmp_path)) == 0
+    assert not (tmp_path / "rank0-teardown").exists()
+
+
 def test_sigterm_to_a_job_stops_its_ranks(tmp_path: Path) -> None:
     """kill, timeout or a CI cancel send SIGTERM to the job: its ranks must go with it (they
     used to run on, re-parented to init)."""

@@ -207,6 +207,18 @@ def _close_output() -> None:
         os.close(devnull)
 
 
+def _stop(procs: list[Any]) -> None:
+    """SIGTERM to every one of them first, then wait; SIGKILL for any still there."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
 def _rank_main(body: JobBody, rank: int, world: int, port: int, options: Any,
                env: dict[str, str], output_closed: Any) -> None:
     die_with_parent()
@@ -221,29 +233,33 @@ def _rank_main(body: JobBody, rank: int, world: int, port: int, options: Any,
     except KeyboardInterrupt:
         code = 130
     except BrokenPipeError:  # the reader of the output went away (| head)
-        _close_output()
-        code = OUTPUT_CLOSED
+        _stopped_for_closed_output(rank, output_closed)
     except Exception as exc:
         print(f"arfuse: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         code = 1
-    finally:
-        with contextlib.suppress(Exception):  # what a normal exit would run (arfuse's own
-            atexit._run_exitfuncs()           # cleanup among them), without its waits
-        try:
-            sys.stdout.flush()
-        except BrokenPipeError:
-            _close_output()
-            code = code or OUTPUT_CLOSED
-        except (OSError, ValueError):
-            pass
-        with contextlib.suppress(OSError, ValueError):
-            sys.stderr.flush()
-    if code == OUTPUT_CLOSED:
-        # The launcher stops every rank now, this one included: were it to exit first, its
-        # peers would see it leave mid-collective and report that as an error.
-        output_closed.set()
-        time.sleep(30.0)
+    with contextlib.suppress(Exception):  # what a normal exit would run (arfuse's own
+        atexit._run_exitfuncs()           # cleanup among them), without its waits
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        if code == 0:
+            _stopped_for_closed_output(rank, output_closed)
+    except (OSError, ValueError):
+        pass
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
     os._exit(code)
+
+
+def _stopped_for_closed_output(rank: int, output_closed: Any) -> None:
+    """Tell the launcher, which stops every rank at once, and wait for it. Nothing of this
+    rank's teardown runs first: were it to leave the group mid-collective, a peer could fail
+    on that (exit 1) before the launcher knew why the job ends. A rank stopped here leaves
+    nothing behind that a kill would not (docs/reliability.md)."""
+    _close_output()
+    output_closed.value = rank
+    time.sleep(30.0)
+    os._exit(OUTPUT_CLOSED)
 
 
 def job_store(timeout_s: float = 120.0) -> Any:
@@ -298,7 +314,7 @@ def launch(body: JobBody, world: int, options: Any, env: dict[str, str] | None =
         return body(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), options)
     ctx = mp.get_context("spawn")
     store = job_store()  # held until the job ends: its port cannot go to anyone else
-    output_closed = ctx.Event()
+    output_closed = ctx.Value("i", -1)  # the rank that found the output closed
     procs = [ctx.Process(target=_rank_main, args=(body, r, world, store.port, options,
                                                   env or {}, output_closed))
              for r in range(world)]
@@ -313,9 +329,11 @@ def _run(procs: list[Any], timeout_s: float | None, output_closed: Any) -> int:
     for p in procs:
         p.start()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    try:
+    before_stop: list[int | None] = []  # exit codes when the output closed (ranks not yet
+    try:                                # stopped): later ones are the stop's, not failures
         while any(p.is_alive() for p in procs):
-            if output_closed.is_set():
+            if output_closed.value >= 0:
+                before_stop = [p.exitcode for p in procs]
                 break  # nobody reads what the job says any more: stop every rank
             if any(p.exitcode not in (None, 0) for p in procs):
                 time.sleep(2.0)  # a failed rank: give the others a moment to report, then stop
@@ -325,17 +343,16 @@ def _run(procs: list[Any], timeout_s: float | None, output_closed: Any) -> int:
                 break
             time.sleep(0.05)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        closed = output_closed.value
+        # the rank that found the output closed goes last: its peers, still in the job, would
+        # see it die and report that before their own stop reached them
+        _stop([p for r, p in enumerate(procs) if r != closed])
+        _stop([p for r, p in enumerate(procs) if r == closed])
     codes = [p.exitcode if p.exitcode is not None else 1 for p in procs]
-    if output_closed.is_set():
+    if output_closed.value >= 0:
         # ranks stopped because the output closed did not fail; one that failed before did
-        failed = [c for c in codes if c not in (0, OUTPUT_CLOSED) and c > 0]
+        failed = [c for c in (before_stop or codes)
+                  if c is not None and c not in (0, OUTPUT_CLOSED) and c > 0]
         return failed[0] if failed else 0
     bad = [c for c in codes if c != 0]
     return 0 if not bad else (bad[0] if bad[0] > 0 else 1)
