@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from ..backends.shm.workspace import ONESHOT_MAX_BYTES
+from ..scenarios.calls import PATTERNS  # the kinds of call a soak draws from
 
 DEFAULT_HIDDEN = 128              # bf16: 256 bytes a row
 DEFAULT_CAPACITY = 256            # tokens the workspace holds
-PATTERNS = ("plain", "norm", "norm_residual", "fp8", "nvfp4", "in_place", "slot")
 RSS_BOUND_MIB = 16.0              # allowed growth of resident memory after warm-up (default)
 WARM_FRACTION = 0.1               # samples before this fraction of the calls are warm-up
 
