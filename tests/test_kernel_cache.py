@@ -405,3 +405,66 @@ def test_another_users_kernel_never_runs_while_they_flip_the_cache_path(
         refused(recorder, ours / f"shm-{racing}" / f"arfuse_shm_{racing}.so", caplog, attacker)
     finally:
         shutil.rmtree(attacker)
+
+
+def test_torch_waits_on_the_lock_file_a_killed_build_leaves() -> None:
+    """What the next test relies on: torch's build holds (and waits on) a file of this name in
+    the build directory."""
+    import inspect
+
+    from torch.utils import cpp_extension
+
+    source = inspect.getsource(cpp_extension._jit_compile)
+    assert f"FileBaton(os.path.join(build_directory, '{shm_build.TORCH_BUILD_LOCK}'))" in source
+
+
+def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_build(
+        cache: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build killed midway (Ctrl-C, a job's kill) leaves torch's lock file: the next build
+    of that key waited for it for ever. Under arfuse's own lock it is known stale and goes."""
+    root, entry, _binary = cache
+    root.mkdir(mode=0o700)
+    entry.mkdir(mode=0o700)
+    (entry / shm_build.TORCH_BUILD_LOCK).write_text("")
+    recorder = Recorder(monkeypatch)
+    seen: list[bool] = []
+    build = recorder._load
+
+    def load(name: str, build_directory: str, **kwargs: Any) -> ModuleType:
+        seen.append(os.path.exists(os.path.join(build_directory, shm_build.TORCH_BUILD_LOCK)))
+        return build(name, build_directory, **kwargs)
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    module, why = shm_build._build()
+    assert module is not None and why == ""
+    assert recorder.built_in == [entry] and seen == [False]
+
+
+def test_a_build_waits_for_a_live_builder_and_loads_what_it_built(
+        cache: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes that find no binary: one builds, the other waits for it (the lock is on
+    the build directory) and then loads its binary instead of building again."""
+    import fcntl
+    import threading
+
+    root, entry, binary = cache
+    root.mkdir(mode=0o700)
+    entry.mkdir(mode=0o700)
+    recorder = Recorder(monkeypatch)
+    other_builder = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(other_builder, fcntl.LOCK_EX)
+    result: list[tuple[ModuleType | None, str]] = []
+    waiter = threading.Thread(target=lambda: result.append(shm_build._build()), daemon=True)
+    try:
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and recorder.built_in == [], "built beside a live builder"
+        binary.write_bytes(b"\x7fELF not really")
+        binary.chmod(0o755)
+    finally:
+        os.close(other_builder)
+    waiter.join(60)
+    assert result and result[0][0] is not None, result
+    assert recorder.built_in == [] and recorder.imported == [binary]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -484,15 +485,55 @@ def _build() -> tuple[ModuleType | None, str]:
         with _build_dir(key) as (directory, binary):
             where = os.path.join(os.path.realpath(_fd_path(directory)), f"{name}.so")
             if binary is not None:  # cached: import it directly (ninja's check costs ~0.3 s)
-                try:
-                    module = _import_cached(name, binary)
-                    module.__file__ = where  # not the descriptor's name, which means nothing later
-                    return module, ""
-                except ImportError:
-                    pass  # a broken cache entry: rebuild below
-            return _compile(cpp_extension, name, directory, where)
+                found = _cached_module(name, binary, where)
+                if found is not None:
+                    return found, ""
+            with _one_builder(directory):
+                binary = _binary_if_built(directory, name, where)  # by whom we waited for
+                found = None if binary is None else _cached_module(name, binary, where)
+                return (found, "") if found is not None else _compile(cpp_extension, name,
+                                                                       directory, where)
     except (OSError, _Untrusted) as exc:
         return None, f"no safe build directory: {type(exc).__name__}: {exc}"
+
+
+def _cached_module(name: str, binary: int, where: str) -> ModuleType | None:
+    """The module of a cached binary, or ``None`` for a broken cache entry (rebuilt)."""
+    try:
+        module = _import_cached(name, binary)
+    except ImportError:
+        return None
+    module.__file__ = where  # not the descriptor's name, which means nothing later
+    return module
+
+
+TORCH_BUILD_LOCK = "lock"
+"""The file torch's ``cpp_extension.load`` holds in its build directory while it builds, and
+waits on, for as long as it exists, before it builds there itself."""
+
+
+@contextlib.contextmanager
+def _one_builder(directory: int) -> Iterator[None]:
+    """One build at a time in the open build ``directory``, under a lock the kernel drops when
+    its holder dies. torch's own lock is a file: a build killed midway (Ctrl-C, a job's kill)
+    leaves it, and every later build of that key would wait for it for ever. Under this lock no
+    live build holds torch's, so one found is stale and goes."""
+    fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=directory)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(TORCH_BUILD_LOCK, dir_fd=directory)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
+def _binary_if_built(directory: int, name: str, where: str) -> int | None:
+    """The checked binary another process built while this one waited, if any."""
+    try:
+        return _open_checked(directory, f"{name}.so", _OPEN_FILE, Path(where), _unsafe_binary)
+    except FileNotFoundError:
+        return None
 
 
 def _import_cached(name: str, binary: int) -> ModuleType:
