@@ -17,7 +17,7 @@ def shm_create_with_a_silent_peer(rank: int, world: int, directory: str) -> str:
     """Rank 0 creates the shm segment while rank 1 never takes part: what rank 0 raises, and
     which segments of its process are left in ``directory`` (ARFUSE_SHM_DIR)."""
     from arfuse import group, settings
-    from arfuse.backends.shm import workspace as shm_workspace
+    from arfuse.backends.shm import backend as shm_backend
     from arfuse.spec import Spec
 
     ctx = group.make_context(group.join(None), "cpu", settings.load(timeout_s=1.0))
@@ -27,7 +27,7 @@ def shm_create_with_a_silent_peer(rank: int, world: int, directory: str) -> str:
         time.sleep(3.0)  # alive, silent
         return "silent"
     try:
-        shm_workspace.ShmBackend().create(ctx, Spec(max_tokens=16, hidden=64, dtype="fp32"))
+        shm_backend.ShmBackend().create(ctx, Spec(max_tokens=16, hidden=64, dtype="fp32"))
         outcome = "created"
     except Exception as exc:  # the test checks the class
         outcome = type(exc).__name__
@@ -46,7 +46,7 @@ def peer_fails_in_shm_exchange(rank: int, world: int, phase: str, directory: str
 
     import arfuse
     from arfuse import group
-    from arfuse.backends.shm import workspace as shm
+    from arfuse.backends.shm.workspace import ShmWorkspace
 
     gc.disable()
     if rank == 1 and fails == "exchange":
@@ -61,7 +61,7 @@ def peer_fails_in_shm_exchange(rank: int, world: int, phase: str, directory: str
 
         group.GroupContext.all_gather = all_gather  # type: ignore[method-assign]
     if rank == 1 and fails == "cleanup":
-        free = shm.ShmWorkspace._free
+        free = ShmWorkspace._free
 
         def publish_identity(self: Any) -> None:
             raise MemoryError("injected after mapping")
@@ -70,8 +70,8 @@ def peer_fails_in_shm_exchange(rank: int, world: int, phase: str, directory: str
             free(self)
             raise RuntimeError("injected: freeing raised")
 
-        shm.ShmWorkspace.publish_identity = publish_identity  # type: ignore[method-assign]
-        shm.ShmWorkspace._free = failing_free  # type: ignore[method-assign]
+        ShmWorkspace.publish_identity = publish_identity  # type: ignore[method-assign]
+        ShmWorkspace._free = failing_free  # type: ignore[method-assign]
     comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32)
     report: dict[str, Any] = {"backend": comm.backend, "held": _segments_held(),
                               "attempts": [a.describe() for a in comm.attempts]}
@@ -93,16 +93,17 @@ def creator_killed_at(rank: int, world: int, point: str, named: str) -> str:
 
     import arfuse
     from arfuse import group
-    from arfuse.backends.shm import workspace as shm
+    from arfuse.backends.shm import segment as shm_segment
 
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     if rank == 1 and named == "for a peer":
-        namespace = shm.pid_namespace()
-        shm.pid_namespace = lambda: namespace + 1  # type: ignore[assignment]
+        namespace = shm_segment.pid_namespace()
+        shm_segment.pid_namespace = lambda: namespace + 1  # type: ignore[assignment]
     if rank == 0:
-        link, all_gather, open_ = shm.os.link, group.GroupContext.all_gather, shm.os.open
+        link, open_ = shm_segment.os.link, shm_segment.os.open
+        all_gather = group.GroupContext.all_gather
 
         def link_then(*args: Any, **kwargs: Any) -> None:
             link(*args, **kwargs)
@@ -122,8 +123,8 @@ def creator_killed_at(rank: int, world: int, point: str, named: str) -> str:
                 die()
             return got
 
-        shm.os.link = link_then  # type: ignore[assignment]
-        shm.os.open = open_then  # type: ignore[assignment]
+        shm_segment.os.link = link_then  # type: ignore[assignment]
+        shm_segment.os.open = open_then  # type: ignore[assignment]
         group.GroupContext.all_gather = all_gather_then  # type: ignore[method-assign]
     try:
         arfuse.FusedAllReduce(max_token_num=64, hidden_dim=64, dtype=torch.float32,
@@ -139,23 +140,23 @@ def shm_segment_named(rank: int, world: int, named: str) -> dict[str, Any]:
     import errno
 
     import arfuse
-    from arfuse.backends.shm import workspace as shm
+    from arfuse.backends.shm import segment as shm_segment
 
     if rank == 1 and named == "for a peer":
-        namespace = shm.pid_namespace()
-        shm.pid_namespace = lambda: namespace + 1  # type: ignore[assignment]
+        namespace = shm_segment.pid_namespace()
+        shm_segment.pid_namespace = lambda: namespace + 1  # type: ignore[assignment]
     if rank == 0 and named == "from the start":
-        open_ = shm.os.open
+        open_ = shm_segment.os.open
 
         def open_then(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
             if flags & os.O_TMPFILE == os.O_TMPFILE:
                 raise OSError(errno.EOPNOTSUPP, "no unnamed files here")
             return open_(path, flags, *args, **kwargs)
 
-        shm.os.open = open_then  # type: ignore[assignment]
+        shm_segment.os.open = open_then  # type: ignore[assignment]
     comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,
                                  backend="shm", strict=True)
-    left = sorted(os.listdir(shm.segment_dir()))
+    left = sorted(os.listdir(shm_segment.segment_dir()))
     out = comm(torch.ones(2, 64)).out
     comm.close()
     return {"out": out.sum().item(), "left": left}

@@ -146,14 +146,14 @@ def test_a_full_shm_dir_is_reported_in_kib_not_as_zero_mib(monkeypatch: pytest.M
     """A 64 KiB tmpfs and a ~100 KiB segment: the reason must not say "0 MiB ... 0 MiB"."""
     from types import SimpleNamespace
 
-    from arfuse.backends.shm import workspace as shm_workspace
+    from arfuse.backends.shm import backend as shm_backend
     from arfuse.spec import Spec
 
     monkeypatch.setenv("ARFUSE_SHM_DIR", str(tmp_path))
-    monkeypatch.setattr(shm_workspace.os, "statvfs",
+    monkeypatch.setattr(shm_backend.os, "statvfs",
                         lambda _path: SimpleNamespace(f_bavail=16, f_frsize=4096))
-    reason = shm_workspace.ShmBackend().local_check(SimpleNamespace(world_size=2),
-                                                 Spec(max_tokens=64, hidden=256))
+    reason = shm_backend.ShmBackend().local_check(SimpleNamespace(world_size=2),
+                                               Spec(max_tokens=64, hidden=256))
     assert reason.startswith(f"{tmp_path} has 64 KiB free, the segment needs ")
     needed = int(reason.split("needs ")[1].split(" KiB")[0])
     assert needed > 64
@@ -167,15 +167,15 @@ def test_the_pure_torch_shm_path_is_offered_only_where_stores_keep_their_order(
     candidate says why it is out (the kernel's flags are release stores on every CPU)."""
     from types import SimpleNamespace
 
+    from arfuse.backends.shm import backend as shm_backend
     from arfuse.backends.shm import build as shm_build
-    from arfuse.backends.shm import workspace as shm_workspace
     from arfuse.spec import Spec
 
     monkeypatch.setattr(shm_build, "load", lambda: None)
     monkeypatch.setattr(shm_build, "why_not", lambda: "no C++ compiler")
-    monkeypatch.setattr(shm_workspace.platform, "machine", lambda: machine)
-    reason = shm_workspace.ShmBackend().local_check(SimpleNamespace(world_size=2),
-                                                 Spec(max_tokens=8, hidden=64))
+    monkeypatch.setattr(shm_backend.platform, "machine", lambda: machine)
+    reason = shm_backend.ShmBackend().local_check(SimpleNamespace(world_size=2),
+                                               Spec(max_tokens=8, hidden=64))
     if machine == "x86_64":
         assert reason == ""
     else:
@@ -188,7 +188,7 @@ def shm_dir_without_room(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Pat
     """The shm backend's directory with 64 KiB free: too small for any segment here."""
     from types import SimpleNamespace
 
-    from arfuse.backends.shm import workspace as shm_workspace
+    from arfuse.backends.shm import backend as shm_backend
 
     if torch.cuda.is_available():
         pytest.skip("explain plans for CUDA ranks on this machine: shm is not a candidate")
@@ -196,7 +196,7 @@ def shm_dir_without_room(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Pat
         monkeypatch.delenv(name, raising=False)
     statvfs = os.statvfs
     monkeypatch.setenv("ARFUSE_SHM_DIR", str(tmp_path))
-    monkeypatch.setattr(shm_workspace.os, "statvfs", lambda path: SimpleNamespace(
+    monkeypatch.setattr(shm_backend.os, "statvfs", lambda path: SimpleNamespace(
         f_bavail=16, f_frsize=4096) if Path(path) == tmp_path else statvfs(path))
     return tmp_path
 

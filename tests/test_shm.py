@@ -149,10 +149,10 @@ def test_no_segment_outlives_the_job() -> None:
 
 def _segment_file(path: Path, pid: int, start: int, pidns: int | None = None) -> Path:
     """A file with a segment's header naming creator (pid, start)."""
-    from arfuse.backends.shm import workspace as shm
+    from arfuse.backends.shm import segment as shm_segment
     from arfuse.backends.shm.layout import SEGMENT_VERSION, SegmentId
 
-    pidns = shm.pid_namespace() if pidns is None else pidns
+    pidns = shm_segment.pid_namespace() if pidns is None else pidns
     path.write_bytes(SegmentId(SEGMENT_VERSION, pid, start, pidns).encode() + bytes(4096))
     return path
 
@@ -162,14 +162,15 @@ DEAD = (999999999, 1)  # above the kernel's pid limit: never a live process
 
 def test_the_sweep_removes_only_segments_whose_header_names_a_dead_creator(
         tmp_path: Path) -> None:
-    from arfuse.backends.shm import workspace as shm
+    from arfuse.backends.shm import segment as shm_segment
 
-    me = shm.process_identity()
+    me = shm_segment.process_identity()
     dead = _segment_file(tmp_path / "arfuse-999999999-1-deadbeef0000", *DEAD)
     renamed = _segment_file(tmp_path / "arfuse-copy", *DEAD)  # the header counts, not the name
     live = _segment_file(tmp_path / f"arfuse-{me[0]}-{me[1]}-cafe00000000", *me)
+    # pids this process cannot judge
     elsewhere = _segment_file(tmp_path / "arfuse-999999999-1-0e0e", *DEAD,
-                              pidns=shm.pid_namespace() + 1)  # pids this process cannot judge
+                              pidns=shm_segment.pid_namespace() + 1)
     outside = _segment_file(tmp_path.parent / f"{tmp_path.name}-outside", *DEAD)
     (tmp_path / "arfuse-999999999-1-5e5e").symlink_to(outside)
     os.mkfifo(tmp_path / "arfuse-999999999-1-f1f0")
@@ -178,7 +179,7 @@ def test_the_sweep_removes_only_segments_whose_header_names_a_dead_creator(
     (tmp_path / "arfuse-2024-12-report.csv").write_text("a,b\n")
     (tmp_path / "arfuse-999999999-1-short").write_bytes(b"x")
     before = set(os.listdir(tmp_path))
-    removed = shm.clean_stale_segments(tmp_path)
+    removed = shm_segment.clean_stale_segments(tmp_path)
     assert sorted(removed) == sorted([dead.name, renamed.name])
     assert set(os.listdir(tmp_path)) == before - set(removed)
     assert live.exists() and elsewhere.exists() and outside.exists()
@@ -187,22 +188,22 @@ def test_the_sweep_removes_only_segments_whose_header_names_a_dead_creator(
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
 def test_the_sweep_leaves_another_users_segment(tmp_path: Path) -> None:
-    from arfuse.backends.shm import workspace as shm
+    from arfuse.backends.shm import segment as shm_segment
 
     theirs = _segment_file(tmp_path / "arfuse-999999999-1-0be0", *DEAD)
     os.chown(theirs, 65534, 65534)
-    assert shm.clean_stale_segments(tmp_path) == [] and theirs.exists()
+    assert shm_segment.clean_stale_segments(tmp_path) == [] and theirs.exists()
 
 
 @pytest.mark.parametrize("value", ["", "  "])
 def test_an_empty_shm_dir_variable_means_unset(monkeypatch: pytest.MonkeyPatch, value: str,
                                               tmp_path: Path) -> None:
-    from arfuse.backends.shm import workspace as shm
+    from arfuse.backends.shm import segment as shm_segment
 
     monkeypatch.setenv("ARFUSE_SHM_DIR", str(tmp_path))
-    assert shm.segment_dir() == tmp_path  # read at each use
+    assert shm_segment.segment_dir() == tmp_path  # read at each use
     monkeypatch.setenv("ARFUSE_SHM_DIR", value)
-    assert shm.segment_dir() == Path("/dev/shm")
+    assert shm_segment.segment_dir() == Path("/dev/shm")
 
 
 def test_user_files_in_the_working_directory_survive_an_empty_shm_dir(tmp_path: Path) -> None:
@@ -273,7 +274,7 @@ def test_what_a_creator_killed_during_creation_leaves(tmp_path: Path, named: str
     files) remains only while the name exists and not every rank has it open; then the next
     creation's sweep (or arfuse doctor) removes it. Once every rank has it open, a surviving
     rank removes the name itself."""
-    from arfuse.backends.shm import workspace as shm
+    from arfuse.backends.shm import segment as shm_segment
 
     env = {"ARFUSE_SHM_DIR": str(tmp_path), "ARFUSE_TIMEOUT_S": "10"}
     results = run_ranks(ranks_shm_lifetime.creator_killed_at, 2, point, named, env=env, timeout=90)
@@ -281,7 +282,7 @@ def test_what_a_creator_killed_during_creation_leaves(tmp_path: Path, named: str
     assert results[1].ok and results[1].value != "created", results
     remaining = sorted(os.listdir(tmp_path))
     assert len(remaining) == left, remaining
-    assert shm.clean_stale_segments(tmp_path) == remaining
+    assert shm_segment.clean_stale_segments(tmp_path) == remaining
     assert os.listdir(tmp_path) == []
 
 

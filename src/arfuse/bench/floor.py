@@ -204,7 +204,7 @@ def peer_rates(size: int, copy_rate: float, tag: int, repeats: int = 16) -> Peer
     Collective: every rank calls it with the same arguments."""
     import torch.distributed as dist
 
-    from ..backends.shm.workspace import segment_dir
+    from ..backends.shm.segment import segment_dir
 
     rank, world = dist.get_rank(), dist.get_world_size()
     directory = segment_dir()

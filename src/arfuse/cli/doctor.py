@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..backends.shm import build as shm_build
-    from ..backends.shm import workspace as shm
+    from ..backends.shm import segment as shm_segment
     from ..machine import cpu_flags
 
     device = topology.default_device()
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  shm kernel: {kernel}")
     if module is not None:
         print(f"  own outputs: {_output_stores(module)}")
-    directory = shm.segment_dir()
+    directory = shm_segment.segment_dir()
     try:
         stat = os.statvfs(directory)
         print(f"  {directory}: {stat.f_bavail * stat.f_frsize / 2**30:.1f} GiB free")
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {descriptor.name:<8} {'yes' if not why else 'no':<13} {why or 'ok'}")
     plan = policy.resolve(conf, topo, spec, blocked)
     print(f"\n  {picks_label(conf)}: {plan.backend} for {world} ranks (arfuse explain shows why)")
-    removed = shm.clean_stale_segments()
+    removed = shm_segment.clean_stale_segments()
     print(f"  stale shm segments of dead jobs removed: {len(removed)}")
     return 0
 

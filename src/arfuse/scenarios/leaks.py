@@ -47,7 +47,7 @@ def is_segment(path: str) -> bool:
         return True
     if not UNNAMED_FILE.fullmatch(name):
         return False
-    from ..backends.shm.workspace import segment_dir
+    from ..backends.shm.segment import segment_dir
 
     return directory == os.path.realpath(segment_dir())
 

@@ -192,12 +192,13 @@ class RankProgram:
 def _fill_before_create(leave_bytes: int) -> None:
     """Another tenant fills ``ARFUSE_SHM_DIR`` between arfuse's check of free space and its
     reservation: the shm backend's ``create`` is wrapped to fill the directory first."""
-    from arfuse.backends.shm import workspace as shm_ws
+    from arfuse.backends.shm import backend as shm_backend
+    from arfuse.backends.shm.segment import segment_dir
 
-    original = shm_ws.ShmBackend.create
+    original = shm_backend.ShmBackend.create
 
     def create(self: Any, ctx: Any, spec: Any) -> Any:
-        directory = shm_ws.segment_dir()
+        directory = segment_dir()
         st = os.statvfs(directory)
         free = st.f_bavail * st.f_frsize
         if free > leave_bytes:
@@ -206,10 +207,10 @@ def _fill_before_create(leave_bytes: int) -> None:
                 os.posix_fallocate(fd, 0, free - leave_bytes)
             finally:
                 os.close(fd)
-        shm_ws.ShmBackend.create = original  # type: ignore[method-assign]
+        shm_backend.ShmBackend.create = original  # type: ignore[method-assign]
         return original(self, ctx, spec)
 
-    shm_ws.ShmBackend.create = create  # type: ignore[method-assign]
+    shm_backend.ShmBackend.create = create  # type: ignore[method-assign]
 
 
 def rank_main(scn: dict[str, Any], rank: int, world: int, listener: socket.socket,

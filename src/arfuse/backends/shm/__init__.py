@@ -1,7 +1,8 @@
 """``shm``: CPU ranks of one node through one shared-memory segment and a fused C++ kernel.
 
-This module is the backend's descriptor (pure); ``workspace`` creates and runs it, ``build``
-compiles the kernel, ``layout`` describes the segment.
+This module is the backend's descriptor (pure); ``backend`` creates the workspace (collective),
+``segment`` the segment's file and its life on disk, ``workspace`` runs it, ``build`` compiles
+the kernel, ``layout`` describes the segment.
 """
 
 from __future__ import annotations
@@ -43,6 +44,6 @@ def footprint(world_size: int, spec: Spec, topology: Topology) -> Footprint:
 
 DESCRIPTORS = (BackendDescriptor(
     name="shm", fused=True, devices=("cpu",), auto_rank=0,
-    implementation="arfuse.backends.shm.workspace:ShmBackend",
+    implementation="arfuse.backends.shm.backend:ShmBackend",
     unmet=unmet, fuses=fuses,
     footprint=footprint),)
