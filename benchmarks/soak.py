@@ -2,13 +2,8 @@
 watched (DESIGN 5: "a 100,000-call soak with no mismatch and flat memory").
 
 Why: a bug in slot double-buffering, sequence flags, copy-mode trials or the unfused path for
-over-capacity calls shows only after many calls of varied sizes; a leak only as growth.
-Both ranks draw the same random sequence (token counts on both sides of the capacity and of the
-one-/two-shot threshold, patterns plain / norm / norm+residual / fp8 / nvfp4 / in place / from
-the shared slot), every K-th call is checked against the float64 reference, and resident
-memory (/proc/self/statm), open descriptors (/proc/self/fd) and threads are sampled. After the
-last call: destroy_all, then nothing of arfuse may be left (segments, descriptors, threads,
-children).
+over-capacity calls shows only after many calls of varied sizes; a leak only as growth. What
+a soak draws, checks and samples: ``arfuse.bench.soak``.
 
     python benchmarks/soak.py [--calls 100000] [--check-every 50] [--out FILE]
     python benchmarks/soak.py --hidden 4096 --capacity 2048 --rss-bound-mib 512  # prefill sizes
@@ -16,8 +11,8 @@ children).
 At the default sizes (hidden 128, bf16) every call is small; at hidden 4096 and a capacity of
 2048 tokens two-shot runs in many steps and calls with outputs of their own reach the
 kernel's streaming output stores. Resident memory then also holds the float64 reference of
-the checked calls and the output pool (two calls at capacity), hence a larger bound. The soak
-itself is ``arfuse.bench.soak``; this script gives it its command line.
+the checked calls and the output pool (two calls at capacity), hence a larger bound. This
+script gives the soak its command line.
 """
 
 from __future__ import annotations

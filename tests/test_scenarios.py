@@ -44,22 +44,29 @@ def _write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_an_unexpected_hang_fails_within_the_limit(tmp_path: Path) -> None:
-    path = _write(tmp_path, """
-        ranks = 2
-        limit_s = 10
-        [[steps]]
-        do = "sleep"
-        ranks = [1]
-        seconds = 120
-        [[steps]]
-        do = "create"
-        ranks = [0]
-        timeout_s = 60
-        """)
+# rank 1 sleeps past the limit while rank 0 waits for it in a creation
+ONE_RANK_HANGS = """
+    ranks = 2
+    limit_s = 10
+    [[steps]]
+    do = "sleep"
+    ranks = [1]
+    seconds = 120
+    [[steps]]
+    do = "create"
+    ranks = [0]
+    timeout_s = 60
+    """
+
+
+def _fails_naming_the_hung_rank(path: Path) -> None:
     outcome = scenarios.run_one(path)
     assert outcome.status == "fail"
     assert any("had to be killed (hung)" in p for p in outcome.problems), outcome.problems
+
+
+def test_an_unexpected_hang_fails_within_the_limit(tmp_path: Path) -> None:
+    _fails_naming_the_hung_rank(_write(tmp_path, ONE_RANK_HANGS))
 
 
 def test_a_slow_job_start_does_not_turn_a_hang_into_an_overrun(
@@ -68,21 +75,7 @@ def test_a_slow_job_start_does_not_turn_a_hang_into_an_overrun(
     job's process got going: a start slowed by a loaded machine (4 s here, of a 10 s limit)
     still ends with the hung rank named, within the limit."""
     monkeypatch.setattr(runner, "JOB_ENTRY", "import time; time.sleep(4); " + runner.JOB_ENTRY)
-    path = _write(tmp_path, """
-        ranks = 2
-        limit_s = 10
-        [[steps]]
-        do = "sleep"
-        ranks = [1]
-        seconds = 120
-        [[steps]]
-        do = "create"
-        ranks = [0]
-        timeout_s = 60
-        """)
-    outcome = scenarios.run_one(path)
-    assert outcome.status == "fail"
-    assert any("had to be killed (hung)" in p for p in outcome.problems), outcome.problems
+    _fails_naming_the_hung_rank(_write(tmp_path, ONE_RANK_HANGS))
 
 
 def test_an_overrunning_job_is_killed_with_what_it_started(tmp_path: Path,
