@@ -244,7 +244,7 @@ def _rank_main(body: JobBody, rank: int, world: int, port: int, options: Any,
     except BrokenPipeError:
         if code == 0:
             _stopped_for_closed_output(rank, output_closed)
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # stdout closed or unusable: nothing left to deliver
         pass
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()
