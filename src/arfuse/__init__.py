@@ -5,6 +5,7 @@
 """
 
 from .catalog import BackendDescriptor, Footprint, register
+from .compile import compile_backend
 from .epilogue import FusedOutput
 from .errors import (
     ArfuseError,
@@ -46,6 +47,7 @@ __all__ = [
     "Spec",
     "Topology",
     "WorkspaceBroken",
+    "compile_backend",
     "destroy_all",
     "register",
     "resolve",

@@ -1,0 +1,195 @@
+"""The post-grad pass: all-reduce (+ residual add) + RMSNorm -> one arfuse call.
+
+Dynamo traces ``torch.distributed.all_reduce(t)``, ``_functional_collectives.all_reduce`` and
+DTensor's Partial -> Replicate alike, as ``wait_tensor(_c10d_functional.all_reduce(x, "sum",
+group_name))``; the pattern matcher finds that pair, and the handler looks after it for
+
+* ``h = sum + residual`` (either order; ``sum`` used by nothing else), then an RMSNorm of
+  ``h`` (``match.find_norm``): the fused call's ``out`` replaces the norm's output and its
+  ``residual_out`` replaces ``h``;
+* or an RMSNorm of the sum itself: ``residual_out`` (the sum) replaces the sum's other uses.
+
+Chains of other groups, other reductions, sums used elsewhere, norms ``find_norm`` does not
+know and weights computed after the chain starts are left as they are; each graph's count of
+what was replaced and what was not is logged once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._inductor import pattern_matcher as pm
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx import Graph, Node
+
+from .. import log
+from . import match, runtime
+
+_c10d = torch.ops._c10d_functional
+_ALL_REDUCE = _c10d.all_reduce.default
+_WAIT = _c10d.wait_tensor.default
+MAX_TOKENS = 1_048_560  # the most any backend takes (shm's progress counter)
+DYNAMIC_TOKENS = 2048  # capacity for a dynamic token count without a bound or max_token_num
+
+
+@dataclass
+class _Graph:
+    """What one run of the pass saw in one graph."""
+
+    order: dict[Node, int]
+    replaced: Counter[str] = field(default_factory=Counter)
+    left: Counter[str] = field(default_factory=Counter)
+
+
+class FusionPass(CustomGraphPass):
+    """An Inductor post-grad pass for the all-reduces of one process group (its name)."""
+
+    def __init__(self, group_name: str, max_token_num: int | None = None,
+                 then: Any = None) -> None:
+        self.group_name = group_name
+        self.max_token_num = max_token_num
+        self.then = then  # a pass that was installed before this one, run after it
+        self._patterns = pm.PatternMatcherPass(pass_name="arfuse_fusion")
+        self._seen: _Graph | None = None
+        reduced = pm.CallFunction(_ALL_REDUCE, pm.KeywordArg("x"), "sum",
+                                  pm.KeywordArg("group_name"))
+        pm.register_graph_pattern(pm.CallFunction(_WAIT, reduced),
+                                  pass_dict=self._patterns)(self._replace)
+        self.graphs = 0
+        self.fused: Counter[str] = Counter()  # over every graph: what was replaced
+        self.left: Counter[str] = Counter()  # and why the rest was not
+
+    def __call__(self, graph: Graph) -> None:
+        self._seen = seen = _Graph({node: i for i, node in enumerate(graph.nodes)})
+        try:
+            self._patterns.apply(graph)
+        finally:
+            self._seen = None
+        self.fused.update(seen.replaced)
+        self.left.update(seen.left)
+        if seen.replaced or seen.left:
+            graph.eliminate_dead_code()
+            self.graphs += 1
+            log.logger.info(
+                "arfuse compile: graph %d: %d of %d all-reduces fused (%s)%s", self.graphs,
+                sum(seen.replaced.values()), sum(seen.replaced.values()) + sum(
+                    seen.left.values()), _counts(seen.replaced) or "none",
+                f"; left: {_counts(seen.left)}" if seen.left else "")
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self) -> bytes:
+        """What makes this pass's output differ: its source, group and capacity (the FX graph
+        cache keys compiled graphs by it)."""
+        digest = hashlib.sha256()
+        for name in ("graph_pass.py", "match.py", "runtime.py"):
+            digest.update((Path(__file__).parent / name).read_bytes())
+        digest.update(f"{self.group_name}|{self.max_token_num}".encode())
+        if self.then is not None:
+            then = self.then.uuid() if hasattr(self.then, "uuid") else repr(self.then)
+            digest.update(then if isinstance(then, bytes) else str(then).encode())
+        return digest.digest()
+
+    def _replace(self, found: pm.Match, x: Node, group_name: str) -> None:
+        seen = self._seen
+        assert seen is not None
+        wait = found.output_node()
+        why = self._why_not(wait, group_name)
+        if why:
+            seen.left[why] += 1
+            return
+        residual, h = _residual_add(wait)
+        norm = match.find_norm(h)
+        if norm is None and h is not wait:
+            residual, h = None, wait
+            norm = match.find_norm(wait)
+        if norm is None:
+            seen.left["no RMSNorm after it"] += 1
+            return
+        if seen.order.get(norm.weight, len(seen.order)) > seen.order[h]:
+            seen.left["weight computed after the sum"] += 1
+            return
+        _rewrite(wait.graph, wait, x, residual, h, norm, self._capacity(x))
+        seen.replaced["residual + RMSNorm" if residual is not None else "RMSNorm"] += 1
+
+    def _why_not(self, wait: Node, group_name: str) -> str:
+        if group_name != self.group_name:
+            return f"group {group_name}"
+        value = match.val(wait)
+        if value is None or value.dim() < 1 or value.dtype not in (
+                torch.float32, torch.bfloat16, torch.float16):
+            return "not a float tensor"
+        return ""
+
+    def _capacity(self, x: Node) -> int:
+        """Tokens per call the op is sized for: ``max_token_num``, else the traced count, else
+        (a dynamic count) its upper bound if finite, else ``DYNAMIC_TOKENS``."""
+        if self.max_token_num is not None:
+            return self.max_token_num
+        value = match.val(x)
+        tokens = value.numel() // value.shape[-1] if value.shape[-1] != 0 else 0
+        if isinstance(tokens, int):
+            return max(1, min(tokens, MAX_TOKENS))
+        upper = _upper_bound(tokens)
+        return DYNAMIC_TOKENS if upper is None else max(1, min(upper, MAX_TOKENS))
+
+
+def _residual_add(wait: Node) -> tuple[Node | None, Node]:
+    """``(residual, h)`` when the sum's one use is ``h = sum + residual`` of its shape and
+    dtype, else ``(None, wait)``."""
+    users = list(wait.users)
+    add = users[0] if len(users) == 1 else None
+    if add is None or add.op != "call_function" or add.target != torch.ops.aten.add.Tensor \
+            or len(add.args) != 2 or add.kwargs:
+        return None, wait
+    other = match._other(add, wait)
+    mine, theirs = match.val(wait), match.val(other)
+    if not isinstance(other, Node) or theirs is None or other is wait:
+        return None, wait
+    if theirs.shape != mine.shape or theirs.dtype != mine.dtype:
+        return None, wait
+    return other, add
+
+
+def _rewrite(graph: Graph, wait: Node, x: Node, residual: Node | None, h: Node,
+             norm: match.Norm, capacity: int) -> None:
+    """Put one fused call before ``h``; its outputs take the norm's and ``h``'s uses."""
+    op = runtime.register()
+    reduce = wait.args[0]
+    assert isinstance(reduce, Node)
+    group_name = reduce.args[2]
+    with graph.inserting_before(h):
+        fused = graph.call_function(op, (x, residual, norm.weight, norm.eps, norm.weight_bias,
+                                         group_name, capacity, norm.form))
+        out = graph.call_function(operator.getitem, (fused, 0))
+        residual_out = graph.call_function(operator.getitem, (fused, 1))
+    fused.meta["val"] = (match.val(norm.output), match.val(h))
+    out.meta.update(norm.output.meta)
+    residual_out.meta.update(h.meta)
+    norm.output.replace_all_uses_with(out)
+    h.replace_all_uses_with(residual_out)
+    for node in (*reversed(norm.nodes), h, wait, reduce):
+        if not node.users and not node._erased:
+            graph.erase_node(node)
+
+
+def _upper_bound(expr: Any) -> int | None:
+    """The finite upper bound of a symbolic size, if its shape environment knows one."""
+    try:
+        from torch.utils._sympy.value_ranges import bound_sympy
+
+        node = expr.node
+        upper = bound_sympy(node.expr, node.shape_env.var_to_range).upper
+        return int(upper) if upper.is_finite else None
+    except Exception:  # an unknown symbolic form: no bound
+        return None
+
+
+def _counts(counter: Counter[str]) -> str:
+    return ", ".join(f"{n} {what}" for what, n in sorted(counter.items()))

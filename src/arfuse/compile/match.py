@@ -1,0 +1,202 @@
+"""Recognise RMSNorm in a post-grad FX graph, in the forms models write it.
+
+Post-grad graphs hold aten and prims ops only, so ``F.rms_norm``, ``nn.RMSNorm`` and the
+hand-written norms of HF's modelling code all arrive decomposed. From the norm's input ``h``:
+
+    c = h, or convert(h, float32)
+    v = mean(pow(c, 2) | mul(c, c), [-1], keepdim=True)
+    n = mul(c, rsqrt(add(v, eps)))                  (either operand order, here and below)
+    "weight in fp32" (F.rms_norm, nn.RMSNorm, Gemma):  out = convert(mul(n, W), T)
+        W = w | convert(w, float32) | add(w | convert(w, float32), 1.0)   (Gemma: weight_bias=1)
+    "weight in T" (Llama, Qwen, Mistral):             out = mul(convert(n, T), w)
+
+With ``T`` float32 the converts vanish and both forms read ``mul(n, w)``. The first form is
+arfuse's epilogue to the bit; the second rounds once more (to ``T`` before the weight), which
+arfuse does not: with ``T`` bf16 or fp16 the fused output may differ from the graph's in the
+last bit of some elements.
+
+Pure FX: no torch.distributed, no arfuse backend, so the tests can feed it any graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+WEIGHT_FP32 = 0
+"""Form code: ``out = T(n * (w + weight_bias))`` (one rounding; arfuse's epilogue)."""
+WEIGHT_IN_T = 1
+"""Form code: ``out = T(n) * w`` (rounded to ``T`` before the weight)."""
+
+_ADD = (aten.add.Tensor, aten.add.Scalar)
+_MUL = (aten.mul.Tensor, aten.mul.Scalar)
+
+
+@dataclass(frozen=True)
+class Norm:
+    """An RMSNorm of ``h`` found in a graph: its output node, weight node, numbers and form."""
+
+    output: Node
+    weight: Node
+    eps: float
+    weight_bias: float
+    form: int
+    nodes: tuple[Node, ...]  # every node of the norm after h, in graph order
+
+
+def val(node: Any) -> Any:
+    """The fake tensor FX recorded for ``node`` (``None`` for a constant or no record)."""
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def _is(node: Any, targets: tuple[Any, ...]) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _convert_to(node: Any, dtype: torch.dtype) -> Node | None:
+    """The input of ``node`` when ``node`` converts it to ``dtype``."""
+    if _is(node, (prims.convert_element_type.default,)) and node.args[1] == dtype:
+        source = node.args[0]
+        return source if isinstance(source, Node) else None
+    return None
+
+
+def _other(node: Node, one: Any) -> Any:
+    """The operand of binary ``node`` that is not ``one`` (``None`` when neither is)."""
+    a, b = node.args[0], node.args[1]
+    return b if a is one else a if b is one else None
+
+
+def _users(node: Node, targets: tuple[Any, ...]) -> list[Node]:
+    return [u for u in node.users if _is(u, targets)]
+
+
+def _only_user(node: Node) -> Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _squares_mean(c: Node) -> tuple[Node, Node] | None:
+    """``(square, mean)`` when ``mean(c * c over the last dim, keepdim)`` is computed."""
+    ndim = val(c).dim()
+    squares = [u for u in _users(c, (aten.pow.Tensor_Scalar,)) if u.args[1] == 2]
+    squares += [u for u in _users(c, (aten.mul.Tensor,)) if u.args[0] is c and u.args[1] is c]
+    for square in squares:
+        mean = _only_user(square)
+        if not _is(mean, (aten.mean.dim,)) or mean is None:
+            continue
+        dims = mean.args[1]
+        if not isinstance(dims, (list, tuple)):
+            continue
+        keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+        if keepdim and len(dims) == 1 and dims[0] % ndim == ndim - 1:
+            return square, mean
+    return None
+
+
+def _normalised(c: Node, mean: Node) -> tuple[list[Node], float] | None:
+    """``([add, rsqrt, n], eps)`` when ``n = c * rsqrt(mean + eps)``."""
+    add = _only_user(mean)
+    if not _is(add, _ADD) or add is None or add.args[0] is not mean:
+        return None
+    eps = add.args[1]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return None
+    rsqrt = _only_user(add)
+    if not _is(rsqrt, (aten.rsqrt.default,)) or rsqrt is None:
+        return None
+    n = _only_user(rsqrt)
+    if not _is(n, (aten.mul.Tensor,)) or n is None or _other(n, rsqrt) is not c:
+        return None
+    return [add, rsqrt, n], float(eps)
+
+
+def _weight_of(factor: Any, dtype: torch.dtype) -> tuple[Node, float, list[Node]] | None:
+    """``(w, weight_bias, nodes)`` for a weight factor ``w``, ``float32(w)`` or ``+ 1.0`` of
+    either, ``w`` a 1-D tensor of ``dtype``."""
+    nodes: list[Node] = []
+    bias = 0.0
+    if _is(factor, _ADD) and not isinstance(factor.args[1], Node):
+        constant = factor.args[1]
+        if isinstance(constant, bool) or not isinstance(constant, (int, float)):
+            return None
+        nodes.append(factor)
+        bias, factor = float(constant), factor.args[0]
+    converted = _convert_to(factor, torch.float32)
+    if converted is not None:
+        nodes.append(factor)
+        factor = converted
+    weight = val(factor)
+    if not isinstance(factor, Node) or weight is None or weight.dim() != 1:
+        return None
+    if weight.dtype != dtype:
+        return None
+    return factor, bias, nodes
+
+
+def find_norm(h: Node) -> Norm | None:
+    """The RMSNorm over the last dimension of ``h``, if the graph computes one (see the module
+    docstring for the forms), with a weight of ``h``'s dtype and size."""
+    dtype = val(h).dtype
+    cs = [h] if dtype == torch.float32 else _users(h, (prims.convert_element_type.default,))
+    for c in cs:
+        if c is not h and _convert_to(c, torch.float32) is not h:
+            continue
+        found = _squares_mean(c)
+        if found is None:
+            continue
+        normalised = _normalised(c, found[1])
+        if normalised is None:
+            continue
+        middle, eps = normalised
+        tail = _weighted(middle[-1], dtype, val(h).shape[-1])
+        if tail is None:
+            continue
+        output, weight, bias, form, tail_nodes = tail
+        head = [c] if c is not h else []
+        return Norm(output, weight, eps, bias, form,
+                    (*head, *found, *middle, *tail_nodes))
+    return None
+
+
+def _weighted(n: Node, dtype: torch.dtype,
+              hidden: Any) -> tuple[Node, Node, float, int, list[Node]] | None:
+    """``(output, w, weight_bias, form, nodes)``: the weight step after the normalised ``n``."""
+    user = _only_user(n)
+    if user is None:
+        return None
+    if dtype == torch.float32:  # no converts: n * W
+        if not _is(user, (aten.mul.Tensor,)):
+            return None
+        weight = _weight_of(_other(user, n), dtype)
+        if weight is None or not _fits(weight[0], hidden):
+            return None
+        return user, weight[0], weight[1], WEIGHT_FP32, [*weight[2], user]
+    if _convert_to(user, dtype) is n:  # weight in T: convert(n, T) * w
+        product = _only_user(user)
+        if not _is(product, (aten.mul.Tensor,)) or product is None:
+            return None
+        factor = _other(product, user)
+        weight_t = val(factor)
+        if not isinstance(factor, Node) or weight_t is None or weight_t.dim() != 1 \
+                or weight_t.dtype != dtype or not _fits(factor, hidden):
+            return None
+        return product, factor, 0.0, WEIGHT_IN_T, [user, product]
+    if not _is(user, (aten.mul.Tensor,)):  # weight in fp32: convert(n * W, T)
+        return None
+    weight = _weight_of(_other(user, n), dtype)
+    output = _only_user(user)
+    if weight is None or output is None or _convert_to(output, dtype) is not user \
+            or not _fits(weight[0], hidden):
+        return None
+    return output, weight[0], weight[1], WEIGHT_FP32, [*weight[2], user, output]
+
+
+def _fits(weight: Node, hidden: Any) -> bool:
+    return bool(val(weight).shape[0] == hidden)

@@ -1,0 +1,129 @@
+"""Tiny HF decoder models with random weights, split for tensor parallelism by hand, and a
+torch.compile backend that runs the fusion pass on Inductor's post-grad graph without
+generating code (seconds instead of a C++ build per kernel), then runs that graph eagerly.
+
+The split is Megatron's: q/k/v and gate/up by output rows (whole heads per rank), o_proj and
+down_proj by input columns, each followed by ``torch.distributed.all_reduce`` of its output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 96
+SIZES = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": VOCAB}
+
+
+def config(arch: str, layers: int) -> Any:
+    import transformers
+
+    names = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+             "mistral": "MistralConfig", "gemma": "GemmaConfig", "gemma2": "Gemma2Config"}
+    extra: dict[str, Any] = {"head_dim": 16} if arch in ("qwen3", "gemma", "gemma2") else {}
+    cfg = getattr(transformers, names[arch])(num_hidden_layers=layers, **SIZES, **extra)
+    cfg._attn_implementation = "eager" if arch == "gemma2" else "sdpa"
+    return cfg
+
+
+def tiny_model(arch: str, layers: int = 1, dtype: torch.dtype = torch.float32,
+               seed: int = 0) -> nn.Module:
+    """The causal LM of ``arch`` with seeded random weights (the same on every rank)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config(arch, layers), dtype=dtype)
+    with torch.no_grad():  # norms start at exactly 1 (0 for Gemma): make them matter
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model.eval()
+
+
+class RowParallel(nn.Module):
+    """This rank's input columns of a linear layer, then the group's sum of the outputs."""
+
+    def __init__(self, linear: nn.Linear, rank: int, world: int, group: Any = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().chunk(world, 1)[rank].contiguous(),
+                                   requires_grad=False)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+def _columns(linear: nn.Linear, rank: int, world: int) -> None:
+    linear.weight = nn.Parameter(linear.weight.detach().chunk(world, 0)[rank].contiguous(),
+                                 requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach().chunk(world, 0)[rank].contiguous(),
+                                   requires_grad=False)
+
+
+def shard(model: nn.Module, rank: int, world: int, group: Any = None) -> int:
+    """Split ``model`` in place for ``rank`` of ``world``; the number of all-reduces a
+    forward makes."""
+    layers = model.model.layers  # type: ignore[union-attr]
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            _columns(linear, rank, world)
+        attn.o_proj = RowParallel(attn.o_proj, rank, world, group)
+        mlp.down_proj = RowParallel(mlp.down_proj, rank, world, group)
+    return 2 * len(layers)
+
+
+def prompt(length: int = 6, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (1, length), generator=generator)
+
+
+@torch.no_grad()
+def greedy(model: Callable[..., Any], ids: torch.Tensor,
+           steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """``steps`` greedy tokens (no cache: each step runs the whole sequence) and the logits
+    of each step's last position."""
+    tokens: list[int] = []
+    logits: list[torch.Tensor] = []
+    for _ in range(steps):
+        last = model(input_ids=ids, use_cache=False).logits[0, -1]
+        logits.append(last.clone())
+        tokens.append(int(last.argmax()))
+        ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
+    return tokens, logits
+
+
+def post_grad_backend(fusion_pass: Any) -> Callable[..., Any]:
+    """A torch.compile backend: Inductor up to its post-grad passes, where it runs
+    ``fusion_pass`` (as Inductor's ``post_grad_custom_pre_pass`` would see the graph: after
+    dead-code elimination), then the graph eagerly instead of generating code."""
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.compile_fx import compile_fx
+
+    def inner(gm: torch.fx.GraphModule, example_inputs: Any, **_: Any) -> Any:
+        gm.graph.eliminate_dead_code()
+        if fusion_pass is not None:
+            fusion_pass(gm.graph)
+        gm.recompile()
+        return make_boxed_func(gm.forward)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        return compile_fx(gm, example_inputs, inner_compile=inner)
+
+    return backend
+
+
+def fused_calls() -> int:
+    """Calls the compiled graphs' fused ops have made in this process (fused or not)."""
+    from arfuse.compile import runtime
+
+    return sum(chains.calls for chains in runtime._chains.values())
