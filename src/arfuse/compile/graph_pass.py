@@ -55,6 +55,7 @@ class FusionPass(CustomGraphPass):
         self.group_name = group_name
         self.max_token_num = max_token_num
         self.then = then  # a pass that was installed before this one, run after it
+        runtime.register()  # before any compile: a graph from the FX graph cache calls it
         self._patterns = pm.PatternMatcherPass(pass_name="arfuse_fusion")
         self._seen: _Graph | None = None
         reduced = pm.CallFunction(_ALL_REDUCE, pm.KeywordArg("x"), "sum",
@@ -112,7 +113,8 @@ class FusionPass(CustomGraphPass):
         if norm is None:
             seen.left["no RMSNorm after it"] += 1
             return
-        if seen.order.get(norm.weight, len(seen.order)) > seen.order[h]:
+        inputs = [norm.weight] + ([norm.eps] if isinstance(norm.eps, Node) else [])
+        if any(seen.order.get(node, len(seen.order)) > seen.order[h] for node in inputs):
             seen.left["weight computed after the sum"] += 1
             return
         _rewrite(wait.graph, wait, x, residual, h, norm, self._capacity(x))
@@ -165,8 +167,9 @@ def _rewrite(graph: Graph, wait: Node, x: Node, residual: Node | None, h: Node,
     assert isinstance(reduce, Node)
     group_name = reduce.args[2]
     with graph.inserting_before(h):
-        fused = graph.call_function(op, (x, residual, norm.weight, norm.eps, norm.weight_bias,
-                                         group_name, capacity, norm.form))
+        eps, eps_input = (0.0, norm.eps) if isinstance(norm.eps, Node) else (norm.eps, None)
+        fused = graph.call_function(op, (x, residual, norm.weight, eps, norm.weight_bias,
+                                         group_name, capacity, norm.form, eps_input))
         out = graph.call_function(operator.getitem, (fused, 0))
         residual_out = graph.call_function(operator.getitem, (fused, 1))
     fused.meta["val"] = (match.val(norm.output), match.val(h))

@@ -44,7 +44,7 @@ class Norm:
 
     output: Node
     weight: Node
-    eps: float
+    eps: float | Node  # a node: a graph input holding the number
     weight_bias: float
     form: int
     nodes: tuple[Node, ...]  # every node of the norm after h, in graph order
@@ -77,6 +77,37 @@ def _users(node: Node, targets: tuple[Any, ...]) -> list[Node]:
     return [u for u in node.users if _is(u, targets)]
 
 
+def constant(value: Any, depth: int = 4) -> float | None:
+    """The number ``value`` is: a Python number, or a node that makes a one-element tensor
+    of one (``full``, ``scalar_tensor``, a converted one; dynamic shapes lift ``eps`` so)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if not isinstance(value, Node) or value.op != "call_function" or depth == 0:
+        return None
+    if value.target == prims.convert_element_type.default:
+        return constant(value.args[0], depth - 1)
+    if value.target == aten.full.default and value.args[0] in ([], [1], (), (1,)):
+        return constant(value.args[1], depth - 1)
+    if value.target == aten.scalar_tensor.default:
+        return constant(value.args[0], depth - 1)
+    return None
+
+
+def _graph_input(value: Any) -> Node | None:
+    """The graph input a 0-d ``value`` converts (with dynamic shapes Dynamo passes a float
+    attribute such as ``eps`` as an input): the runtime reads its number."""
+    while isinstance(value, Node) and value.op == "call_function" \
+            and value.target == prims.convert_element_type.default:
+        value = value.args[0]
+    held = val(value)
+    if isinstance(value, Node) and value.op == "placeholder" and held is not None \
+            and held.numel() == 1 and held.is_floating_point():
+        return value
+    return None
+
+
 def _only_user(node: Node) -> Node | None:
     users = list(node.users)
     return users[0] if len(users) == 1 else None
@@ -100,13 +131,15 @@ def _squares_mean(c: Node) -> tuple[Node, Node] | None:
     return None
 
 
-def _normalised(c: Node, mean: Node) -> tuple[list[Node], float] | None:
+def _normalised(c: Node, mean: Node) -> tuple[list[Node], float | Node] | None:
     """``([add, rsqrt, n], eps)`` when ``n = c * rsqrt(mean + eps)``."""
     add = _only_user(mean)
     if not _is(add, _ADD) or add is None or add.args[0] is not mean:
         return None
-    eps = add.args[1]
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+    eps: float | Node | None = constant(add.args[1])
+    if eps is None:
+        eps = _graph_input(add.args[1])
+    if eps is None:
         return None
     rsqrt = _only_user(add)
     if not _is(rsqrt, (aten.rsqrt.default,)) or rsqrt is None:
@@ -114,7 +147,7 @@ def _normalised(c: Node, mean: Node) -> tuple[list[Node], float] | None:
     n = _only_user(rsqrt)
     if not _is(n, (aten.mul.Tensor,)) or n is None or _other(n, rsqrt) is not c:
         return None
-    return [add, rsqrt, n], float(eps)
+    return [add, rsqrt, n], eps
 
 
 def _weight_of(factor: Any, dtype: torch.dtype) -> tuple[Node, float, list[Node]] | None:

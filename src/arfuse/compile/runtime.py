@@ -26,7 +26,8 @@ from . import match
 
 OP_NAME = "compiled_fused_allreduce"
 _SCHEMA = (f"{OP_NAME}(Tensor x, Tensor? residual, Tensor weight, float eps, "
-           "float weight_bias, str group_name, int capacity, int form) -> (Tensor, Tensor)")
+           "float weight_bias, str group_name, int capacity, int form, Tensor? eps_input=None) "
+           "-> (Tensor, Tensor)")
 
 _lock = threading.Lock()
 _library: list[Any] = []  # the torch.library.Library that holds the operator's definition
@@ -100,8 +101,10 @@ _chains: dict[tuple[str, torch.dtype, int, torch.device], _Chains] = {}
 
 
 def _run(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-         weight_bias: float, group_name: str, capacity: int,
-         form: int) -> tuple[torch.Tensor, torch.Tensor]:
+         weight_bias: float, group_name: str, capacity: int, form: int,
+         eps_input: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if eps_input is not None:  # a graph input (dynamic shapes), read as the graph did: fp32
+        eps = float(eps_input.to(torch.float32))
     key = (group_name, x.dtype, x.shape[-1], x.device)
     chains = _chains.get(key)
     if chains is None or chains.capacity < capacity:
@@ -125,8 +128,8 @@ def _open(key: tuple[str, torch.dtype, int, torch.device], x: torch.Tensor,
 
 
 def _fake(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-          weight_bias: float, group_name: str, capacity: int,
-          form: int) -> tuple[torch.Tensor, torch.Tensor]:
+          weight_bias: float, group_name: str, capacity: int, form: int,
+          eps_input: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), torch.empty_like(x)
 
 

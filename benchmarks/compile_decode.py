@@ -1,0 +1,204 @@
+"""A Llama-shaped tensor-parallel model on 2 ranks, compiled three ways: plain Inductor
+(gloo all-reduce, add and RMSNorm as the model writes them), Inductor with arfuse's pass
+(``arfuse.compile_backend``), and the hand-written version that calls arfuse's shm operator
+itself; decode-step and prefill medians, the ratios, and the compile time with and without
+the pass. JSON out, the machine (ISA included) recorded.
+
+    python benchmarks/compile_decode.py --out benchmarks/results/<machine>/compile-decode.json
+    python benchmarks/compile_decode.py --quick          # tiny sizes: does it run
+
+Targets (issue text): decode with the pass >= 1.5x plain Inductor and within 5% of the
+hand-written model; prefill (32-512 tokens) no slower than plain; the pass adds < 10% compile
+time. Prefill runs one dynamic-shape graph per variant; decode a static one (KV cache of
+``--context`` tokens, not updated: the step's shapes stay fixed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from arfuse.launch import init_from_env, launch, pin_to_core
+
+EPS = 1e-6
+VARIANTS = ("plain", "pass", "hand")
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """As HF Llama writes it."""
+    x = h.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    return weight * x.to(h.dtype)
+
+
+class Model(nn.Module):
+    """``layers`` decoder layers (no embedding, no head): this rank's heads and MLP part."""
+
+    def __init__(self, hidden: int, layers: int, world: int, dtype: torch.dtype,
+                 context: int, handle: int | None) -> None:
+        super().__init__()
+        self.heads, self.head_dim = max(1, hidden // 128 // world), min(128, hidden)
+        local, inter = self.heads * self.head_dim, 3 * hidden // world
+
+        def weight(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.randn(*shape).div(shape[-1] ** 0.5).to(dtype),
+                                requires_grad=False)
+
+        self.qkv = nn.ParameterList(weight(3 * local, hidden) for _ in range(layers))
+        self.o = nn.ParameterList(weight(hidden, local) for _ in range(layers))
+        self.gate_up = nn.ParameterList(weight(2 * inter, hidden) for _ in range(layers))
+        self.down = nn.ParameterList(weight(hidden, inter) for _ in range(layers))
+        self.norms = nn.ParameterList(weight(hidden) for _ in range(2 * layers + 1))
+        self.cache = [torch.randn(2, self.heads, context, self.head_dim).to(dtype)
+                      for _ in range(layers)]
+        self.handle = handle  # the shm operator's handle: the hand-written fused version
+
+    def _attention(self, i: int, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = F.linear(x, self.qkv[i]).view(tokens, 3, self.heads, self.head_dim) \
+            .permute(1, 2, 0, 3)
+        if decode:
+            k, v = self.cache[i][0], self.cache[i][1]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=not decode)
+        return F.linear(out.transpose(0, 1).reshape(tokens, -1), self.o[i])
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up[i]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[i])
+
+    def _boundary(self, partial: torch.Tensor, h: torch.Tensor,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """all-reduce + residual add + RMSNorm: (normed, new residual)."""
+        if self.handle is not None:
+            out, residual = torch.ops.arfuse.shm_fused_allreduce_functional(
+                self.handle, partial, h, weight, EPS, 0.0, 0, 0.0, True)
+            return out, residual
+        dist.all_reduce(partial)
+        h = h + partial
+        return rms_norm(h, weight), h
+
+    def forward(self, h: torch.Tensor, decode: bool) -> torch.Tensor:
+        x = rms_norm(h, self.norms[0])
+        for i in range(len(self.qkv)):
+            x, h = self._boundary(self._attention(i, x, decode), h, self.norms[2 * i + 1])
+            x, h = self._boundary(self._mlp(i, x), h, self.norms[2 * i + 2])
+        return x
+
+
+def _median_us(fn: Any, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return statistics.median(times)
+
+
+def _compiled(variant: str, model: Model, dynamic: bool, capacity: int) -> Any:
+    import arfuse
+
+    torch._dynamo.reset()
+    backend = arfuse.compile_backend(max_token_num=capacity) if variant == "pass" \
+        else "inductor"
+    return torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=True)
+
+
+def one_case(rank: int, world: int, hidden: int, dtype: torch.dtype,
+             options: Any) -> dict[str, Any]:
+    import arfuse
+
+    capacity = max(options.prefill)
+    comm = arfuse.FusedAllReduce(max_token_num=capacity, hidden_dim=hidden, dtype=dtype,
+                                 backend="shm", strict=True)
+    handle = comm.workspace.handle  # type: ignore[attr-defined]
+    row: dict[str, Any] = {"hidden": hidden, "dtype": str(dtype).split(".")[-1]}
+    for variant in VARIANTS:
+        torch.manual_seed(0)
+        model = Model(hidden, options.layers, world, dtype, options.context,
+                      handle if variant == "hand" else None)
+        with torch.no_grad():
+            step = torch.randn(1, hidden).to(dtype)
+            decode = _compiled(variant, model, False, capacity)
+            t0 = time.perf_counter()
+            decode(step, True)
+            row[f"compile_s_{variant}"] = time.perf_counter() - t0
+            for _ in range(options.warmup):
+                decode(step, True)
+            row[f"decode_us_{variant}"] = _median_us(
+                lambda f=decode, x=step: f(x, True), options.steps)
+            prefill = _compiled(variant, model, True, capacity)
+            for tokens in options.prefill:
+                x = torch.randn(tokens, hidden).to(dtype)
+                for _ in range(max(2, options.warmup // 10)):
+                    prefill(x, False)
+                row[f"prefill{tokens}_us_{variant}"] = _median_us(
+                    lambda f=prefill, x=x: f(x, False), max(3, options.steps // 10))
+    row["decode_speedup_pass_vs_plain"] = row["decode_us_plain"] / row["decode_us_pass"]
+    row["decode_pass_vs_hand"] = row["decode_us_pass"] / row["decode_us_hand"]
+    for tokens in options.prefill:
+        row[f"prefill{tokens}_pass_vs_plain"] = (row[f"prefill{tokens}_us_pass"]
+                                                 / row[f"prefill{tokens}_us_plain"])
+    row["compile_added_by_pass"] = row["compile_s_pass"] / row["compile_s_plain"] - 1
+    comm.close()
+    return row
+
+
+def body(rank: int, world: int, options: Any) -> int:
+    from torch._inductor import config
+
+    from arfuse.bench.machine import machine_record
+
+    torch.set_num_threads(1)
+    init_from_env("cpu")
+    pinned = pin_to_core(rank, world)
+    config.fx_graph_cache = False  # compile times are compiles, not cache hits
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    rows = []
+    for dtype in options.dtypes:
+        for hidden in options.hidden:
+            row = one_case(rank, world, hidden, dtypes[dtype], options)
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                  for k, v in row.items()}), flush=True)
+    if rank == 0 and options.out:
+        path = Path(options.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"machine": machine_record(pinned, world),
+                                    "layers": options.layers, "context": options.context,
+                                    "rows": rows}, indent=2))
+        print(f"wrote {path}")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"),
+                        default=["bf16", "fp32"])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--prefill", type=int, nargs="+", default=[32, 128, 512])
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--out", default="")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: does it run")
+    options = parser.parse_args()
+    if options.quick:
+        options.hidden, options.dtypes, options.layers = [128], ["fp32"], 1
+        options.prefill, options.context, options.steps, options.warmup = [8], 16, 5, 2
+    return launch(body, 2, options, env={"OMP_NUM_THREADS": "1", "ARFUSE_LOG": "warning"})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,227 @@
+"""Rank bodies for the torch.compile pass: HF models split by hand, compiled with the pass
+(through Inductor's own code generation, or up to its post-grad graph and then eagerly), and
+small chains written the ways models write them. Module level, so they can be pickled."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tp_models as tm
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2")
+
+
+def _group_name() -> str:
+    return str(dist.distributed_c10d._get_default_group().group_name)
+
+
+def _fusion_pass(max_token_num: int | None = None) -> Any:
+    from arfuse.compile.graph_pass import FusionPass
+
+    return FusionPass(_group_name(), max_token_num)
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16) \
+        .flatten().tolist()
+
+
+def _reference(arch: str, layers: int, steps: int) -> list[int]:
+    """Greedy tokens of the whole model in this one process (no tensor parallelism)."""
+    return tm.greedy(tm.tiny_model(arch, layers), tm.prompt(), steps)[0]
+
+
+def architectures(rank: int, world: int, layers: int, steps: int) -> dict[str, Any]:
+    """Each architecture split over the ranks, compiled (dynamic) up to the post-grad graph
+    with the pass: what it replaced, the fused calls made, the greedy tokens against the
+    whole model's, and the last logits' bits."""
+    from arfuse.compile import runtime
+
+    found: dict[str, Any] = {}
+    for arch in ARCHS:
+        model = tm.tiny_model(arch, layers)
+        reduces = tm.shard(model, rank, world)
+        fusion = _fusion_pass()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=tm.post_grad_backend(fusion), dynamic=True,
+                                 fullgraph=True)
+        before = tm.fused_calls()
+        tokens, logits = tm.greedy(compiled, tm.prompt(), steps)
+        backends = sorted({c.comm.backend if c.comm else "unfused"
+                           for c in runtime._chains.values()})
+        found[arch] = {"reduces": reduces, "fused": dict(fusion.fused),
+                       "left": dict(fusion.left), "calls": tm.fused_calls() - before,
+                       "tokens": tokens, "reference": _reference(arch, layers, steps),
+                       "bits": _bits(logits[-1]), "backends": backends}
+    return found
+
+
+def forms(rank: int, world: int) -> dict[str, Any]:
+    """bf16 Llama and Gemma (the two weight forms), F.rms_norm, nn.RMSNorm, the functional
+    all-reduce and chains the pass must leave alone, one process (the unfused runtime)."""
+    found: dict[str, Any] = {}
+    for arch in ("llama", "gemma"):
+        model = tm.tiny_model(arch, 1, torch.bfloat16)
+        tm.shard(model, rank, world)
+        fusion = _fusion_pass()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=tm.post_grad_backend(fusion), fullgraph=True)
+        with torch.no_grad():
+            want = model(input_ids=tm.prompt(), use_cache=False).logits
+            got = compiled(input_ids=tm.prompt(), use_cache=False).logits
+        found[arch] = {"fused": dict(fusion.fused), "left": dict(fusion.left),
+                       "equal": bool(torch.equal(want, got))}
+    for name, (fn, args) in _chains().items():
+        fusion = _fusion_pass()
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=tm.post_grad_backend(fusion), fullgraph=True)
+        with torch.no_grad():
+            want = fn(*[a.clone() for a in args])
+            got = compiled(*[a.clone() for a in args])
+        found[name] = {"fused": dict(fusion.fused), "left": dict(fusion.left),
+                       "equal": all(torch.equal(a, b) for a, b in zip(want, got, strict=True))}
+    return found
+
+
+def _chains() -> dict[str, tuple[Any, tuple[torch.Tensor, ...]]]:
+    """Small functions: name -> (fn(x, residual, weight) -> tensors, inputs)."""
+    import torch.distributed._functional_collectives as fc
+
+    hidden = 32
+    norm = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=torch.bfloat16)
+    bare = torch.nn.RMSNorm(hidden, eps=1e-5, elementwise_affine=False)
+
+    def rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = F.linear(x, w.unsqueeze(0).expand(hidden, hidden).contiguous())
+        dist.all_reduce(y)
+        h = y + r
+        return F.rms_norm(h, (hidden,), w, 1e-5), h
+
+    def module(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = r + fc.all_reduce(x * 2, "sum", dist.group.WORLD)
+        return norm(h), h
+
+    def sum_used_twice(x: torch.Tensor, r: torch.Tensor,
+                       w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = x * 2
+        dist.all_reduce(y)
+        h = y + r
+        return F.rms_norm(h, (hidden,), w, 1e-5), h, y
+
+    def no_weight(x: torch.Tensor, r: torch.Tensor,
+                  w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = x.float() * 2
+        dist.all_reduce(y)
+        h = y + r.float()
+        return bare(h), h
+
+    def layer_norm(x: torch.Tensor, r: torch.Tensor,
+                   w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = x * 2
+        dist.all_reduce(y)
+        h = y + r
+        return F.layer_norm(h, (hidden,), w), h
+
+    generator = torch.Generator().manual_seed(3)
+    args = tuple(torch.randn(shape, generator=generator).to(torch.bfloat16)
+                 for shape in ((5, hidden), (5, hidden), (hidden,)))
+    return {name: (fn, args) for name, fn in (
+        ("rms_norm", rms_norm), ("nn.RMSNorm+functional", module),
+        ("sum used twice", sum_used_twice), ("no weight", no_weight),
+        ("layer_norm", layer_norm))}
+
+
+def inductor(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """Llama split over the ranks through arfuse.compile_backend (Inductor's code
+    generation): dynamic shapes and one graph, then static shapes with a graph break (in the
+    rotary embedding, before the layers); the fused calls, the greedy tokens, the logits'
+    bits and the log."""
+    import arfuse
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("arfuse").addHandler(handler)
+    logging.getLogger("arfuse").setLevel(logging.INFO)
+    model = tm.tiny_model("llama", 1)
+    reduces = tm.shard(model, rank, world)
+    found: dict[str, Any] = {"reduces": reduces, "reference": _reference("llama", 1, steps)}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=arfuse.compile_backend(), dynamic=True,
+                             fullgraph=True)
+    before = tm.fused_calls()
+    tokens, logits = tm.greedy(compiled, tm.prompt(), steps)
+    found["dynamic"] = {"tokens": tokens, "bits": _bits(logits[-1]),
+                        "calls": tm.fused_calls() - before}
+    rotary = model.model.rotary_emb
+    forward = rotary.forward
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        torch._dynamo.graph_break()
+        return forward(*args, **kwargs)
+
+    rotary.forward = broken
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=arfuse.compile_backend())
+    before = tm.fused_calls()
+    tokens, logits = tm.greedy(compiled, tm.prompt(), 1)
+    found["graph_break"] = {"tokens": tokens, "bits": _bits(logits[-1]),
+                            "calls": tm.fused_calls() - before}
+    found["log"] = [r for r in records if r.startswith("arfuse compile")]
+    return found
+
+
+def disagreeing_graphs(rank: int, world: int) -> dict[str, str]:
+    """Ranks whose graphs were sized differently (max_token_num 8 and 16): the first call."""
+    from harness import outcome
+
+    hidden = 32
+
+    def chain(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        dist.all_reduce(y)
+        return F.rms_norm(y + r, (hidden,), w, 1e-6)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(chain, backend=tm.post_grad_backend(
+        _fusion_pass(8 if rank == 0 else 16)), fullgraph=True)
+    x, r, w = torch.ones(4, hidden), torch.ones(4, hidden), torch.ones(hidden)
+    with torch.no_grad():
+        got = outcome(lambda: compiled(x, r, w))
+    return {"type": got["type"], "error": got["error"][:400]}
+
+
+def capacities(rank: int, world: int) -> dict[str, Any]:
+    """One chain compiled for 2 tokens with max_token_num=1 (over capacity: runs unfused),
+    then for 3 tokens and for 9 (the op grows): each against the eager chain, and the
+    capacity in use."""
+    from arfuse.compile import runtime
+
+    hidden = 32
+
+    def chain(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = x * (rank + 1)
+        dist.all_reduce(y)
+        h = y + r
+        return F.rms_norm(h, (hidden,), w, 1e-6), h
+
+    found: dict[str, Any] = {}
+    for tokens, limit in ((2, 1), (3, None), (9, None)):
+        generator = torch.Generator().manual_seed(tokens)
+        x, r = (torch.randn(tokens, hidden, generator=generator) for _ in range(2))
+        w = torch.randn(hidden, generator=generator)
+        torch._dynamo.reset()
+        compiled = torch.compile(chain, backend=tm.post_grad_backend(_fusion_pass(limit)),
+                                 fullgraph=True)
+        with torch.no_grad():
+            want, got = chain(x, r, w), compiled(x, r, w)
+        found[f"{tokens}/{limit}"] = {
+            "equal": [bool(torch.allclose(a, b, atol=1e-5)) for a, b in zip(want, got,
+                                                                             strict=True)],
+            "capacity": max(c.capacity for c in runtime._chains.values())}
+    return found

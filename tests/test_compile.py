@@ -1,0 +1,105 @@
+"""The torch.compile pass (``arfuse.compile``): every all-reduce + add + RMSNorm chain of the
+installed transformers' Llama, Qwen2, Qwen3, Mistral and Gemma layers is replaced, 2 ranks
+give the whole model's greedy tokens with bit-identical ranks, and what the pass must leave
+alone stays as it was. Most jobs stop at Inductor's post-grad graph and run it eagerly
+(seconds); one compiles through Inductor's code generation (its C++ build is the slow part)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import arfuse
+
+import ranks_compile
+from harness import run_ranks, values
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+STEPS = 4
+
+
+def _same_on_every_rank(found: list[dict[str, Any]], *keys: str) -> None:
+    for key in keys:
+        assert all(f[key] == found[0][key] for f in found), key
+
+
+def test_every_chain_of_every_architecture_is_fused_and_tokens_match() -> None:
+    found = values(run_ranks(ranks_compile.architectures, 2, 2, STEPS, timeout=400))
+    for arch in ranks_compile.ARCHS:
+        ranks = [f[arch] for f in found]
+        mine = ranks[0]
+        assert sum(mine["fused"].values()) == mine["reduces"] == 4, (arch, mine)
+        assert mine["left"] == {}, (arch, mine)
+        assert mine["calls"] == STEPS * mine["reduces"], (arch, mine)
+        assert mine["backends"] == ["shm"], (arch, mine)
+        assert mine["tokens"] == mine["reference"], (arch, mine)
+        _same_on_every_rank(ranks, "bits", "tokens", "fused")
+    # Gemma 2 norms the sum before the residual add: the fused call without residual
+    assert found[0]["gemma2"]["fused"] == {"RMSNorm": 4}
+    assert found[0]["llama"]["fused"] == {"residual + RMSNorm": 4}
+
+
+def test_forms_the_pass_takes_and_leaves() -> None:
+    found = values(run_ranks(ranks_compile.forms, 1, timeout=300))[0]
+    assert found["llama"]["fused"] == {"residual + RMSNorm": 2}
+    assert found["gemma"]["fused"] == {"residual + RMSNorm": 2}
+    assert found["rms_norm"]["fused"] == {"residual + RMSNorm": 1}
+    assert found["nn.RMSNorm+functional"]["fused"] == {"residual + RMSNorm": 1}
+    for name in ("sum used twice", "no weight", "layer_norm"):
+        assert found[name]["fused"] == {}, (name, found[name])
+        assert sum(found[name]["left"].values()) == 1, (name, found[name])
+    # one process: the plan is unfused, and the chain runs as the graph wrote it
+    for name, seen in found.items():
+        assert seen["equal"], (name, seen)
+
+
+def test_inductor_dynamic_and_graph_break_give_the_whole_models_tokens() -> None:
+    found = values(run_ranks(ranks_compile.inductor, 2, STEPS, timeout=500))
+    mine = found[0]
+    assert mine["reduces"] == 2
+    assert mine["dynamic"]["tokens"] == mine["reference"]
+    assert mine["dynamic"]["calls"] == STEPS * mine["reduces"]
+    assert mine["graph_break"]["tokens"] == mine["reference"][:1]
+    assert mine["graph_break"]["calls"] == mine["reduces"]
+    for key in ("dynamic", "graph_break"):
+        assert all(f[key]["bits"] == mine[key]["bits"] for f in found), key
+    # logged once per graph (an FX graph cache hit compiles nothing, and logs nothing)
+    assert all("2 of 2 all-reduces fused" in line or "run on shm" in line
+               for line in mine["log"]), mine["log"]
+
+
+def test_ranks_with_differently_sized_graphs_fail_together() -> None:
+    found = values(run_ranks(ranks_compile.disagreeing_graphs, 2, timeout=120))
+    assert all(f["type"] == "NegotiationError" for f in found), found
+
+
+def test_capacity_grows_with_the_graphs_and_over_capacity_runs_unfused() -> None:
+    found = values(run_ranks(ranks_compile.capacities, 2, timeout=200))[0]
+    assert found == {"2/1": {"equal": [True, True], "capacity": 1},
+                     "3/None": {"equal": [True, True], "capacity": 3},
+                     "9/None": {"equal": [True, True], "capacity": 9}}
+
+
+def test_entry_points_check_their_arguments() -> None:
+    with pytest.raises(ValueError, match="max_token_num=0"):
+        arfuse.compile_backend(max_token_num=0)
+    with pytest.raises(TypeError, match="max_token_num"):
+        arfuse.compile_backend(max_token_num=True)
+    backend = arfuse.compile_backend()
+    assert callable(backend)
+
+
+def test_without_a_process_group_the_config_is_left_as_it_was() -> None:
+    from torch._inductor import config
+
+    import arfuse.compile
+
+    assert not torch.distributed.is_initialized()
+    before = config.post_grad_custom_pre_pass
+    with arfuse.compile.fusion() as installed:
+        assert installed is before
+    assert config.post_grad_custom_pre_pass is before
