@@ -225,3 +225,23 @@ def capacities(rank: int, world: int) -> dict[str, Any]:
                                                                              strict=True)],
             "capacity": max(c.capacity for c in runtime._chains.values())}
     return found
+
+
+def hf_tp_plan(rank: int, world: int, path: str, steps: int) -> dict[str, Any]:
+    """HF's own tensor parallelism (``tp_plan="auto"``: DTensor weights, its all-reduces
+    traced as Partial -> Replicate) compiled up to the post-grad graph with the pass."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    fusion = _fusion_pass()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=tm.post_grad_backend(fusion), dynamic=True,
+                             fullgraph=True)
+    tokens, logits = tm.greedy(compiled, tm.prompt(), steps)
+    return {"fused": dict(fusion.fused), "left": dict(fusion.left), "tokens": tokens,
+            "reference": _reference("llama", 1, steps), "bits": _bits(logits[-1]),
+            "weights": type(model.model.layers[0].self_attn.o_proj.weight).__name__}

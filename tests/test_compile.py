@@ -28,19 +28,19 @@ def _same_on_every_rank(found: list[dict[str, Any]], *keys: str) -> None:
 
 
 def test_every_chain_of_every_architecture_is_fused_and_tokens_match() -> None:
-    found = values(run_ranks(ranks_compile.architectures, 2, 2, STEPS, timeout=400))
+    found = values(run_ranks(ranks_compile.architectures, 2, 1, STEPS - 1, timeout=400))
     for arch in ranks_compile.ARCHS:
         ranks = [f[arch] for f in found]
         mine = ranks[0]
-        assert sum(mine["fused"].values()) == mine["reduces"] == 4, (arch, mine)
+        assert sum(mine["fused"].values()) == mine["reduces"] == 2, (arch, mine)
         assert mine["left"] == {}, (arch, mine)
-        assert mine["calls"] == STEPS * mine["reduces"], (arch, mine)
+        assert mine["calls"] == (STEPS - 1) * mine["reduces"], (arch, mine)
         assert mine["backends"] == ["shm"], (arch, mine)
         assert mine["tokens"] == mine["reference"], (arch, mine)
         _same_on_every_rank(ranks, "bits", "tokens", "fused")
     # Gemma 2 norms the sum before the residual add: the fused call without residual
-    assert found[0]["gemma2"]["fused"] == {"RMSNorm": 4}
-    assert found[0]["llama"]["fused"] == {"residual + RMSNorm": 4}
+    assert found[0]["gemma2"]["fused"] == {"RMSNorm": 2}
+    assert found[0]["llama"]["fused"] == {"residual + RMSNorm": 2}
 
 
 def test_forms_the_pass_takes_and_leaves() -> None:
@@ -103,3 +103,19 @@ def test_without_a_process_group_the_config_is_left_as_it_was() -> None:
     with arfuse.compile.fusion() as installed:
         assert installed is before
     assert config.post_grad_custom_pre_pass is before
+
+
+def test_hf_tensor_parallel_plan_is_fused(tmp_path: Any) -> None:
+    """``from_pretrained(..., tp_plan="auto")`` runs on CPU over gloo (it needs accelerate):
+    its two row-parallel all-reduces per layer and the vocabulary-parallel embedding's."""
+    pytest.importorskip("accelerate")
+    import tp_models as tm
+
+    tm.tiny_model("llama", 1).save_pretrained(tmp_path)
+    found = values(run_ranks(ranks_compile.hf_tp_plan, 2, str(tmp_path), STEPS, timeout=300))
+    mine = found[0]
+    assert mine["weights"] == "DTensor"
+    assert mine["fused"] == {"residual + RMSNorm": 2, "RMSNorm": 1}, mine
+    assert mine["left"] == {}
+    assert mine["tokens"] == mine["reference"]
+    _same_on_every_rank(found, "bits", "tokens")
