@@ -37,27 +37,29 @@ def _reference(arch: str, layers: int, steps: int) -> list[int]:
 
 
 def architectures(rank: int, world: int, layers: int, steps: int) -> dict[str, Any]:
-    """Each architecture split over the ranks, compiled (dynamic) up to the post-grad graph
-    with the pass: what it replaced, the fused calls made, the greedy tokens against the
-    whole model's, and the last logits' bits."""
+    """Each architecture split over the ranks, compiled (static shapes, one graph) up to the
+    post-grad graph with the pass: what it replaced, the fused calls made, the greedy tokens
+    it predicts against the whole model's (``tm.teacher_forced``: one graph for every step),
+    and the last logits' bits, the same in both calls."""
     from arfuse.compile import runtime
 
     found: dict[str, Any] = {}
     for arch in ARCHS:
+        reference = _reference(arch, layers, steps)
         model = tm.tiny_model(arch, layers)
         reduces = tm.shard(model, rank, world)
         fusion = _fusion_pass()
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend=tm.post_grad_backend(fusion), dynamic=True,
-                                 fullgraph=True)
+        compiled = torch.compile(model, backend=tm.post_grad_backend(fusion), fullgraph=True)
         before = tm.fused_calls()
-        tokens, logits = tm.greedy(compiled, tm.prompt(), steps)
+        tokens, logits = tm.teacher_forced(compiled, tm.prompt(), reference)
+        again = tm.teacher_forced(compiled, tm.prompt(), reference)[1]
         backends = sorted({c.comm.backend if c.comm else "unfused"
                            for c in runtime._chains.values()})
         found[arch] = {"reduces": reduces, "fused": dict(fusion.fused),
                        "left": dict(fusion.left), "calls": tm.fused_calls() - before,
-                       "tokens": tokens, "reference": _reference(arch, layers, steps),
-                       "bits": _bits(logits[-1]), "backends": backends}
+                       "tokens": tokens, "reference": reference, "bits": _bits(logits[-1]),
+                       "again": _bits(again[-1]) == _bits(logits[-1]), "backends": backends}
     return found
 
 
@@ -138,9 +140,9 @@ def _chains() -> dict[str, tuple[Any, tuple[torch.Tensor, ...]]]:
 
 def inductor(rank: int, world: int, steps: int) -> dict[str, Any]:
     """Llama split over the ranks through arfuse.compile_backend (Inductor's code
-    generation): dynamic shapes and one graph, then static shapes with a graph break (in the
-    rotary embedding, before the layers); the fused calls, the greedy tokens, the logits'
-    bits and the log."""
+    generation), with dynamic shapes and a graph break (in the rotary embedding, before the
+    layers): the fused calls of ``steps`` greedy steps, the tokens, the logits' bits and the
+    log. (One graph and fullgraph=True: ``architectures``.)"""
     import arfuse
 
     records: list[str] = []
@@ -150,14 +152,6 @@ def inductor(rank: int, world: int, steps: int) -> dict[str, Any]:
     logging.getLogger("arfuse").setLevel(logging.INFO)
     model = tm.tiny_model("llama", 1)
     reduces = tm.shard(model, rank, world)
-    found: dict[str, Any] = {"reduces": reduces, "reference": _reference("llama", 1, steps)}
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=arfuse.compile_backend(), dynamic=True,
-                             fullgraph=True)
-    before = tm.fused_calls()
-    tokens, logits = tm.greedy(compiled, tm.prompt(), steps)
-    found["dynamic"] = {"tokens": tokens, "bits": _bits(logits[-1]),
-                        "calls": tm.fused_calls() - before}
     rotary = model.model.rotary_emb
     forward = rotary.forward
 
@@ -167,13 +161,13 @@ def inductor(rank: int, world: int, steps: int) -> dict[str, Any]:
 
     rotary.forward = broken
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=arfuse.compile_backend())
+    compiled = torch.compile(model, backend=arfuse.compile_backend(), dynamic=True)
     before = tm.fused_calls()
-    tokens, logits = tm.greedy(compiled, tm.prompt(), 1)
-    found["graph_break"] = {"tokens": tokens, "bits": _bits(logits[-1]),
-                            "calls": tm.fused_calls() - before}
-    found["log"] = [r for r in records if r.startswith("arfuse compile")]
-    return found
+    tokens, logits = tm.greedy(compiled, tm.prompt(), steps)
+    return {"reduces": reduces, "reference": _reference("llama", 1, steps), "tokens": tokens,
+            "bits": _bits(logits[-1]), "calls": tm.fused_calls() - before,
+            "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+            "log": [r for r in records if r.startswith("arfuse compile")]}
 
 
 def disagreeing_graphs(rank: int, world: int) -> dict[str, str]:
@@ -237,11 +231,11 @@ def hf_tp_plan(rank: int, world: int, path: str, steps: int) -> dict[str, Any]:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    reference = _reference("llama", 1, steps)
     fusion = _fusion_pass()
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=tm.post_grad_backend(fusion), dynamic=True,
-                             fullgraph=True)
-    tokens, logits = tm.greedy(compiled, tm.prompt(), steps)
+    compiled = torch.compile(model, backend=tm.post_grad_backend(fusion), fullgraph=True)
+    tokens, logits = tm.teacher_forced(compiled, tm.prompt(), reference)
     return {"fused": dict(fusion.fused), "left": dict(fusion.left), "tokens": tokens,
-            "reference": _reference("llama", 1, steps), "bits": _bits(logits[-1]),
+            "reference": reference, "bits": _bits(logits[-1]),
             "weights": type(model.model.layers[0].self_attn.o_proj.weight).__name__}

@@ -28,15 +28,17 @@ def _same_on_every_rank(found: list[dict[str, Any]], *keys: str) -> None:
 
 
 def test_every_chain_of_every_architecture_is_fused_and_tokens_match() -> None:
-    found = values(run_ranks(ranks_compile.architectures, 2, 1, STEPS - 1, timeout=400))
+    found = values(run_ranks(ranks_compile.architectures, 2, 1, STEPS, timeout=300))
     for arch in ranks_compile.ARCHS:
         ranks = [f[arch] for f in found]
         mine = ranks[0]
         assert sum(mine["fused"].values()) == mine["reduces"] == 2, (arch, mine)
         assert mine["left"] == {}, (arch, mine)
-        assert mine["calls"] == (STEPS - 1) * mine["reduces"], (arch, mine)
+        assert mine["calls"] == 2 * mine["reduces"], (arch, mine)
+        assert mine["again"], (arch, mine)
         assert mine["backends"] == ["shm"], (arch, mine)
         assert mine["tokens"] == mine["reference"], (arch, mine)
+        assert len(mine["tokens"]) == STEPS, (arch, mine)
         _same_on_every_rank(ranks, "bits", "tokens", "fused")
     # Gemma 2 norms the sum before the residual add: the fused call without residual
     assert found[0]["gemma2"]["fused"] == {"RMSNorm": 2}
@@ -58,15 +60,13 @@ def test_forms_the_pass_takes_and_leaves() -> None:
 
 
 def test_inductor_dynamic_and_graph_break_give_the_whole_models_tokens() -> None:
-    found = values(run_ranks(ranks_compile.inductor, 2, STEPS, timeout=500))
+    found = values(run_ranks(ranks_compile.inductor, 2, STEPS, timeout=400))
     mine = found[0]
     assert mine["reduces"] == 2
-    assert mine["dynamic"]["tokens"] == mine["reference"]
-    assert mine["dynamic"]["calls"] == STEPS * mine["reduces"]
-    assert mine["graph_break"]["tokens"] == mine["reference"][:1]
-    assert mine["graph_break"]["calls"] == mine["reduces"]
-    for key in ("dynamic", "graph_break"):
-        assert all(f[key]["bits"] == mine[key]["bits"] for f in found), key
+    assert mine["graphs"] >= 2, mine  # the graph break split the model
+    assert mine["tokens"] == mine["reference"]
+    assert mine["calls"] == STEPS * mine["reduces"]
+    assert all(f["bits"] == mine["bits"] for f in found)
     # logged once per graph (an FX graph cache hit compiles nothing, and logs nothing)
     assert all("2 of 2 all-reduces fused" in line or "run on shm" in line
                for line in mine["log"]), mine["log"]

@@ -102,6 +102,18 @@ def greedy(model: Callable[..., Any], ids: torch.Tensor,
     return tokens, logits
 
 
+@torch.no_grad()
+def teacher_forced(model: Callable[..., Any], ids: torch.Tensor,
+                   tokens: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """The token ``model`` picks after ``ids`` and each prefix of ``tokens``, and its logits,
+    from one forward of the whole sequence: a causal model's position ``p`` sees the tokens
+    up to ``p`` only, so the picks equal ``tokens`` exactly when greedy decoding with
+    ``model`` gives ``tokens``, and one static-shape graph serves every step."""
+    sequence = torch.cat([ids, torch.tensor([tokens[:-1]], dtype=ids.dtype)], dim=1)
+    logits = model(input_ids=sequence, use_cache=False).logits[0, ids.shape[1] - 1:]
+    return [int(t) for t in logits.argmax(-1)], [row.clone() for row in logits]
+
+
 def post_grad_backend(fusion_pass: Any) -> Callable[..., Any]:
     """A torch.compile backend: Inductor up to its post-grad passes, where it runs
     ``fusion_pass`` (as Inductor's ``post_grad_custom_pre_pass`` would see the graph: after
