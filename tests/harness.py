@@ -18,7 +18,10 @@ from typing import Any
 from arfuse.launch import store_listener
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "arfuse"])
+# imported once per test process instead of once per rank; a module that is not installed
+# is skipped (the forkserver ignores a failed preload)
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "arfuse", "torch._dynamo",
+                             "torch._inductor.compile_fx", "transformers"])
 
 
 @dataclass
