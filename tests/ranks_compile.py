@@ -266,3 +266,76 @@ def hf_tp_plan(rank: int, world: int, path: str, steps: int) -> dict[str, Any]:
     return {"fused": dict(fusion.fused), "left": dict(fusion.left), "tokens": tokens,
             "reference": reference, "bits": _bits(logits[-1]),
             "weights": type(model.model.layers[0].self_attn.o_proj.weight).__name__}
+
+
+def _fp8_chains(rank: int) -> dict[str, tuple[Any, tuple[torch.Tensor, ...]]]:
+    """Chains ending in static FP8 quantisation: name -> (fn(x, residual, weight, scale),
+    inputs). vLLM's torch form (``* scale.reciprocal()``) after HF's fp32 norm and after
+    ``F.rms_norm`` in bf16, without a residual, and the division form the pass leaves."""
+    hidden = 32
+
+    def quant(n: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (n.to(torch.float32) * scale.reciprocal()).clamp(-448.0, 448.0) \
+            .to(torch.float8_e4m3fn)
+
+    def hf_norm(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        c = h.to(torch.float32)
+        c = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return w * c.to(h.dtype)
+
+    def hf(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
+           s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = x * (rank + 1)
+        dist.all_reduce(y)
+        h = r + y
+        return quant(hf_norm(h, w), s), h
+
+    def rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
+                 s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = x * (rank + 1)
+        dist.all_reduce(y)
+        h = y + r
+        n = F.rms_norm(h, (hidden,), w, 1e-5)
+        return quant(n, s), n, h
+
+    def no_residual(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
+                    s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = x * (rank + 1)
+        dist.all_reduce(y)
+        return (quant(hf_norm(y, w), s),)
+
+    def division(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
+                 s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = x * (rank + 1)
+        dist.all_reduce(y)
+        h = y + r
+        n = hf_norm(h, w)
+        return (n.to(torch.float32) / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), h
+
+    generator = torch.Generator().manual_seed(5)
+    args = tuple(torch.randn(shape, generator=generator) * 4
+                 for shape in ((7, hidden), (7, hidden), (hidden,)))
+    scale = torch.tensor([0.02])  # small: some codes saturate at 448
+    bf16 = tuple(a.to(torch.bfloat16) for a in args)
+    return {name: (fn, (*inputs, scale)) for name, fn, inputs in (
+        ("hf", hf, args), ("rms_norm bf16", rms_norm, bf16),
+        ("no residual", no_residual, args), ("division", division, args))}
+
+
+def fp8(rank: int, world: int) -> dict[str, Any]:
+    """Each FP8 chain compiled with the pass against the same graph without it (both up to
+    the post-grad graph, then eagerly): what was replaced, and whether every output is the
+    same to the bit (the fp8 codes compared as bytes)."""
+    found: dict[str, Any] = {}
+    for name, (fn, args) in _fp8_chains(rank).items():
+        fusion = _fusion_pass()
+        results = []
+        for backend in (tm.post_grad_backend(None), tm.post_grad_backend(fusion)):
+            torch._dynamo.reset()
+            with torch.no_grad():
+                results.append(torch.compile(fn, backend=backend, fullgraph=True)(*args))
+        want, got = results
+        found[name] = {"fused": dict(fusion.fused), "left": dict(fusion.left), "equal": all(
+            a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for a, b in zip(want, got, strict=True))}
+    return found

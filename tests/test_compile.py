@@ -72,6 +72,19 @@ def test_inductor_dynamic_and_graph_break_give_the_whole_models_tokens() -> None
                for line in mine["log"]), mine["log"]
 
 
+def test_static_fp8_after_the_norm_is_fused_bit_for_bit() -> None:
+    found = values(run_ranks(ranks_compile.fp8, 2, timeout=200))
+    mine = found[0]
+    assert mine["hf"]["fused"] == {"residual + RMSNorm + FP8": 1}, mine
+    assert mine["rms_norm bf16"]["fused"] == {"residual + RMSNorm + FP8": 1}, mine
+    assert mine["no residual"]["fused"] == {"RMSNorm + FP8": 1}, mine
+    # x / scale rounds otherwise than arfuse's x * (1 / scale): the chain without the quant
+    assert mine["division"]["fused"] == {"residual + RMSNorm": 1}, mine
+    for name, seen in mine.items():
+        assert seen["left"] == {} and seen["equal"], (name, seen)
+    assert found[1] == mine
+
+
 def test_ranks_with_differently_sized_graphs_fail_together() -> None:
     found = values(run_ranks(ranks_compile.disagreeing_graphs, 2, timeout=120))
     assert all(f["type"] == "NegotiationError" for f in found), found

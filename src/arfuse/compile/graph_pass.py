@@ -7,7 +7,9 @@ group_name))``; the pattern matcher finds that pair, and the handler looks after
 * ``h = sum + residual`` (either order; ``sum`` used by nothing else), then an RMSNorm of
   ``h`` (``match.find_norm``): the fused call's ``out`` replaces the norm's output and its
   ``residual_out`` replaces ``h``;
-* or an RMSNorm of the sum itself: ``residual_out`` (the sum) replaces the sum's other uses.
+* or an RMSNorm of the sum itself: ``residual_out`` (the sum) replaces the sum's other uses;
+* either, when static FP8 quantisation of the norm's output follows (``match.find_fp8``),
+  with the quantisation: the fused call's ``quant_out`` replaces the fp8 tensor.
 
 Chains of other groups, other reductions, sums used elsewhere, norms ``find_norm`` does not
 know and weights computed after the chain starts are left as they are; each graph's count of
@@ -113,12 +115,16 @@ class FusionPass(CustomGraphPass):
         if norm is None:
             seen.left["no RMSNorm after it"] += 1
             return
+        fp8 = match.find_fp8(norm.output)
         inputs = [norm.weight] + ([norm.eps] if isinstance(norm.eps, Node) else [])
+        if fp8 is not None and seen.order.get(fp8.scale, len(seen.order)) > seen.order[h]:
+            fp8 = None  # a scale computed after the chain starts: fuse the chain without it
         if any(seen.order.get(node, len(seen.order)) > seen.order[h] for node in inputs):
             seen.left["weight computed after the sum"] += 1
             return
-        _rewrite(wait.graph, wait, x, residual, h, norm, self._capacity(x))
-        seen.replaced["residual + RMSNorm" if residual is not None else "RMSNorm"] += 1
+        _rewrite(wait.graph, wait, x, residual, h, norm, fp8, self._capacity(x))
+        seen.replaced[("residual + RMSNorm" if residual is not None else "RMSNorm")
+                      + (" + FP8" if fp8 is not None else "")] += 1
 
     def _why_not(self, wait: Node, group_name: str) -> str:
         if group_name != self.group_name:
@@ -160,24 +166,30 @@ def _residual_add(wait: Node) -> tuple[Node | None, Node]:
 
 
 def _rewrite(graph: Graph, wait: Node, x: Node, residual: Node | None, h: Node,
-             norm: match.Norm, capacity: int) -> None:
-    """Put one fused call before ``h``; its outputs take the norm's and ``h``'s uses."""
-    op = runtime.register()
+             norm: match.Norm, fp8: match.Fp8 | None, capacity: int) -> None:
+    """Put one fused call before ``h``; its outputs take the uses of the norm's output, of
+    ``h`` and (with ``fp8``) of the quantised output."""
     reduce = wait.args[0]
     assert isinstance(reduce, Node)
     group_name = reduce.args[2]
     with graph.inserting_before(h):
         eps, eps_input = (0.0, norm.eps) if isinstance(norm.eps, Node) else (norm.eps, None)
-        fused = graph.call_function(op, (x, residual, norm.weight, eps, norm.weight_bias,
-                                         group_name, capacity, norm.form, eps_input))
-        out = graph.call_function(operator.getitem, (fused, 0))
-        residual_out = graph.call_function(operator.getitem, (fused, 1))
-    fused.meta["val"] = (match.val(norm.output), match.val(h))
-    out.meta.update(norm.output.meta)
-    residual_out.meta.update(h.meta)
-    norm.output.replace_all_uses_with(out)
-    h.replace_all_uses_with(residual_out)
-    for node in (*reversed(norm.nodes), h, wait, reduce):
+        args = (x, residual, norm.weight, eps, norm.weight_bias, group_name, capacity,
+                norm.form)
+        if fp8 is None:
+            fused = graph.call_function(runtime.register(), (*args, eps_input))
+        else:
+            fused = graph.call_function(runtime.register(runtime.FP8), (*args, fp8.scale,
+                                                                        eps_input))
+        outputs = [graph.call_function(operator.getitem, (fused, i))
+                   for i in range(2 if fp8 is None else 3)]
+    replaced = [norm.output, h] + ([fp8.output] if fp8 is not None else [])
+    fused.meta["val"] = tuple(match.val(node) for node in replaced)
+    for output, old in zip(outputs, replaced, strict=True):
+        output.meta.update(old.meta)
+        old.replace_all_uses_with(output)
+    quant_nodes = fp8.nodes if fp8 is not None else ()
+    for node in (*reversed(quant_nodes), *reversed(norm.nodes), h, wait, reduce):
         if not node.users and not node._erased:
             graph.erase_node(node)
 

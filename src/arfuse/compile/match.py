@@ -10,6 +10,15 @@ hand-written norms of HF's modelling code all arrive decomposed. From the norm's
         W = w | convert(w, float32) | add(w | convert(w, float32), 1.0)   (Gemma: weight_bias=1)
     "weight in T" (Llama, Qwen, Mistral):             out = mul(convert(n, T), w)
 
+Then, optionally, static FP8 quantisation of ``out`` as vLLM's ``QuantFP8`` writes it in torch
+(the per-tensor form its all-reduce fusion matches, ``find_fp8``):
+
+    q = convert(clamp(mul(convert(out, float32), reciprocal(scale)), -448, 448), float8_e4m3fn)
+
+(``clamp`` as ``clamp_min``/``clamp_max`` in either order or one ``clamp``; ``scale`` a
+one-element fp32 tensor: the dequantisation scale). That is arfuse's ``quant="fp8"`` to the
+bit. ``out / scale`` rounds differently from ``out * (1 / scale)`` and is left alone.
+
 With ``T`` float32 the converts vanish and both forms read ``mul(n, w)``. The first form is
 arfuse's epilogue to the bit; the second rounds once more (to ``T`` before the weight), which
 arfuse does not: with ``T`` bf16 or fp16 the fused output may differ from the graph's in the
@@ -25,6 +34,8 @@ from typing import Any
 
 import torch
 from torch.fx import Node
+
+from ..quant import FP8_MAX
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -48,6 +59,16 @@ class Norm:
     weight_bias: float
     form: int
     nodes: tuple[Node, ...]  # every node of the norm after h, in graph order
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """Static FP8 quantisation of a norm's output: the fp8 node, the scale node, and every
+    node of it after the output (``reciprocal`` included, if nothing else uses it)."""
+
+    output: Node
+    scale: Node
+    nodes: tuple[Node, ...]
 
 
 def val(node: Any) -> Any:
@@ -233,3 +254,56 @@ def _weighted(n: Node, dtype: torch.dtype,
 
 def _fits(weight: Node, hidden: Any) -> bool:
     return bool(val(weight).shape[0] == hidden)
+
+
+_CLAMPS = (aten.clamp_min.default, aten.clamp_max.default, aten.clamp.default)
+
+
+def _clamped(node: Node) -> Node | None:
+    """The end of ``clamp(node, -448, 448)`` (one ``clamp`` or ``clamp_min`` and
+    ``clamp_max`` in either order), ``None`` when it is not that."""
+    low = high = None
+    for _ in range(2):
+        user = _only_user(node)
+        if user is None or not _is(user, _CLAMPS) or user.args[0] is not node:
+            return None
+        if user.target == aten.clamp.default:
+            low, high = constant(user.args[1]), constant(user.args[2]) if len(
+                user.args) > 2 else None
+        elif user.target == aten.clamp_min.default:
+            low = constant(user.args[1])
+        else:
+            high = constant(user.args[1])
+        node = user
+        if low is not None and high is not None:
+            break
+    return node if (low, high) == (-FP8_MAX, FP8_MAX) else None
+
+
+def find_fp8(out: Node) -> Fp8 | None:
+    """Static FP8 quantisation of ``out`` (the module docstring's form), if the graph has it."""
+    c = out if val(out).dtype == torch.float32 else next(
+        (u for u in _users(out, (prims.convert_element_type.default,))
+         if u.args[1] == torch.float32), None)
+    if c is None:
+        return None
+    for product in _users(c, (aten.mul.Tensor,)):
+        inverse = _other(product, c)
+        if not _is(inverse, (aten.reciprocal.default,)):
+            continue
+        scale = inverse.args[0]
+        held = val(scale)
+        if not isinstance(scale, Node) or held is None or held.numel() != 1 \
+                or held.dtype != torch.float32:
+            continue
+        clamped = _clamped(product)
+        q = _only_user(clamped) if clamped is not None else None
+        if q is None or _convert_to(q, torch.float8_e4m3fn) is not clamped:
+            continue
+        nodes = [c] if c is not out else []
+        nodes += [inverse] if len(inverse.users) == 1 else []
+        chain = [product]
+        while chain[-1] is not clamped:
+            chain.append(next(iter(chain[-1].users)))
+        return Fp8(q, scale, (*nodes, *chain, q))
+    return None

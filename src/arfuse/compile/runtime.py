@@ -1,13 +1,16 @@
 """The torch operator a compiled graph calls in place of all-reduce + add + RMSNorm.
 
 ``torch.ops.arfuse.compiled_fused_allreduce(x, residual, weight, eps, weight_bias, group_name,
-capacity, form) -> (out, residual_out)``, both shaped as ``x``. At its first call for a
+capacity, form) -> (out, residual_out)``, both shaped as ``x``, and
+``compiled_fused_allreduce_fp8(..., scale) -> (out, residual_out, quant_out)`` for a chain that
+ends in static FP8 quantisation. At its first call for a
 (group, dtype, hidden size, device) it creates, on every rank (collectively, as every
 ``FusedAllReduce``), the op that serves every chain of that key, sized to ``capacity``; a
 later graph that needs more capacity replaces it (the same on every rank: ranks run the same
 graphs in the same order, and ranks that do not disagree in negotiation, which fails on every
 rank). When the group's plan is unfused the operator runs the chain the graph had, in eager
-torch: the group's all-reduce, the add and the norm in its ``form`` (``match``).
+torch: the graph's own all-reduce op, the add, the norm in its ``form`` (``match``) and the
+quantisation.
 
 The hot path is a dict look-up and ``FusedAllReduce.__call__`` (the shm kernel's own entry).
 """
@@ -22,12 +25,18 @@ import torch
 
 from .. import log
 from ..ops import FusedAllReduce
+from ..quant import FP8_MAX
 from . import match
 
 OP_NAME = "compiled_fused_allreduce"
-_SCHEMA = (f"{OP_NAME}(Tensor x, Tensor? residual, Tensor weight, float eps, "
-           "float weight_bias, str group_name, int capacity, int form, Tensor? eps_input=None) "
-           "-> (Tensor, Tensor)")
+FP8 = "compiled_fused_allreduce_fp8"
+_ARGS = ("Tensor x, Tensor? residual, Tensor weight, float eps, float weight_bias, "
+         "str group_name, int capacity, int form")
+_SCHEMAS = {
+    OP_NAME: f"{OP_NAME}({_ARGS}, Tensor? eps_input=None) -> (Tensor, Tensor)",
+    # static FP8 after the norm: also the e4m3 codes of out / scale (scale: one fp32 element)
+    FP8: f"{FP8}({_ARGS}, Tensor scale, Tensor? eps_input=None) -> (Tensor, Tensor, Tensor)",
+}
 
 _lock = threading.Lock()
 _library: list[Any] = []  # the torch.library.Library that holds the operator's definition
@@ -58,26 +67,41 @@ class _Chains:
             self.comm = None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, weight_bias: float, form: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, weight_bias: float, form: int,
+                 scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         self.calls += 1
         comm = self.comm
         if comm is None:
-            return self._unfused(x, residual, weight, eps, weight_bias, form)
+            return self._unfused(x, residual, weight, eps, weight_bias, form, scale)
         shape = x.shape
         hidden = shape[-1]
         flat = x.reshape(-1, hidden).contiguous()
         if residual is not None:
             residual = residual.reshape(-1, hidden).contiguous()
-        result = comm(flat, residual, weight, eps, weight_bias)
+        if scale is None:
+            result = comm(flat, residual, weight, eps, weight_bias)
+        else:
+            result = comm(flat, residual, weight, eps, weight_bias, quant="fp8", scale=scale)
         assert result.residual_out is not None
-        return result.out.view(shape), result.residual_out.view(shape)
+        outputs = (result.out.view(shape), result.residual_out.view(shape))
+        if scale is None:
+            return outputs
+        assert result.quant_out is not None
+        return (*outputs, result.quant_out.view(shape))
 
     def _unfused(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, weight_bias: float, form: int) -> tuple[torch.Tensor, torch.Tensor]:
-        summed = x.clone()
-        torch.distributed.all_reduce(summed, group=self.group)
-        h = summed if residual is None else residual + summed
-        return eager_norm(h, weight, eps, weight_bias, form), h
+                 eps: float, weight_bias: float, form: int,
+                 scale: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """The chain as the graph had it, op for op in eager aten: the same functional
+        collective, the add, the norm in its form, the quantisation."""
+        c10d = torch.ops._c10d_functional
+        summed = c10d.wait_tensor(c10d.all_reduce(x, "sum", self.group.group_name))
+        h = summed if residual is None else summed + residual
+        out = eager_norm(h, weight, eps, weight_bias, form)
+        if scale is None:
+            return out, h
+        codes = (out.float() * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX)
+        return out, h, codes.to(torch.float8_e4m3fn)
 
     def close(self) -> None:
         if self.comm is not None:
@@ -102,14 +126,23 @@ _chains: dict[tuple[str, torch.dtype, int, torch.device], _Chains] = {}
 
 def _run(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
          weight_bias: float, group_name: str, capacity: int, form: int,
-         eps_input: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         eps_input: torch.Tensor | None = None,
+         scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     if eps_input is not None:  # a graph input (dynamic shapes), read as the graph did: fp32
         eps = float(eps_input.to(torch.float32))
     key = (group_name, x.dtype, x.shape[-1], x.device)
     chains = _chains.get(key)
     if chains is None or chains.capacity < capacity:
         chains = _open(key, x, capacity)
-    return chains(x, residual, weight, eps, weight_bias, form)
+    return chains(x, residual, weight, eps, weight_bias, form, scale)
+
+
+def _run_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+             eps: float, weight_bias: float, group_name: str, capacity: int, form: int,
+             scale: torch.Tensor,
+             eps_input: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    return _run(x, residual, weight, eps, weight_bias, group_name, capacity, form, eps_input,
+                scale)
 
 
 def _open(key: tuple[str, torch.dtype, int, torch.device], x: torch.Tensor,
@@ -127,23 +160,27 @@ def _open(key: tuple[str, torch.dtype, int, torch.device], x: torch.Tensor,
         return chains
 
 
-def _fake(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-          weight_bias: float, group_name: str, capacity: int, form: int,
-          eps_input: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), torch.empty_like(x)
 
 
-def register() -> Any:
-    """Define the operator (once per process) and return it."""
+def _fake_fp8(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    return (torch.empty_like(x), torch.empty_like(x),
+            torch.empty_like(x, dtype=torch.float8_e4m3fn))
+
+
+def register(name: str = OP_NAME) -> Any:
+    """Define the operators (once per process) and return ``name``'s."""
     with _lock:
         if not _library:
             library: Any = torch.library.Library  # untyped in torch's stubs
             library = library("arfuse", "FRAGMENT")
-            library.define(_SCHEMA)
-            library.impl(OP_NAME, _run, "CompositeExplicitAutograd")
-            torch.library.register_fake(f"arfuse::{OP_NAME}", _fake, lib=library)
+            for op, run, fake in ((OP_NAME, _run, _fake), (FP8, _run_fp8, _fake_fp8)):
+                library.define(_SCHEMAS[op])
+                library.impl(op, run, "CompositeExplicitAutograd")
+                torch.library.register_fake(f"arfuse::{op}", fake, lib=library)
             _library.append(library)
-    return getattr(torch.ops.arfuse, OP_NAME).default
+    return getattr(torch.ops.arfuse, name).default
 
 
 def close_all() -> None:
