@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import ctables
 from .pattern import Pattern
 from .spec import check_layout, nvfp4_problem, parse_quant
+
+if TYPE_CHECKING:
+    from .moe import ExpertStep
 
 # the kernel's limits (csrc/call_limits.h), so its fast path refuses exactly these values too
 FP32_MAX = ctables.float_constant("call_limits.h", "kFp32Max")
@@ -46,6 +49,9 @@ class CallArgs:
     out: torch.Tensor | None = None
     residual_out: torch.Tensor | None = None
     op: int = 0  # the op making the call, numbered alike on every rank (its signature names it)
+    # A MoE call: its expert step, which the backend runs into x (the op's input buffer)
+    # before the all-reduce; x then holds this rank's rows.
+    moe: ExpertStep | None = None
 
     @property
     def tokens(self) -> int:
@@ -54,11 +60,20 @@ class CallArgs:
     @property
     def pattern(self) -> Pattern:
         return Pattern.of_call(self.weight is not None, self.residual is not None, self.quant,
-                               self.layout)
+                               self.layout,
+                               "all_reduce" if self.moe is None else self.moe.reduction)
+
+    @property
+    def moe_word(self) -> int:
+        """What a MoE call adds to its signature's word 0 (0 for the other calls)."""
+        return 0 if self.moe is None else self.moe.signature_bits()
 
     def without_quant(self) -> CallArgs:
-        return CallArgs(self.x, self.residual, self.weight, self.eps, self.weight_bias, None,
-                        None, self.layout, self.out, self.residual_out, self.op)
+        return replace(self, quant=None, scale=None)
+
+    def without_moe(self) -> CallArgs:
+        """The all-reduce call that follows the expert step, once x holds its rows."""
+        return replace(self, moe=None)
 
 
 def real_number(value: Any, name: str) -> float:

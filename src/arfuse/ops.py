@@ -9,12 +9,15 @@ counted in ``stats()``.
 
 from __future__ import annotations
 
+import contextlib
 import struct
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from . import catalog, collective, faults, log
+from . import catalog, collective, faults, log, moe
 from . import settings as settings_mod
 from .backends.base import Workspace
 from .call_checks import CallArgs, OpShape, check_call
@@ -161,16 +164,62 @@ class FusedAllReduce:
         return self._call(x, residual, weight, eps, weight_bias, quant, scale, layout, out,
                           residual_out)
 
-    def _call(self, x: Any, residual: Any, weight: Any, eps: Any, weight_bias: Any,
-              quant: Any, scale: Any, layout: Any, out: Any, residual_out: Any) -> FusedOutput:
-        """Checked Python path: every error names its argument; over capacity runs unfused."""
+    def moe_finalize(self, expanded: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor,
+                     expert_scales: torch.Tensor, *, residual: torch.Tensor | None = None,
+                     weight: torch.Tensor | None = None, eps: float = 1e-6,
+                     weight_bias: float = 0.0,
+                     shared_expert_output: torch.Tensor | None = None,
+                     routed_scaling_factor: float = 1.0, quant: str | None = None,
+                     scale: float | torch.Tensor | None = None,
+                     layout: str = "swizzled_128x4", out: torch.Tensor | None = None,
+                     residual_out: torch.Tensor | None = None) -> FusedOutput:
+        """The MoE finalize, then the all-reduce pattern of the other keywords (as
+        ``__call__``'s), in one call (docs/design.md 3.12): each rank's rows are
+        ``(sum_k expert_scales[t,k] * expanded[index[t,k]]) * routed_scaling_factor
+        + shared_expert_output[t]`` (an index of -1: none), computed in fp32. ``expanded``:
+        ``[P, hidden]`` (the permuted expert outputs); the index: int32 ``[tokens, top_k]``;
+        ``expert_scales``: ``[tokens, top_k]``, fp32 or the activation dtype."""
+        self._open()
+        step = moe.check_finalize(self._shape, expanded, expanded_idx_to_permuted_idx,
+                                  expert_scales, shared_expert_output, routed_scaling_factor)
+        return self._call(self.input_buffer(step.tokens), residual, weight, eps, weight_bias,
+                          quant, scale, layout, out, residual_out, step)
+
+    def moe_reduce(self, active_experts_token_input: torch.Tensor, scale_input: torch.Tensor,
+                   token_input: torch.Tensor, *, residual: torch.Tensor | None = None,
+                   weight: torch.Tensor | None = None, eps: float = 1e-6,
+                   weight_bias: float = 0.0, quant: str | None = None,
+                   scale: float | torch.Tensor | None = None, layout: str = "swizzled_128x4",
+                   out: torch.Tensor | None = None,
+                   residual_out: torch.Tensor | None = None) -> FusedOutput:
+        """The MoE expert reduction, then the all-reduce pattern (docs/design.md 3.12): each
+        rank's rows are ``sum_e scale_input[e,t] * active_experts_token_input[e,t]
+        + token_input[t]`` in fp32; the inputs are expert-major: ``[experts, tokens, hidden]``
+        and ``[experts, tokens]``."""
+        self._open()
+        step = moe.check_reduce(self._shape, active_experts_token_input, scale_input,
+                                token_input)
+        return self._call(self.input_buffer(step.tokens), residual, weight, eps, weight_bias,
+                          quant, scale, layout, out, residual_out, step)
+
+    def _open(self) -> Workspace:
         ws = self._ws
         if ws is None or ws.destroyed:
             raise RuntimeError("this FusedAllReduce is closed (close() or destroy_all())")
+        return ws
+
+    def _call(self, x: Any, residual: Any, weight: Any, eps: Any, weight_bias: Any,
+              quant: Any, scale: Any, layout: Any, out: Any, residual_out: Any,
+              experts: moe.ExpertStep | None = None) -> FusedOutput:
+        """Checked Python path: every error names its argument; over capacity runs unfused."""
+        ws = self._open()
         shared = ws.shared_span()
         slot = ws.input_slot_start() if shared is not None else None
         call = check_call(self._shape, x, residual, weight, eps, weight_bias, quant, scale,
                           layout, out, residual_out, shared, slot, self._op)
+        if experts is not None:
+            moe.check_not_shared(experts, shared)
+            call = replace(call, moe=experts)
         if self._broken:
             raise WorkspaceBroken.after("arfuse", self._broken, group_out_of_step=True)
         if self._check_residual:
@@ -188,7 +237,15 @@ class FusedAllReduce:
             ws = self._unfused_workspace()
         elif ws.descriptor.fused:
             self._fused_calls += 1
-        return run_on(ws, call, self._takes(ws, call.pattern))
+        try:
+            return run_on(ws, call, lambda pattern: self._takes(ws, pattern))
+        except moe.RefusedStep:
+            # the peers are in this call already: meet them with a signature no valid call
+            # has, so each raises MismatchedCall now instead of waiting for this rank
+            if call.moe is not None:
+                with contextlib.suppress(MismatchedCall):
+                    ws.announce(replace(call, moe=replace(call.moe, refused=True)))
+            raise
 
     def _takes(self, ws: Workspace, pattern: Pattern) -> bool:
         """Whether ``ws`` runs ``pattern`` whole on this group: decided per pattern a call
@@ -231,10 +288,14 @@ class FusedAllReduce:
         return f"FusedAllReduce({state})"
 
 
-def run_on(ws: Workspace, call: CallArgs, whole: bool) -> FusedOutput:
-    """``call`` on ``ws``: whole when ``ws`` takes its pattern whole, else without its
-    quantisation, which then runs as a step of its own (the same bytes)."""
-    if call.quant is None or whole:
+def run_on(ws: Workspace, call: CallArgs, takes: Callable[[Pattern], bool]) -> FusedOutput:
+    """``call`` on ``ws``: whole when ``ws`` takes its pattern whole (``takes``), else in steps
+    of their own (the same bytes): a MoE call's expert step in torch when ``ws`` does not take
+    the MoE pattern, the quantisation after the op when it does not take that."""
+    if call.moe is not None and not takes(call.pattern.without_quant()):
+        moe.local_rows(call.moe, call.x)
+        call = call.without_moe()
+    if call.quant is None or takes(call.pattern):
         return ws.run(call)
     result = ws.run(call.without_quant())
     q_out, s_out = quantize(result.out, call.quant, call.scale, call.layout)

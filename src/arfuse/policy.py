@@ -12,7 +12,7 @@ from typing import Any
 
 from . import catalog
 from .pattern import ALL as ALL_PATTERNS
-from .pattern import Pattern
+from .pattern import ALL_REDUCE, Pattern
 from .settings import Settings
 from .spec import Spec
 from .topology import Topology
@@ -121,7 +121,12 @@ def _pattern_list(names: tuple[str, ...]) -> str:
         return "no pattern (each step on its own)"
     if len(names) == len(ALL_PATTERNS):
         return f"all {len(names)}"
-    return ", ".join(names)
+    every_all_reduce = {p.name for p in ALL_REDUCE} <= set(names)
+    if not every_all_reduce:
+        return ", ".join(names)
+    moe = [name for name in names if name.startswith("moe_")]
+    return (f"every all-reduce pattern ({len(ALL_REDUCE)}); "
+            + (", ".join(moe) if moe else "no MoE pattern (its expert step runs on its own)"))
 
 
 def resolve(settings: Settings, topology: Topology, spec: Spec,

@@ -1,7 +1,9 @@
 """The call signature (R11): two int64 words that say what one call is, compared across ranks
 before any rank reads a peer's data.
 
-``word 0``: tokens, the pattern's code, the mode (one-shot or two-shot) and the dtype;
+``word 0``: tokens, the pattern's code, the mode (one-shot or two-shot) and the dtype, and for
+the MoE patterns their fan-in (top_k, or the experts of a reduction), whether a shared expert
+is given and a digest of the expanded rows and the routed scaling factor (``moe_bits``);
 ``word 1``: the hidden size and the op (the group's construction count, the same on every
 rank), so calls of two ops never pair. The numbers are the kernel's (``csrc/signature.h``,
 read by ``arfuse.ctables``). The shm kernel writes these words itself; the pure-torch shm path
@@ -24,11 +26,20 @@ DTYPE_SHIFT = int(_S["kDtypeShift"])
 OP_SHIFT = int(_S["kOpShift"])
 MAX_HIDDEN = int(_S["kMaxHidden"])
 MAX_OP = int(_S["kMaxOp"])
+MOE_FAN_IN_SHIFT = int(_S["kMoeFanInShift"])
+MOE_FAN_IN_BITS = int(_S["kMoeFanInBits"])
+MOE_SHARED_SHIFT = int(_S["kMoeSharedShift"])
+MOE_DIGEST_SHIFT = int(_S["kMoeDigestShift"])
+MOE_DIGEST_BITS = int(_S["kMoeDigestBits"])
+MAX_MOE_FAN_IN = int(_S["kMaxMoeFanIn"])
 _MASK32 = 0xFFFFFFFF
 
 _DTYPE_NAMES = ("bf16", "fp16", "fp32")
 _EPILOGUE_NAMES = {"none": "plain", "rmsnorm": "norm", "residual_rmsnorm": "norm+residual"}
-_FIELDS = ("tokens", "dtype", "hidden", "pattern", "quant", "layout", "mode", "op")
+_REDUCTION_PREFIX = {"all_reduce": "", "moe_reduce": "moe_reduce+",
+                     "moe_finalize": "moe_finalize+"}
+_FIELDS = ("tokens", "dtype", "hidden", "pattern", "quant", "layout", "mode", "op", "fan_in",
+           "shared_expert_output", "expanded rows or routed_scaling_factor")
 
 
 def _signed(word: int) -> int:
@@ -36,17 +47,29 @@ def _signed(word: int) -> int:
     return word - (1 << 64) if word >= 1 << 63 else word
 
 
+def moe_bits(fan_in: int, shared: bool, rows: int, routed_scaling_bits: int) -> int:
+    """The MoE fields of word 0: ``fan_in`` (top_k, or the experts of a reduction; at most
+    ``MAX_MOE_FAN_IN``), whether a shared expert is given, and an 11-bit digest of the expanded
+    rows and the routed scaling factor's fp32 bits (ranks that differ there fail but for a
+    chance of 1 in 2048; the other fields are exact)."""
+    mixed = (rows * 0x9E3779B97F4A7C15 ^ routed_scaling_bits * 0xC2B2AE3D27D4EB4F) & (2**64 - 1)
+    digest = (mixed >> (64 - MOE_DIGEST_BITS)) & ((1 << MOE_DIGEST_BITS) - 1)
+    return (fan_in << MOE_FAN_IN_SHIFT | int(shared) << MOE_SHARED_SHIFT
+            | digest << MOE_DIGEST_SHIFT)
+
+
 def words(tokens: int, dtype_code: int, hidden: int, pattern: int, twoshot: bool = False,
-          op: int = 0) -> tuple[int, int]:
-    """The two words of a call, as signed int64 like the segment holds them."""
+          op: int = 0, moe: int = 0) -> tuple[int, int]:
+    """The two words of a call, as signed int64 like the segment holds them (``moe``: the
+    MoE fields, ``moe_bits``)."""
     word0 = ((tokens & _MASK32) << TOKENS_SHIFT | pattern << PATTERN_SHIFT
-             | int(twoshot) << MODE_SHIFT | dtype_code << DTYPE_SHIFT)
+             | int(twoshot) << MODE_SHIFT | dtype_code << DTYPE_SHIFT | moe)
     return _signed(word0), _signed((hidden & _MASK32) | (op & MAX_OP) << OP_SHIFT)
 
 
 def _fields(word0: int, word1: int) -> tuple[object, ...]:
-    """(tokens, dtype, hidden, pattern, quant, layout, mode, op) of a signature, as its text
-    names them (a pattern code that is none gives ``?``)."""
+    """(tokens, dtype, hidden, pattern, quant, layout, mode, op, fan_in, shared, digest) of a
+    signature, as its text names them (a pattern code that is none gives ``?``)."""
     word0 &= (1 << 64) - 1
     word1 &= (1 << 64) - 1
     code = (word0 >> PATTERN_SHIFT) & ((1 << PATTERN_BITS) - 1)
@@ -58,20 +81,30 @@ def _fields(word0: int, word1: int) -> tuple[object, ...]:
     return ((word0 >> TOKENS_SHIFT) & _MASK32,
             _DTYPE_NAMES[dtype] if dtype < len(_DTYPE_NAMES) else "?",
             word1 & _MASK32,
-            "?" if pattern is None else _EPILOGUE_NAMES[pattern.epilogue],
+            "?" if pattern is None else (_REDUCTION_PREFIX[pattern.reduction]
+                                         + _EPILOGUE_NAMES[pattern.epilogue]),
             "?" if pattern is None else pattern.quant or "none",
             int(pattern is not None and pattern.layout == "swizzled_128x4"),
             "twoshot" if (word0 >> MODE_SHIFT) & 1 else "oneshot",
-            (word1 >> OP_SHIFT) & MAX_OP)
+            (word1 >> OP_SHIFT) & MAX_OP,
+            (word0 >> MOE_FAN_IN_SHIFT) & MAX_MOE_FAN_IN,
+            (word0 >> MOE_SHARED_SHIFT) & 1,
+            (word0 >> MOE_DIGEST_SHIFT) & ((1 << MOE_DIGEST_BITS) - 1))
 
 
 def describe(word0: int, word1: int) -> str:
-    """``tokens=1 dtype=fp32 hidden=64 pattern=plain quant=none mode=oneshot op=3``."""
-    tokens, dtype, hidden, pattern, quant, layout, mode, op = _fields(word0, word1)
+    """``tokens=1 dtype=fp32 hidden=64 pattern=plain quant=none mode=oneshot op=3``; a MoE
+    pattern adds ``top_k=8`` (``experts=`` for a reduction), ``shared=`` and ``rows_digest=``."""
+    tokens, dtype, hidden, pattern, quant, layout, mode, op, fan_in, shared, digest = \
+        _fields(word0, word1)
     text = f"tokens={tokens} dtype={dtype} hidden={hidden} pattern={pattern} quant={quant}"
     if quant == "nvfp4":
         text += " layout=" + ("swizzled_128x4" if layout else "linear")
-    return text + f" mode={mode} op={op}"
+    text += f" mode={mode} op={op}"
+    if isinstance(pattern, str) and pattern.startswith("moe_"):
+        text += (f" {'top_k' if pattern.startswith('moe_finalize') else 'experts'}={fan_in}"
+                 f" shared={shared} rows_digest={digest:#x}")
+    return text
 
 
 def mismatch_message(backend: str, call: int, signatures: list[tuple[int, int]]) -> str:
@@ -79,6 +112,9 @@ def mismatch_message(backend: str, call: int, signatures: list[tuple[int, int]])
     for ``backend`` shm)."""
     fields = [_fields(*pair) for pair in signatures]
     differ = [name for i, name in enumerate(_FIELDS) if len({f[i] for f in fields}) > 1]
+    if "fan_in" in differ:
+        finalize = any(str(f[3]).startswith("moe_finalize") for f in fields)
+        differ[differ.index("fan_in")] = "top_k" if finalize else "experts"
     ranks = "".join(f"; rank {r}: {describe(*pair)}" for r, pair in enumerate(signatures))
     return (f"arfuse {backend}: the ranks of the group called with different arguments (call "
             f"{call}; every rank raises this before any rank reads a peer's data, so the "

@@ -123,12 +123,17 @@ def _fusable(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
 
 
 def mnnvl_fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
-    """Quantised patterns from ``MIN_VERSION`` on."""
-    return _fusable(topology, spec, pattern) and (
+    """Quantised patterns from ``MIN_VERSION`` on; no MoE pattern (its expert step runs on its
+    own, then the fused all-reduce)."""
+    return not pattern.moe and _fusable(topology, spec, pattern) and (
         pattern.quant is None or version_tuple(topology.flashinfer) >= MIN_VERSION)
 
 
 def trtllm_fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
+    """The MoE patterns only as FlashInfer has them (6 and 7): residual + RMSNorm, not
+    quantised."""
+    if pattern.moe:
+        return pattern.epilogue == "residual_rmsnorm" and pattern.quant is None
     return _fusable(topology, spec, pattern)
 
 

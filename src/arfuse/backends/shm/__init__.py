@@ -28,7 +28,7 @@ def unmet(topology: Topology, spec: Spec) -> str:
 
 
 def fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
-    """Every all-reduce pattern, on every ISA path (NVFP4 where its rows allow it)."""
+    """Every pattern, MoE ones included, on every ISA path (NVFP4 where its rows allow it)."""
     return pattern.quant != "nvfp4" or not nvfp4_problem(spec.dtype, spec.hidden)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ... import log, signature
+from ... import log, moe, signature
 from ...call_checks import CallArgs
 from ...dtypes import DTYPES
 from ...epilogue import FusedOutput, apply, rank_order_sum
@@ -284,10 +284,25 @@ class ShmWorkspace(Workspace):
         return "c++" if self._comm is not None else "pure-torch"
 
     def run(self, call: CallArgs) -> FusedOutput:
+        if call.moe is not None:
+            self._expert_step(call.moe, call.x)
         return FusedOutput(*self._comm.run(call.x, call.residual, call.weight, call.eps,
                                            call.weight_bias, shm_build.QUANT_CODES[call.quant],
                                            call.scale or 0.0, call.layout == "swizzled_128x4",
-                                           call.out, call.residual_out, call.op))
+                                           call.out, call.residual_out, call.op, call.moe_word))
+
+    def _expert_step(self, step: moe.ExpertStep, x: torch.Tensor) -> None:
+        """The MoE expert step by the kernel, straight into ``x`` (this rank's input slot, so
+        the call that follows copies nothing)."""
+        assert self.kernel is not None
+        if step.index is None:
+            assert step.add is not None
+            self.kernel.moe_reduce(x, step.rows, step.scales, step.add)
+            return
+        problem = self.kernel.moe_finalize(x, step.rows, step.index, step.scales, step.add,
+                                           step.routed)
+        if problem:
+            raise moe.RefusedStep(problem)
 
     def input_slot_start(self) -> int:
         view = self._view_or_private()
@@ -312,6 +327,8 @@ class ShmWorkspace(Workspace):
         if self._broken:
             raise WorkspaceBroken.after("arfuse shm", self._broken)
         x = call.x
+        if call.moe is not None:
+            moe.local_rows(call.moe, x)
         tokens, world, rank = x.shape[0], self.ctx.world_size, self.ctx.rank
         self._seq += 1
         seq, buf = self._seq, self._seq & 1
@@ -335,7 +352,8 @@ class ShmWorkspace(Workspace):
         the shm call of the others, instead of waiting in two different backends until a
         timeout (R11). Every rank announces the same calls (it is collective)."""
         if self._comm is not None:
-            self._comm.announce(call.tokens, call.pattern.code, call.op)
+            self._comm.announce(call.tokens, call.pattern.without_moe().code, call.op,
+                                call.moe_word)
             return
         with self._call_lock:
             if self._broken:
@@ -362,7 +380,8 @@ class ShmWorkspace(Workspace):
     def _signature(self, call: CallArgs) -> tuple[int, int]:
         # the pure-torch path runs every call one-shot
         return signature.words(call.tokens, DTYPES[self.spec.dtype].code, self.spec.hidden,
-                               call.pattern.code, twoshot=False, op=call.op)
+                               call.pattern.code, twoshot=False, op=call.op,
+                               moe=call.moe_word)
 
     def _wait(self, flags: torch.Tensor, seq: int) -> None:
         deadline = time.monotonic() + self.ctx.timeout_s

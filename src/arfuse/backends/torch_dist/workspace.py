@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ... import collective, signature
+from ... import collective, moe, signature
 from ...call_checks import CallArgs
 from ...catalog import UNLIMITED
 from ...dtypes import DTYPES
@@ -67,7 +67,7 @@ class TorchWorkspace(Workspace):
         pattern, op) must be the same; the op too, since all ops of a process group share its
         collectives."""
         words = signature.words(call.tokens, DTYPES[self.spec.dtype].code, call.x.shape[1],
-                                call.pattern.code, op=call.op)
+                                call.pattern.code, op=call.op, moe=call.moe_word)
         mine = torch.tensor([words], dtype=torch.int64, device=call.x.device)
         every = self._gather(mine, "call-signature").view(self.ctx.world_size, 2).tolist()
         if any(row != every[0] for row in every):
@@ -95,9 +95,20 @@ class TorchWorkspace(Workspace):
                 f"functional check failed: all-reduce gave {got.flatten()[0].item():g}, "
                 f"expected {expected:g}")
 
+    def announce(self, call: CallArgs) -> None:
+        """Exchange this call's signature alone (a MoE call this rank refused): the peers,
+        which exchange theirs at the start of the same call, raise ``MismatchedCall`` too."""
+        if self._broken:
+            raise WorkspaceBroken.after("arfuse torch", self._broken, group_out_of_step=True)
+        self._calls += 1
+        if self.ctx.world_size > 1:
+            self._check_agreement(call)
+
     def run(self, call: CallArgs) -> FusedOutput:
         if self._broken:
             raise WorkspaceBroken.after("arfuse torch", self._broken, group_out_of_step=True)
+        if call.moe is not None:
+            moe.local_rows(call.moe, call.x)  # the expert step: the reference (moe.py)
         self._calls += 1
         x = call.x
         if self.ctx.world_size == 1:

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "comm.h"
+#include "moe.h"
 
 namespace arfuse {
 namespace {
@@ -309,17 +310,18 @@ void bind_comm(py::module_& m) {
                      const std::optional<at::Tensor>& weight, double eps, double weight_bias,
                      int64_t quant, double scale, bool swizzled,
                      const std::optional<at::Tensor>& out,
-                     const std::optional<at::Tensor>& residual_out, int64_t op) {
+                     const std::optional<at::Tensor>& residual_out, int64_t op, int64_t moe) {
         Numbers n = numbers_of(eps, weight_bias, quant, scale, swizzled);
         n.op = op;
+        n.moe = moe;
         std::array<at::Tensor, 4> r =
             comm.run(tensors_of(x, residual, weight, out, residual_out), n, true);
         return std::vector<at::Tensor>(r.begin(), r.end());
       }, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
            py::arg("weight_bias"), py::arg("quant"), py::arg("scale"), py::arg("swizzled"),
-           py::arg("out"), py::arg("residual_out"), py::arg("op") = 0)
+           py::arg("out"), py::arg("residual_out"), py::arg("op") = 0, py::arg("moe") = 0)
       .def("announce", &ShmComm::announce, py::arg("tokens"), py::arg("pattern"),
-           py::arg("op") = 0)
+           py::arg("op") = 0, py::arg("moe") = 0)
       .def("set_group", &ShmComm::set_group)
       .def("set_result_type", &ShmComm::set_result_type)
       .def("invalidate", &ShmComm::invalidate)
@@ -363,6 +365,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("slot_geometry", &slot_geometry);
   m.def("describe_signature", &describe_signature);
   m.def("mismatch_message", &mismatch_message);
+  m.def("moe_finalize", &moe_finalize, py::arg("dst"), py::arg("expanded"), py::arg("index"),
+        py::arg("scales"), py::arg("shared"), py::arg("routed"));
+  m.def("moe_reduce", &moe_reduce, py::arg("dst"), py::arg("active"), py::arg("scales"),
+        py::arg("token_input"));
   // Not the op: hooks for tests (the vector and scalar conversions side by side) and for arfuse
   // bench's line rates (the exchange's own memory access), kept apart by name.
   py::module_ diagnostics = m.def_submodule("diagnostics", "test and measurement hooks");

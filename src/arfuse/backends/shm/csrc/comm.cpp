@@ -407,6 +407,7 @@ std::array<at::Tensor, 4> ShmComm::run(const Tensors& t, const Numbers& n, bool 
   if (!why) why = tensors_problem(t);
   if (!why) why = numbers_problem(t.weight != nullptr, n);
   if (!why && (n.op < 0 || n.op > signature::kMaxOp)) why = "op must be 0..2147483647";
+  if (!why && !signature::moe_bits_only(n.moe)) why = "moe must hold MoE bits of word 0 only";
   if (!why && !failed()) why = memory_problem(t);
   TORCH_CHECK_VALUE(why == nullptr, "arfuse shm: ", why);
   return execute(t, n, release_gil);
@@ -492,15 +493,16 @@ void ShmComm::remember_failure(const ShmError& e) {
   if (e.kind != ShmError::kMismatch || e.breaks) fail(e.what());
 }
 
-void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t op) {
+void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t op, int64_t moe) {
   using namespace signature;
   const int64_t output = pattern & ((int64_t(1) << kEpilogueShift) - 1);
   TORCH_CHECK_VALUE(tokens >= 0 && pattern >= 0 && (pattern >> kReductionShift) == 0 &&
                         (pattern >> kEpilogueShift) <= kEpilogueResidualRmsNorm &&
-                        output <= kOutputFp8Dynamic && op >= 0 && op <= kMaxOp,
-                    "arfuse shm: announce needs tokens >= 0, the code of an all-reduce pattern "
-                    "and op 0..2147483647");
-  const int64_t word0 = signature::word0(tokens, pattern, !oneshot(tokens), dtype_);
+                        output <= kOutputFp8Dynamic && op >= 0 && op <= kMaxOp &&
+                        moe_bits_only(moe),
+                    "arfuse shm: announce needs tokens >= 0, the code of an all-reduce pattern, "
+                    "op 0..2147483647 and MoE bits of word 0 only");
+  const int64_t word0 = signature::word0(tokens, pattern, !oneshot(tokens), dtype_) | moe;
   const int64_t word1 = signature::word1(hidden_, op);
   py::gil_scoped_release no_gil;
   const std::lock_guard<std::mutex> one_call(call_mutex_);
@@ -549,6 +551,7 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
   c.tokens = tokens;
   c.hidden = hidden_;
   c.op = n.op;
+  c.moe = n.moe;
   c.residual = t.residual ? t.residual->data_ptr() : nullptr;
   c.weight = t.weight ? t.weight->data_ptr() : nullptr;
   c.eps = float(n.eps);
@@ -620,7 +623,8 @@ void ShmComm::exchange_once(const void* x, Call& c, bool copy, const CopyTuner::
   const int64_t seq = ++seq_;
   const bool twoshot = c.tokens > 0 && !oneshot(c.tokens);
   const Exchange e{seg_, waiter_, tuner_, c, x, seq, hidden_ * elem_, copy, plan.streaming,
-                   plan.decide, signature::word0(c.tokens, pattern_code(c), twoshot, dtype_),
+                   plan.decide,
+                   signature::word0(c.tokens, pattern_code(c), twoshot, dtype_) | c.moe,
                    signature::word1(hidden_, c.op)};
   publish_signature(seg_, seq, e.word0, e.word1);  // before any progress is announced
   if (c.tokens == 0) run_empty(e);

@@ -59,6 +59,7 @@ struct Numbers {  // the scalars of one call
   int quant = kNone;  // kNone, kFP8, kNVFP4 or kFP8Dynamic
   bool swizzled = true;
   int64_t op = 0;  // the op making the call: its signature names it (signature.h)
+  int64_t moe = 0;  // a MoE call's word-0 bits: its reduction and fields (signature.h)
 };
 
 class ShmComm {
@@ -101,7 +102,7 @@ class ShmComm {
   // Meet the group with the signature of a call this rank runs elsewhere (over capacity, on
   // the unfused backend): a group whose calls differ raises MismatchedCall here, on every
   // rank, instead of waiting in two backends. pattern: its code (signature.h).
-  void announce(int64_t tokens, int64_t pattern, int64_t op);
+  void announce(int64_t tokens, int64_t pattern, int64_t op, int64_t moe = 0);
   // The group this workspace belongs to (a number the Python side gives each group of the
   // process): a rank waiting in a call looks at the other workspaces of its group for peers
   // that are in a call there instead (ops called in another order), see look_elsewhere.

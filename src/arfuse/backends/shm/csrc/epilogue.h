@@ -34,6 +34,7 @@ struct Call {  // one call's arguments, resolved to raw pointers
   int64_t tokens = 0;
   int64_t hidden = 0;
   int64_t op = 0;  // the op making the call (signature.h)
+  int64_t moe = 0;  // a MoE call's word-0 bits (signature.h); x is then its expert step's rows
   const void* residual = nullptr;
   const void* weight = nullptr;
   float eps = 0.0f, weight_bias = 0.0f;

@@ -10,8 +10,9 @@ const char* name_of(int64_t value, const char* const* names, int count) {
   return value >= 0 && value < count ? names[value] : "?";
 }
 
-struct Fields {  // a signature, decoded; quant as the quantisation argument's code
-  int64_t tokens, pattern, quant, layout, dtype, hidden, mode, op;
+struct Fields {  // a signature, decoded; quant as the quantisation argument's code;
+                 // pattern: (reduction, epilogue) as code >> kEpilogueShift
+  int64_t tokens, pattern, quant, layout, dtype, hidden, mode, op, fan_in, shared, digest;
 };
 
 Fields decode(int64_t word0, int64_t word1) {
@@ -27,7 +28,14 @@ Fields decode(int64_t word0, int64_t word1) {
   return {(word0 >> kTokensShift) & 0xffffffffLL, code >> kEpilogueShift, quant,
           output == kOutputNvfp4Swizzled ? 1 : 0, (word0 >> kDtypeShift) & 3,
           word1 & 0xffffffffLL, (word0 >> kModeShift) & 1,
-          int64_t(uint64_t(word1) >> kOpShift) & kMaxOp};
+          int64_t(uint64_t(word1) >> kOpShift) & kMaxOp,
+          (word0 >> kMoeFanInShift) & kMaxMoeFanIn, (word0 >> kMoeSharedShift) & 1,
+          int64_t(uint64_t(word0) >> kMoeDigestShift) & ((int64_t(1) << kMoeDigestBits) - 1)};
+}
+
+constexpr int kEpilogues = 3;  // per reduction in Fields::pattern
+bool is_finalize(const Fields& f) {
+  return f.pattern / 4 == signature::kReductionMoeFinalize;
 }
 
 const char* quant_name(int64_t quant) {
@@ -44,27 +52,38 @@ const char* quant_name(int64_t quant) {
 
 std::string describe_signature(int64_t word0, int64_t word1) {
   static const char* const dtypes[] = {"bf16", "fp16", "fp32"};
-  // (reduction, epilogue) of the all-reduce patterns: reduction 0
-  static const char* const patterns[] = {"plain", "norm", "norm+residual"};
+  // (reduction, epilogue): reduction * 4 + epilogue (arfuse/signature.py names them alike)
+  static const char* const patterns[] = {
+      "plain", "norm", "norm+residual", "?",
+      "moe_reduce+plain", "moe_reduce+norm", "moe_reduce+norm+residual", "?",
+      "moe_finalize+plain", "moe_finalize+norm", "moe_finalize+norm+residual"};
   const Fields f = decode(word0, word1);
   std::ostringstream ss;
   ss << "tokens=" << f.tokens << " dtype=" << name_of(f.dtype, dtypes, 3)
-     << " hidden=" << f.hidden << " pattern=" << name_of(f.pattern, patterns, 3)
+     << " hidden=" << f.hidden << " pattern=" << name_of(f.pattern, patterns, 11)
      << " quant=" << quant_name(f.quant);
   if (f.quant == kNVFP4) ss << " layout=" << (f.layout ? "swizzled_128x4" : "linear");
   ss << " mode=" << (f.mode ? "twoshot" : "oneshot") << " op=" << f.op;
+  if (f.pattern / 4 != 0 && f.pattern % 4 < kEpilogues) {
+    ss << (is_finalize(f) ? " top_k=" : " experts=") << f.fan_in << " shared=" << f.shared
+       << " rows_digest=0x" << std::hex << f.digest;
+  }
   return ss.str();
 }
 
 std::string mismatch_message(int64_t call, const std::vector<std::pair<int64_t, int64_t>>& d) {
-  static const char* const field_names[] = {"tokens", "dtype", "hidden", "pattern", "quant",
-                                            "layout", "mode", "op"};
-  constexpr int kFields = 8;
   std::vector<Fields> fields;
   for (const auto& words : d) fields.push_back(decode(words.first, words.second));
+  bool finalize = false;
+  for (const Fields& f : fields) finalize |= is_finalize(f);
+  const char* const field_names[] = {"tokens", "dtype", "hidden", "pattern", "quant",
+                                     "layout", "mode", "op", finalize ? "top_k" : "experts",
+                                     "shared_expert_output",
+                                     "expanded rows or routed_scaling_factor"};
+  constexpr int kFields = 11;
   auto value = [](const Fields& f, int i) {
     const int64_t all[] = {f.tokens, f.dtype, f.hidden, f.pattern, f.quant, f.layout, f.mode,
-                           f.op};
+                           f.op, f.fan_in, f.shared, f.digest};
     return all[i];
   };
   std::ostringstream ss;

@@ -4,7 +4,10 @@
 // the pattern codes, arfuse.signature writes the same words for the pure-torch path and the
 // torch backend. One copy: change a number here and both languages follow.
 //
-//   word 0: tokens (32 bits) | pattern code (8 bits) | two-shot (1 bit) | dtype (2 bits)
+//   word 0: tokens (32 bits) | pattern code (8 bits) | two-shot (1 bit) | dtype (2 bits) |
+//           for the MoE patterns: fan-in (8 bits: top_k, or the experts of a reduction) |
+//           shared expert given (1 bit) | a digest of the expanded rows and the routed
+//           scaling factor (11 bits; 0 for the other patterns)
 //   word 1: hidden (32 bits) | op (31 bits: the group's construction count, the same on every
 //           rank; 0 for torch.ops calls), so calls of two ops that share a workspace never pair
 #pragma once
@@ -32,6 +35,12 @@ constexpr int kPatternBits = 8;
 constexpr int kModeShift = 40;
 constexpr int kDtypeShift = 41;
 constexpr int kOpShift = 32;
+constexpr int kMoeFanInShift = 43;
+constexpr int kMoeFanInBits = 8;
+constexpr int kMoeSharedShift = 51;
+constexpr int kMoeDigestShift = 52;
+constexpr int kMoeDigestBits = 11;
+constexpr int64_t kMaxMoeFanIn = (int64_t(1) << kMoeFanInBits) - 1;
 constexpr int64_t kMaxHidden = (int64_t(1) << 31) - 1;
 constexpr int64_t kMaxOp = (int64_t(1) << 31) - 1;
 
@@ -40,6 +49,8 @@ constexpr int64_t kMaxOp = (int64_t(1) << 31) - 1;
 constexpr int kReductionShift = 5;
 constexpr int kEpilogueShift = 3;
 constexpr int kReductionAllReduce = 0;       // the sum over ranks of x
+constexpr int kReductionMoeReduce = 1;       // of each rank's sum of expert rows (docs/design.md)
+constexpr int kReductionMoeFinalize = 2;     // of each rank's finalized expert rows
 constexpr int kEpilogueNone = 0;             // the sum alone
 constexpr int kEpilogueRmsNorm = 1;          // + RMSNorm
 constexpr int kEpilogueResidualRmsNorm = 2;  // + residual + RMSNorm
@@ -67,6 +78,13 @@ inline constexpr int64_t word0(int64_t tokens, int64_t pattern, bool twoshot, in
   return (int64_t(uint64_t(tokens) & 0xffffffffULL) << kTokensShift) |
          (pattern << kPatternShift) | (int64_t(twoshot ? 1 : 0) << kModeShift) |
          (int64_t(dtype) << kDtypeShift);
+}
+
+// Whether `moe` holds only what a MoE call adds to word 0: its reduction (in the pattern's
+// place) and its fields.
+inline constexpr bool moe_bits_only(int64_t moe) {
+  return (moe & ~((int64_t(7) << (kReductionShift + kPatternShift)) |
+                  ~((int64_t(1) << kMoeFanInShift) - 1))) == 0;
 }
 
 inline constexpr int64_t word1(int64_t hidden, int64_t op) {

@@ -36,9 +36,11 @@
     defined(__AVX512DQ__)
 #include "vec_avx512.h"
 #include "row_sum.h"
+#define ARFUSE_VEC_LANES 16  // fp32 lanes of isa::Vec (moe.h picks its broadcast by it)
 #elif defined(__AVX2__)
 #include "vec_avx2.h"
 #include "row_sum.h"
+#define ARFUSE_VEC_LANES 8
 #else
 #include "vec_scalar.h"
 #endif
