@@ -179,7 +179,6 @@ class FusedAllReduce:
         + shared_expert_output[t]`` (an index of -1: none), computed in fp32. ``expanded``:
         ``[P, hidden]`` (the permuted expert outputs); the index: int32 ``[tokens, top_k]``;
         ``expert_scales``: ``[tokens, top_k]``, fp32 or the activation dtype."""
-        self._open()
         step = moe.check_finalize(self._shape, expanded, expanded_idx_to_permuted_idx,
                                   expert_scales, shared_expert_output, routed_scaling_factor)
         return self._call(self.input_buffer(step.tokens), residual, weight, eps, weight_bias,
@@ -196,7 +195,6 @@ class FusedAllReduce:
         rank's rows are ``sum_e scale_input[e,t] * active_experts_token_input[e,t]
         + token_input[t]`` in fp32; the inputs are expert-major: ``[experts, tokens, hidden]``
         and ``[experts, tokens]``."""
-        self._open()
         step = moe.check_reduce(self._shape, active_experts_token_input, scale_input,
                                 token_input)
         return self._call(self.input_buffer(step.tokens), residual, weight, eps, weight_bias,
