@@ -238,9 +238,10 @@ def test_the_kernel_gives_the_reference_bytes_on_every_isa() -> None:
                                     env={"ARFUSE_SHM_ISA": isa}))[0] for isa in ISAS}
     first = next(iter(by_isa.values()))
     for isa, found in by_isa.items():
-        for case, (got, want) in found.items():
+        for case, pair in found.items():
             if case == "isa":
                 continue
+            got, want = pair
             assert same_bytes(got, want), f"{isa} ({found['isa']}): {case}"
             assert torch.equal(got.view(INT_VIEW[got.dtype]),
                                first[case][0].view(INT_VIEW[got.dtype])), f"{isa}: {case}"
