@@ -58,7 +58,9 @@ def moe_results(rank: int, world: int, backend: str, dtype: torch.dtype,
             else:
                 result = comm.moe_reduce(data["active"], data["scale_input"],
                                          data["token_input"], **norm)
-            report.append({"outputs": [None if t is None else t.clone() for t in result],
+            # raw bytes: fp8 tensors do not survive pickling in this torch
+            report.append({"outputs": [None if t is None else t.contiguous().view(torch.uint8).clone()
+                                       for t in result],
                            "stats": comm.stats(), "backend": comm.backend})
     return report
 
