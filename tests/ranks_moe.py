@@ -59,8 +59,8 @@ def moe_results(rank: int, world: int, backend: str, dtype: torch.dtype,
                 result = comm.moe_reduce(data["active"], data["scale_input"],
                                          data["token_input"], **norm)
             # raw bytes: fp8 tensors do not survive pickling in this torch
-            report.append({"outputs": [None if t is None else t.contiguous().view(torch.uint8).clone()
-                                       for t in result],
+            raw = [None if t is None else t.contiguous().view(torch.uint8).clone() for t in result]
+            report.append({"outputs": raw,
                            "stats": comm.stats(), "backend": comm.backend})
     return report
 
