@@ -78,3 +78,11 @@ def check_case(case: Case, per_rank: list[dict[str, Any]], backend: str) -> None
                 for k in range(cols):
                     written[swizzle_offset(m, k, cols)] = True
             assert torch.all(flat[~written] == 0), f"{case}: swizzle padding not zero"
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many units in the last place of ``b`` separate ``a`` from ``b``."""
+    bits = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}[b.dtype]
+    _, exponent = torch.frexp(b.float())
+    ulp = torch.ldexp(torch.ones_like(b, dtype=torch.float64), exponent.long() - bits)
+    return ((a.double() - b.double()).abs() / ulp).round()

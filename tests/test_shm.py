@@ -15,7 +15,7 @@ import ranks_numerics
 import ranks_residual
 import ranks_shm_lifetime
 from harness import run_ranks, values
-from numerics_check import check_case
+from numerics_check import check_case, ulps_apart
 from reference import PATTERNS, Case
 
 
@@ -89,13 +89,6 @@ def test_cxx_and_pure_torch_paths_agree() -> None:
             differ = (a["quant_out"] != b["quant_out"]).float().mean().item()
             assert differ <= 0.01, f"{case}: {differ:.2%} quant codes differ"
 
-
-def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many units in the last place of ``b`` separate ``a`` from ``b``."""
-    bits = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}[b.dtype]
-    _, exponent = torch.frexp(b.float())
-    ulp = torch.ldexp(torch.ones_like(b, dtype=torch.float64), exponent.long() - bits)
-    return ((a.double() - b.double()).abs() / ulp).round()
 
 
 def _kill_mid_call(rank: int, world: int) -> dict[str, object]:
