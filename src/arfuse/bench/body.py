@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..moe_workload import make_expert_rows
 from ..torch_types import TORCH_DTYPES
 from .baselines import (
     clean_deepspeed_segments,
@@ -19,8 +20,9 @@ from .baselines import (
     deepspeed_setup,
     torch_row,
 )
-from .floor import Rates, measure_rates, traffic
+from .floor import Rates, Traffic, measure_rates, moe_traffic, traffic
 from .machine import machine_record
+from .moe import FUSED_ROW, expert_bytes, moe_rows
 from .options import BASELINE, EPS, BenchOptions
 from .overhead import python_overhead
 from .timing import WARMUP, Row, measure, run_tag, summary
@@ -120,13 +122,13 @@ def _shm_rows(comm: Any, replicated: Any, x: torch.Tensor, work: torch.Tensor,
 
 
 def _entry(st: _Rank, dname: str, tokens: int, backend: str, size: int, times: list[float],
-           faults: int, mode: str, rates: Rates) -> dict[str, Any]:
-    """One row's figures at one size: times, page faults, and its floors where it has one."""
+           faults: int, mode: str, rates: Rates, moved: Traffic | None) -> dict[str, Any]:
+    """One row's figures at one size: times, page faults, and its floor where it has one
+    (``moved``: the bytes the row must move, None: no floor stated)."""
     stats = summary(times)
     entry: dict[str, Any] = {"dtype": dname, "tokens": tokens, "backend": backend,
                              "bytes_per_rank": size, **stats,
                              "page_faults_per_call": faults / len(times)}
-    moved = traffic(backend, size, st.world, mode)
     if moved is not None:
         floor_us = rates.floor_s(moved) * 1e6
         entry.update(moved_bytes=moved.total, traffic=asdict(moved),
@@ -174,7 +176,30 @@ def _run_size(st: _Rank, dname: str, dtype: torch.dtype, tokens: int, weight: to
     rates = measure_rates(size, st.tag)
     for backend, times in rows.items():
         st.results.append(_entry(st, dname, tokens, backend, size, times, faults[backend],
-                                 mode, rates))
+                                 mode, rates, traffic(backend, size, st.world, mode)))
+
+
+def _run_moe_size(st: _Rank, dname: str, dtype: torch.dtype, tokens: int,
+                  weight: torch.Tensor, comm: Any) -> None:
+    """A MoE bench's rows at one token count (``bench.moe``): the fused call and torch's
+    expert step before each unfused path, timed side by side, then the floor's rates for the
+    call's whole working set."""
+    opts = st.opts
+    inputs = make_expert_rows(opts.pattern, tokens, opts.hidden, opts.top_k, opts.experts,
+                              dtype, st.gen)
+    residual = torch.randn(tokens, opts.hidden, generator=st.same_everywhere).to(dtype)
+    candidates = moe_rows(comm, inputs, residual, weight, st.ds, "torch" in opts.backends)
+    mode = "twoshot" if comm is None else comm.workspace.mode(tokens)
+    trial = 0 if comm is None else comm.workspace.copy_trial_calls
+    rows, faults = measure(candidates, opts, WARMUP + trial)
+    size = tokens * opts.hidden * residual.element_size()
+    rows_bytes, add_bytes = expert_bytes(inputs)
+    rates = measure_rates(size + rows_bytes, st.tag)
+    for backend, times in rows.items():
+        moved = moe_traffic(size, rows_bytes, add_bytes, st.world) if backend == FUSED_ROW \
+            else None
+        st.results.append(_entry(st, dname, tokens, backend, size, times, faults[backend],
+                                 mode, rates, moved))
 
 
 def _run_dtype(st: _Rank, dname: str) -> None:
@@ -184,14 +209,19 @@ def _run_dtype(st: _Rank, dname: str) -> None:
     if "shm" in st.opts.backends:
         comm, replicated = _fused_ops(st, dname, dtype)
     weight = (torch.rand(st.opts.hidden, generator=st.gen) + 0.5).to(dtype)
+    moe = st.opts.pattern != "residual_rmsnorm"
     for tokens in st.opts.tokens:
-        _run_size(st, dname, dtype, tokens, weight, comm, replicated)
+        if moe:
+            _run_moe_size(st, dname, dtype, tokens, weight, comm)
+        else:
+            _run_size(st, dname, dtype, tokens, weight, comm, replicated)
         if st.progress is not None:
             st.progress.update(1)
-    if comm is not None:
+    if comm is not None and not moe:
         st.overhead[dname] = python_overhead(comm, weight, st.opts.hidden)
         st.copy_modes[dname] = {str(size): mode for size, mode in
                                 comm.workspace.copy_modes().items()}
+    if comm is not None:
         comm.close()
     if replicated is not None:
         replicated.close()

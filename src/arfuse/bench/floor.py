@@ -56,6 +56,15 @@ def traffic(row: str, size: int, world: int, mode: str = "twoshot") -> Traffic |
     return None
 
 
+def moe_traffic(size: int, expert_bytes: int, add_bytes: int, world: int) -> Traffic:
+    """What the fused MoE call (the ``shm`` row of a MoE bench) moves on ``size`` bytes of
+    ``x`` per rank: its expert rows (``expert_bytes``) and the shared expert or token input
+    (``add_bytes``) read, its ``x`` into the shared slot, every peer's ``x``, the residual in,
+    ``residual_out`` and ``out`` new. The index and scales are left out: top_k numbers a row."""
+    return Traffic(local=expert_bytes + add_bytes + size, shared=size,
+                   peer=(world - 1) * size, fresh=2 * size)
+
+
 @dataclass(frozen=True)
 class PeerRates:
     """Bytes per second between this rank's core and the next rank's, measured now (see

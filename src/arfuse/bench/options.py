@@ -22,9 +22,17 @@ class BenchOptions:
     out: str
     min_seconds: float = 0.3
     max_iters: int = 400
+    pattern: str = "residual_rmsnorm"  # or a MoE pattern: its expert step fused first
+    top_k: int = 8
+    experts: int = 64
 
 
-def bytes_per_rank(tokens: int, hidden: int, dtypes: tuple[str, ...]) -> int:
+BENCH_TOKENS_MOE = tuple(2**i for i in range(10))  # a MoE layer's decode and small prefills
+
+
+def bytes_per_rank(tokens: int, hidden: int, dtypes: tuple[str, ...], fan_in: int = 0) -> int:
     """A lower bound of what one rank allocates at once: the largest size's input and
-    residual, of the widest dtype."""
-    return 2 * tokens * hidden * max(TORCH_DTYPES[d].itemsize for d in dtypes)
+    residual, of the widest dtype, and with ``fan_in`` (a MoE bench's top_k) its expert rows
+    and shared expert."""
+    return (2 + fan_in + (1 if fan_in else 0)) * tokens * hidden * max(
+        TORCH_DTYPES[d].itemsize for d in dtypes)

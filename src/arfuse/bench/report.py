@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .options import BASELINE
+from .targets import moe_verdicts
 
 
 def _size(nbytes: int) -> str:
@@ -23,7 +24,7 @@ def _dtype_table(report: dict[str, Any], dname: str) -> list[str]:
     rows = [r for r in report["results"] if r["dtype"] == dname]
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     lines = [f"\n{dname}, hidden {options['hidden']}, world size {options['world_size']} "
-             f"(us: median / p90; x = {BASELINE} median / this median)",
+             f"(us: median / p90; x = {BASELINE} median / this median){_moe_words(options)}",
              f"{'tokens':>7}" + "".join(f" {b:>26}" for b in backends)]
     for tokens in options["tokens"]:
         by = {r["backend"]: r for r in rows if r["tokens"] == tokens}
@@ -37,8 +38,36 @@ def _dtype_table(report: dict[str, Any], dname: str) -> list[str]:
             ratio = f"{base / r['median_us']:.1f}x" if base else ""
             cells.append(f" {r['median_us']:>9.1f} / {r['p90_us']:>8.1f} {ratio:>6}")
         lines.append(f"{tokens:>7}" + "".join(cells))
-    lines.extend(_versus_deepspeed(rows, options["tokens"]))
+    if options.get("pattern", "residual_rmsnorm") != "residual_rmsnorm":
+        lines.extend(_versus_fused_moe(report, dname))
+    else:
+        lines.extend(_versus_deepspeed(rows, options["tokens"]))
     lines.extend(_versus_floor(rows, options["tokens"]))
+    return lines
+
+
+def _moe_words(options: dict[str, Any]) -> str:
+    pattern = options.get("pattern", "residual_rmsnorm")
+    if pattern == "residual_rmsnorm":
+        return ""
+    fan_in = (f"top_k {options['top_k']} of {options['experts']} experts, a shared expert"
+              if pattern == "moe_finalize" else f"{options['top_k']} experts' rows")
+    return (f"; {pattern} ({fan_in}): shm = the fused call, the other rows run torch's expert "
+            "step (gather + bmm) first")
+
+
+def _versus_fused_moe(report: dict[str, Any], dname: str) -> list[str]:
+    """Each unfused row's median over the fused MoE call's, against its target."""
+    found = moe_verdicts([report], tuple(report["options"]["tokens"]), (dname,))
+    names = list(dict.fromkeys(v.target for v in found))
+    lines = [f"{'':>7}" + "".join(f" {n[5:]:>44}" for n in names)]
+    for tokens in report["options"]["tokens"]:
+        cells = []
+        for v in (v for v in found if v.tokens == tokens):
+            cell = "-" if v.median is None else (
+                f"{v.median:.2f}x (>= {v.limit:g}x: {'met' if v.met else 'not met'})")
+            cells.append(f" {cell:>44}")
+        lines.append(f"{tokens:>7}" + "".join(cells))
     return lines
 
 

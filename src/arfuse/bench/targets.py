@@ -23,6 +23,11 @@ RATIO_ROWS = (("in place x DeepSpeed", "shm-inplace", IN_PLACE_MAX),
               ("in place, replicated x DeepSpeed", "shm-inplace-replicated", IN_PLACE_MAX),
               ("new outputs, replicated x DeepSpeed", "shm-replicated", NEW_OUTPUTS_MAX))
 
+# (target, unfused row of a MoE bench, least speedup of the fused call over it)
+MOE_SPEEDUP_ROWS = (("MoE: torch step + fused AR / fused", "torch-step+shm", 3.0),
+                    ("MoE: torch step + DeepSpeed + norm / fused", "torch-step+deepspeed+norm",
+                     4.0))
+
 
 @dataclass
 class Verdict:
@@ -96,6 +101,23 @@ def verdicts(reports: list[dict[str, Any]], one_core: dict[str, Any] | None,
             call.per_run.append(float(row["call_us"]))
             decode.per_run.append(float(row["gloo_over_arfuse"]))
     return [*out, call, decode]
+
+
+def moe_verdicts(reports: list[dict[str, Any]], tokens: tuple[int, ...],
+                 dtypes: tuple[str, ...] = DTYPES) -> list[Verdict]:
+    """The MoE targets' verdicts from ``arfuse bench --pattern moe_*`` reports: each unfused
+    row's median over the fused call's (``shm``). Pure: no I/O."""
+    out: list[Verdict] = []
+    for dtype in dtypes:
+        for t in tokens:
+            for name, row_name, limit in MOE_SPEEDUP_ROWS:
+                verdict = Verdict(name, dtype, t, limit, False)
+                for report in reports:
+                    fused, row = _row(report, dtype, t, "shm"), _row(report, dtype, t, row_name)
+                    if fused is not None and row is not None:
+                        verdict.per_run.append(row["median_us"] / fused["median_us"])
+                out.append(verdict)
+    return out
 
 
 def table(found: list[Verdict], machine: dict[str, Any]) -> str:

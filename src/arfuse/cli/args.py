@@ -106,6 +106,14 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
                    help="none, fp8, nvfp4 or fp8_dynamic (none)")
 
 
+def add_moe_flags(p: argparse.ArgumentParser) -> None:
+    """The MoE patterns' sizes (``--pattern moe_finalize`` or ``moe_reduce``)."""
+    p.add_argument("--top-k", type=positive_int, default=8,
+                   help="experts per token (8); moe_reduce: the experts' rows it sums")
+    p.add_argument("--experts", type=positive_int, default=64,
+                   help="experts a token picks its top_k from (64; moe_finalize)")
+
+
 def default_world_size(device: str) -> int:
     """The GPU count on CUDA, else two CPU ranks."""
     if device == "cuda":

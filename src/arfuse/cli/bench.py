@@ -13,8 +13,9 @@ from typing import Any
 
 from ..bench.baselines import prebuild_deepspeed
 from ..bench.body import bench_body
-from ..bench.options import BENCH_TOKENS, ROWS, BenchOptions, bytes_per_rank
+from ..bench.options import BENCH_TOKENS, BENCH_TOKENS_MOE, ROWS, BenchOptions, bytes_per_rank
 from ..bench.report import write_plot, write_table
+from ..moe_workload import MOE_PATTERNS, check_moe_sizes
 from . import args as cli_args
 
 
@@ -22,8 +23,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="latency sweep: shm vs torch (gloo) vs deepspeed")
     p.add_argument("--world-size", type=cli_args.group_size, default=None,
                    help="ranks to start (2; under torchrun: the ranks it started)")
-    p.add_argument("--tokens", type=cli_args.int_list, default=BENCH_TOKENS,
-                   help="token counts (1,2,4,...,4096)")
+    p.add_argument("--tokens", type=cli_args.int_list, default=None,
+                   help="token counts (1,2,4,...,4096; a MoE pattern: 1,2,4,...,512)")
     p.add_argument("--hidden", type=cli_args.call_size, default=4096,
                    help="hidden size (4096)")
     p.add_argument("--dtype", type=cli_args.dtype_list, default=("bf16", "fp32"),
@@ -33,6 +34,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--out", default="bench-out", help="folder for bench.json/.txt/.png")
     p.add_argument("--min-seconds", type=cli_args.positive_seconds, default=0.3,
                    help="measure each row for about this long (0.3)")
+    p.add_argument("--pattern", choices=("residual_rmsnorm", *MOE_PATTERNS),
+                   default="residual_rmsnorm",
+                   help="the call timed: all-reduce + residual + RMSNorm (default), or a MoE "
+                   "expert step fused before it, against torch's expert step before each row")
+    cli_args.add_moe_flags(p)
     p.set_defaults(func=run)
 
 
@@ -62,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
     from .explain import check_job
 
     backends = _backends(args.backends)
+    moe = args.pattern != "residual_rmsnorm"
+    if moe:
+        check_moe_sizes(args.pattern, args.top_k, args.experts)
+    tokens = args.tokens or (BENCH_TOKENS_MOE if moe else BENCH_TOKENS)
     ranks = job_ranks(args.world_size)
     if ranks.world < 2:
         raise ValueError("--world-size must be >= 2 for a benchmark of a collective")
@@ -73,13 +83,15 @@ def run(args: argparse.Namespace) -> int:
     shm = "shm" in backends
     for dtype in args.dtype:
         check_job("shm" if shm else None, True if shm else None, ranks, "cpu",
-                  Spec(max_tokens=max(args.tokens), hidden=args.hidden, dtype=dtype))
-    check_memory(bytes_per_rank(max(args.tokens), args.hidden, tuple(args.dtype)), ranks,
-                 f"--tokens {max(args.tokens)} --hidden {args.hidden} needs the inputs and "
-                 "residuals")
-    opts = BenchOptions(world_size=ranks.world, tokens=tuple(args.tokens),
+                  Spec(max_tokens=max(tokens), hidden=args.hidden, dtype=dtype))
+    check_memory(bytes_per_rank(max(tokens), args.hidden, tuple(args.dtype),
+                                args.top_k if moe else 0), ranks,
+                 f"--tokens {max(tokens)} --hidden {args.hidden} needs the inputs and "
+                 "residuals" + (" and the expert rows" if moe else ""))
+    opts = BenchOptions(world_size=ranks.world, tokens=tuple(tokens),
                         hidden=args.hidden, dtypes=tuple(args.dtype), backends=backends,
-                        out=args.out, min_seconds=args.min_seconds)
+                        out=args.out, min_seconds=args.min_seconds, pattern=args.pattern,
+                        top_k=args.top_k, experts=args.experts)
     if "deepspeed" in backends and not _prebuild_deepspeed() and backends == ("deepspeed",):
         raise ValueError("--backends deepspeed: DeepSpeed is unavailable here (see above); "
                          "nothing to measure")

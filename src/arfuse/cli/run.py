@@ -11,12 +11,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..digest import digest
+from ..moe_workload import MOE_PATTERNS, check_moe_sizes
 from ..pattern import Pattern
 from ..reference import expected
 from ..torch_types import TORCH_DTYPES, device_of
@@ -38,6 +40,9 @@ class RunOptions:
     backend: str | None
     device: str
     strict: bool | None = None
+    pattern: str = "residual_rmsnorm"  # or a MoE pattern (``moe_workload.MOE_PATTERNS``)
+    top_k: int = 8
+    experts: int = 64
 
 
 def _say(rank: int, text: str = "") -> None:
@@ -45,7 +50,7 @@ def _say(rank: int, text: str = "") -> None:
         print(text, flush=True)
 
 
-def _rmsnorm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()).to(x.dtype)
 
@@ -63,7 +68,7 @@ class _Layer:
 
 
 @dataclass(frozen=True)
-class _SizeResult:
+class SizeResult:
     tokens: int
     out_err: float
     res_err: float
@@ -84,7 +89,7 @@ def _make_layer(rank: int, world: int, opts: RunOptions, gen: torch.Generator) -
     return _Layer(weight_full, weight_shard, gamma, width, shard)
 
 
-def _quant_matches(result: Any, quant: str | None, scale: float | None) -> bool:
+def quant_matches(result: Any, quant: str | None, scale: float | None) -> bool:
     """The quantised outputs equal arfuse's own quantisation of the output it returned."""
     from arfuse import quant as q
 
@@ -102,12 +107,12 @@ def _quant_matches(result: Any, quant: str | None, scale: float | None) -> bool:
     return True
 
 
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(((got.double().cpu() - want).abs().max() / want.abs().max()).item())
 
 
 def _check_size(comm: Any, layer: _Layer, tokens: int, rank: int, world: int, opts: RunOptions,
-                gen: torch.Generator) -> _SizeResult:
+                gen: torch.Generator) -> SizeResult:
     """One token count: the layer on every rank, the fused op, its outputs against the float64
     reference of the whole layer in one process, then both paths timed."""
     import torch.distributed as dist
@@ -131,15 +136,15 @@ def _check_size(comm: Any, layer: _Layer, tokens: int, rank: int, world: int, op
     want = expected([act.double().cpu() @ layer.weight_full.double().cpu().t()],
                     Pattern("residual_rmsnorm"), residual.cpu(), layer.gamma.cpu(), EPS)
     assert want.residual_out is not None and result.residual_out is not None
-    out_err = _relative_error(result.out, want.out)
-    res_err = _relative_error(result.residual_out, want.residual_out)
-    quant_ok = _quant_matches(result, opts.quant, scale)
+    out_err = relative_error(result.out, want.out)
+    res_err = relative_error(result.residual_out, want.residual_out)
+    quant_ok = quant_matches(result, opts.quant, scale)
     ok = identical and quant_ok and max(out_err, res_err) <= TOLERANCE[opts.dtype]
     fused_us, unfused_us = _time_side_by_side(comm, partial, residual, layer.gamma, opts, scale)
-    return _SizeResult(tokens, out_err, res_err, identical, quant_ok, fused_us, unfused_us, ok)
+    return SizeResult(tokens, out_err, res_err, identical, quant_ok, fused_us, unfused_us, ok)
 
 
-def _print_table(rank: int, world: int, rows: list[_SizeResult], opts: RunOptions,
+def _print_table(rank: int, world: int, rows: list[SizeResult], opts: RunOptions,
                  stats: Any) -> None:
     _say(rank, "")
     _say(rank, f"{'tokens':>7} {'max err':>9} {'resid err':>9} {'identical':>9} "
@@ -154,7 +159,16 @@ def _print_table(rank: int, world: int, rows: list[_SizeResult], opts: RunOption
          f"{opts.quant or 'none'}, {math.prod(_rounds(opts.steps))} timed steps per size "
          f"and path; latency = median per call on "
          f"rank 0; unfused = torch.distributed all_reduce + add + RMSNorm"
-         f"{' + quantisation' if opts.quant else ''}; stats {stats}")
+         f"{' + quantisation' if opts.quant else ''}{_moe_words(opts)}; stats {stats}")
+
+
+def _moe_words(opts: RunOptions) -> str:
+    if opts.pattern == "residual_rmsnorm":
+        return ""
+    what = (f"top_k {opts.top_k} of {opts.experts} experts, a shared expert"
+            if opts.pattern == "moe_finalize" else f"{opts.top_k} experts' rows")
+    return (f"; {opts.pattern} ({what}), fused, against torch's expert step (gather + bmm) "
+            "before the unfused path")
 
 
 def run_body(rank: int, world: int, opts: RunOptions) -> int:
@@ -176,7 +190,16 @@ def run_body(rank: int, world: int, opts: RunOptions) -> int:
          f"{'; residual promised the same on every rank' if comm.replicated_residual else ''}")
     gen = torch.Generator().manual_seed(20261129)
     layer = _make_layer(rank, world, opts, gen)
-    rows = [_check_size(comm, layer, tokens, rank, world, opts, gen) for tokens in opts.tokens]
+    if opts.pattern == "residual_rmsnorm":
+        rows = [_check_size(comm, layer, tokens, rank, world, opts, gen)
+                for tokens in opts.tokens]
+    else:
+        from .run_moe import check_moe_size
+
+        # each rank's expert rows are its own; the residual is every rank's alike, as in TP
+        own_gen = torch.Generator().manual_seed(20261129 + 7919 * (rank + 1))
+        rows = [check_moe_size(comm, layer.gamma, tokens, world, opts, gen, own_gen)
+                for tokens in opts.tokens]
     _print_table(rank, world, rows, opts, comm.stats())
     comm.close()
     dist.barrier()
@@ -205,9 +228,7 @@ def _rounds(steps: int) -> tuple[int, int]:
 def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
                        gamma: torch.Tensor, opts: RunOptions,
                        scale: float | None) -> tuple[float, float]:
-    """Median microseconds of the fused op and of the unfused path, in alternating rounds of
-    consecutive steps (alternating every step would time the fused op waiting for a peer still
-    leaving its previous gloo call)."""
+    """Median microseconds of the fused op and of the unfused path (``time_pair``)."""
     import torch.distributed as dist
 
     from ..epilogue import quantize
@@ -219,12 +240,21 @@ def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
         summed = partial.clone()
         dist.all_reduce(summed)
         pre = summed + residual
-        out = _rmsnorm(pre, gamma)
+        out = rmsnorm(pre, gamma)
         if opts.quant:
             quantize(out, opts.quant, scale, "swizzled_128x4")
 
+    return time_pair(fused, unfused, opts.steps, partial.is_cuda)
+
+
+def time_pair(fused: Callable[[], None], unfused: Callable[[], None], steps: int,
+              cuda: bool) -> tuple[float, float]:
+    """Median microseconds of two paths, in alternating rounds of consecutive steps
+    (alternating every step would time the fused op waiting for a peer still leaving its
+    previous gloo call)."""
+
     def sync() -> None:
-        if partial.is_cuda:
+        if cuda:
             torch.cuda.synchronize()
     for _ in range(3):
         fused()
@@ -232,7 +262,7 @@ def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
     sync()
     fused_t: list[int] = []
     unfused_t: list[int] = []
-    rounds, per_round = _rounds(opts.steps)
+    rounds, per_round = _rounds(steps)
     for _ in range(rounds):
         for fn, times in ((fused, fused_t), (unfused, unfused_t)):
             fn()  # the first step of a round absorbs the ranks' skew; not timed
@@ -261,6 +291,11 @@ def add_parser(sub: Any) -> None:
                    help="default: cuda when this host has a GPU per rank, else cpu")
     p.add_argument("--strict", action="store_true", default=None,
                    help="fail instead of running unfused")
+    p.add_argument("--pattern", choices=("residual_rmsnorm", *MOE_PATTERNS),
+                   default="residual_rmsnorm",
+                   help="the call: all-reduce + residual + RMSNorm (default), or a MoE expert "
+                   "step fused before it")
+    cli_args.add_moe_flags(p)
     cli_args.add_spec_flags(p)
     p.set_defaults(func=run)
 
@@ -270,11 +305,15 @@ def in_features(hidden: int, world: int) -> int:
     return 2 * hidden // world * world or world
 
 
-def bytes_per_rank(tokens: int, hidden: int, dtype: str, world: int) -> int:
+def bytes_per_rank(tokens: int, hidden: int, dtype: str, world: int, fan_in: int = 0) -> int:
     """A lower bound of what one rank of the job allocates at once: the whole layer's weight
-    and the largest activation, each also in float64 for the reference."""
+    and the largest activation, each also in float64 for the reference; with ``fan_in`` (a MoE
+    job's top_k) its expert rows too, and every rank's float64 expert step."""
     width = in_features(hidden, world)
-    return (hidden + tokens) * width * (TORCH_DTYPES[dtype].itemsize + 8)
+    itemsize = TORCH_DTYPES[dtype].itemsize
+    return ((hidden + tokens) * width * (itemsize + 8)
+            + fan_in * tokens * hidden * (itemsize + 8) + (world * tokens * hidden * 8
+                                                           if fan_in else 0))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -287,12 +326,17 @@ def run(args: argparse.Namespace) -> int:
     spec = Spec(max_tokens=max(args.tokens), hidden=args.hidden, dtype=args.dtype,
                 quant=args.quant)
     check_job(args.backend, args.strict, ranks, device, spec)
-    check_memory(bytes_per_rank(spec.max_tokens, spec.hidden, spec.dtype, ranks.world), ranks,
+    if args.pattern != "residual_rmsnorm":
+        check_moe_sizes(args.pattern, args.top_k, args.experts)
+    fan_in = 0 if args.pattern == "residual_rmsnorm" else args.top_k
+    check_memory(bytes_per_rank(spec.max_tokens, spec.hidden, spec.dtype, ranks.world, fan_in),
+                 ranks,
                  f"--tokens {spec.max_tokens} --hidden {spec.hidden} ({spec.dtype}) needs the "
                  "layer's weight and activations, and their float64 reference")
     opts = RunOptions(world_size=ranks.world, tokens=tuple(args.tokens), hidden=args.hidden,
                       dtype=args.dtype, quant=args.quant, steps=args.steps,
-                      backend=args.backend, device=device, strict=args.strict)
+                      backend=args.backend, device=device, strict=args.strict,
+                      pattern=args.pattern, top_k=args.top_k, experts=args.experts)
     # the job prints the plan itself; the log repeats it only if asked (ARFUSE_LOG=info)
     return launch(run_body, ranks.world, opts,
                   env={"ARFUSE_LOG": os.environ.get("ARFUSE_LOG", "warning")})

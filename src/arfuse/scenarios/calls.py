@@ -8,7 +8,9 @@ from typing import Any
 from ..pattern import Pattern
 from ..reference import expected
 
-PATTERNS = ("plain", "norm", "norm_residual", "fp8", "nvfp4", "in_place", "slot")
+PATTERNS = ("plain", "norm", "norm_residual", "fp8", "nvfp4", "in_place", "slot",
+            "moe_finalize", "moe_reduce")
+MOE_EXPERTS = 16                   # a finalize token picks top_k of these
 FP8_SCALE = 0.0625                 # dequantisation scale: |out| up to ~28 fits e4m3
 NVFP4_SCALE = 448.0 * 6.0 / 8.0    # global encode scale for |out| up to ~8
 EPS = 1e-5
@@ -38,8 +40,42 @@ def make_inputs(seed: int, tokens: int, hidden: int, dtype: str,
     return xs, residual, weight
 
 
+def make_moe_inputs(seed: int, pattern: str, tokens: int, hidden: int, dtype: str,
+                    ranks: list[int], top_k: dict[int, int],
+                    bad_index: set[int]) -> tuple[list[Any], list[Any]]:
+    """Every rank's MoE inputs (``moe_workload.ExpertRows``, keyed like ``make_inputs``) and
+    their expert step by the torch reference (``moe.local_rows``): what each rank's ``x`` is.
+    A rank in ``bad_index`` points its first index entry one past its rows (a reference of
+    None: that call must fail)."""
+    import torch
+
+    from ..moe import ExpertStep, local_rows
+    from ..moe_workload import make_expert_rows
+    from ..torch_types import TORCH_DTYPES
+
+    tdt = TORCH_DTYPES[dtype]
+    inputs: list[Any] = []
+    xs: list[Any] = []
+    for r in ranks:
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + r * 7919 + tokens) % 2**62)
+        rows = make_expert_rows(pattern, tokens, hidden, top_k[r], MOE_EXPERTS, tdt, gen,
+                                none_every=5)
+        if r in bad_index and rows.index is not None:
+            rows.index[0, 0] = rows.rows.shape[0]
+        inputs.append(rows)
+        step = ExpertStep(pattern, rows.rows, rows.scales, rows.index, rows.add, rows.routed)
+        try:
+            xs.append(local_rows(step, torch.empty(tokens, hidden, dtype=tdt)))
+        except ValueError:
+            xs.append(None)
+    return inputs, xs
+
+
 def run_pattern(comm: Any, pattern: str, x: Any, residual: Any, weight: Any) -> Any:
-    """One call of ``pattern``; inputs that the pattern overwrites are copies."""
+    """One call of ``pattern``; inputs that the pattern overwrites are copies. A MoE pattern's
+    ``x`` is the rank's ``ExpertRows``."""
+    if pattern in ("moe_finalize", "moe_reduce"):
+        return x.call(comm, residual=residual, weight=weight, eps=EPS)
     if pattern == "plain":
         return comm(x)
     if pattern == "norm":
@@ -66,7 +102,10 @@ FUSED_PATTERN = {"plain": Pattern(), "norm": Pattern("rmsnorm"),
                  "norm_residual": Pattern("residual_rmsnorm"),
                  "fp8": Pattern("residual_rmsnorm", "fp8"),
                  "nvfp4": Pattern("residual_rmsnorm", "nvfp4", "linear"),
-                 "in_place": Pattern("residual_rmsnorm"), "slot": Pattern("residual_rmsnorm")}
+                 "in_place": Pattern("residual_rmsnorm"), "slot": Pattern("residual_rmsnorm"),
+                 # checked from each rank's expert step on: ``x`` is its output
+                 "moe_finalize": Pattern("residual_rmsnorm"),
+                 "moe_reduce": Pattern("residual_rmsnorm")}
 
 
 def check_result(pattern: str, dtype: str, xs: list[Any], residual: Any, weight: Any,
@@ -77,7 +116,7 @@ def check_result(pattern: str, dtype: str, xs: list[Any], residual: Any, weight:
     eps = ULP[dtype] * max(1, len(xs) - 1)
     want = expected(xs, FUSED_PATTERN[pattern], residual, weight, EPS)
     total, abs_sum, out = want.sum, want.abs_sum, result.out.double()
-    if pattern == "plain":
+    if pattern == "plain" or FUSED_PATTERN[pattern].epilogue == "none":
         return float(((out - total).abs() / (eps * abs_sum + 1e-30)).max().item())
     ref, pre = want.out, want.residual_out
     assert pre is not None

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..launch import die_with_parent, store_listener
 from .decision import run_decision
-from .language import Scenario, load_scenario, mentions, resolve_path
+from .language import Scenario, load_scenario, mentions, resolve_path, step_expect
 from .ranks import rank_main
 
 # --- one job (one scenario) -------------------------------------------------------------------
@@ -85,10 +85,11 @@ def _records(path: Path) -> list[dict[str, Any]]:
 
 def _check_step(step: dict[str, Any], recs: dict[int, dict[str, Any]],
                 ops_ws: dict[tuple[int, str], str], index: int) -> list[str]:
-    """The step's expectations on every rank that ran it; numerics and identical bytes."""
-    expect = step.get("expect", {})
+    """The step's expectations on every rank that ran it (``expect``, with a rank's own keys
+    from ``expect_by_rank`` over it); numerics and identical bytes."""
     problems: list[str] = []
     for rank, rec in sorted(recs.items()):
+        expect = step_expect(step, rank)
         where = f"step {index} ({step['do']}) rank {rank}"
         if expect.get("error"):
             if rec.get("ok"):
@@ -132,7 +133,7 @@ def _check_step(step: dict[str, Any], recs: dict[int, dict[str, Any]],
         if step["do"] == "call" and rec.get("max_ratio", 0.0) > 1.0:
             problems.append(f"{where}: result off the float64 reference: {rec['max_ratio']:.3g} "
                             "x the tolerance")
-    if step["do"] == "call" and expect.get("identical", True):
+    if step["do"] == "call" and step.get("expect", {}).get("identical", True):
         by_group: dict[str, set[str]] = {}
         for rec in recs.values():
             if rec.get("ok") and "digest" in rec:

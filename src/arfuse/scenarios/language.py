@@ -120,6 +120,12 @@ def scenario_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
             raise ValueError(f"scenario path {str(p)!r} is neither a file nor a directory")
     return found
 
+def step_expect(step: dict[str, Any], rank: int) -> dict[str, Any]:
+    """What a step expects on ``rank``: ``expect``, with that rank's ``expect_by_rank`` keys
+    over it."""
+    return {**step.get("expect", {}), **step.get("expect_by_rank", {}).get(str(rank), {})}
+
+
 def as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else [value]
 

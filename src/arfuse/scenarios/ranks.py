@@ -16,8 +16,8 @@ from typing import Any
 
 from ..digest import digest
 from ..launch import die_with_parent, rank_store
-from .calls import check_result, make_inputs, run_pattern
-from .language import as_list
+from .calls import check_result, make_inputs, make_moe_inputs, run_pattern
+from .language import as_list, step_expect
 from .leaks import LeakBaseline, segment_modes
 
 # --- one rank ------------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ class RankProgram:
             record["seconds"] = round(time.monotonic() - started, 4)
             record["live"] = len(registry.REGISTRY.workspaces())
             self.emit(record)
-            if record["ok"] == bool(step.get("expect", {}).get("error")):
+            if record["ok"] == bool(step_expect(step, self.rank).get("error")):
                 self.emit({"aborted_after": index, "rank": self.rank})
                 break
         self.ops.clear()
@@ -155,10 +155,17 @@ class RankProgram:
             record["at_call"] = k
             xs, residual, weight = make_inputs(seed * 100_003 + k, n, int(spec["hidden"]),
                                                str(spec["dtype"]), ranks)
+            mine = xs[ranks.index(self.rank)]
+            if pattern.startswith("moe_"):
+                inputs, xs = make_moe_inputs(
+                    seed * 100_003 + k, pattern, n, int(spec["hidden"]), str(spec["dtype"]),
+                    ranks, {r: int(_per_rank(step, "top_k", r, 4)) for r in ranks},
+                    {r for r in ranks if _per_rank(step, "bad_index", r, False)})
+                mine = inputs[ranks.index(self.rank)]
             mode = getattr(ws, "mode", None)
             if mode is not None and n <= comm.capacity:
                 modes.add(mode(n))
-            result = run_pattern(comm, pattern, xs[ranks.index(self.rank)], residual, weight)
+            result = run_pattern(comm, pattern, mine, residual, weight)
             worst = max(worst, check_result(pattern, str(spec["dtype"]), xs, residual, weight,
                                             result))
             h.update(digest(*result).encode())
