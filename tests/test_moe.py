@@ -5,6 +5,7 @@ torch (bit-identical across ranks and backends; ranks that disagree fail togethe
 from __future__ import annotations
 
 import itertools
+import random
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from arfuse.pattern import ALL, Pattern
 
 from harness import run_ranks, values
 from numerics_check import ulps_apart
-from ranks_moe import HIDDEN, moe_disagreement, moe_results
+from ranks_moe import HIDDEN, moe_disagreement, moe_fast_and_checked, moe_results
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -303,3 +304,30 @@ def test_a_bad_index_on_one_rank_fails_it_by_name_and_its_peer_at_once() -> None
         # not CallTimeout: the peer learnt of the refusal instead of waiting for it
         assert peer["type"] == "MismatchedCall" and "top_k=0" in peer["error"], peer
         assert [r[1]["type"] for r in results] == ["", ""], (backend, results)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_kernels_fast_path_and_the_checked_path_agree(dtype: torch.dtype) -> None:
+    """A rank on the kernel's fast path and one on the checked Python path meet with the same
+    signature and get the same bytes; the fast path declines every call the Python path
+    refuses (or handles: an index past the rows, a call over capacity)."""
+    if shm_build.load() is None:
+        pytest.skip(f"no kernel here: {shm_build.why_not()}")
+    fast, checked = values(run_ranks(moe_fast_and_checked, 2, dtype, timeout=120))
+    assert fast["fast_calls"] == 4 and checked["fast_calls"] == 0
+    for got, want in zip(checked["outputs"], fast["outputs"], strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    for declined in (fast["declined"], checked["declined"]):
+        assert declined and all(declined.values()), [k for k, v in declined.items() if not v]
+
+
+def test_the_kernel_computes_the_moe_fields_as_python_does() -> None:
+    kernel = shm_build.load()
+    if kernel is None:
+        pytest.skip(f"no kernel here: {shm_build.why_not()}")
+    gen = random.Random(7)
+    for _ in range(3000):
+        fields = (gen.randint(0, 255), gen.random() < 0.5, gen.randint(0, 2**40),
+                  gen.randint(0, 2**32 - 1))
+        assert kernel.diagnostics.moe_bits(*fields) == signature.moe_bits(*fields), fields

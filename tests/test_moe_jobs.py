@@ -64,7 +64,7 @@ def test_torch_expert_step_is_the_float64_step_rounded(pattern: str, dtype: torc
 def test_moe_job_flags_are_checked() -> None:
     with pytest.raises(ValueError, match="--experts 4 is fewer than --top-k 8"):
         check_moe_sizes("moe_finalize", 8, 4)
-    with pytest.raises(ValueError, match="--top-k 256 is not valid; use 1..255"):
+    with pytest.raises(ValueError, match=r"--top-k 256 is not valid; use 1\.\.255"):
         check_moe_sizes("moe_reduce", 256, 64)
     with pytest.raises(ValueError, match="not a MoE pattern"):
         check_moe_sizes("residual_rmsnorm", 8, 64)

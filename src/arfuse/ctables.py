@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "backends" / "shm" / "csrc"
-_LINE = re.compile(r"^\s*(?:inline\s+)?constexpr\s+(?:int64_t|int|double)\s+(k\w+)\s*=\s*"
+_LINE = re.compile(r"^\s*(?:inline\s+)?constexpr\s+(?:u?int64_t|int|double)\s+(k\w+)\s*=\s*"
                    r"([^;]+);", re.MULTILINE)
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
               ast.LShift: operator.lshift, ast.BitOr: operator.or_}

@@ -81,7 +81,9 @@ class FusedAllReduce:
         self._broken = ""  # a residual check that timed out: the group is out of step
         # the kernel's own checked entry (it declines what it does not fuse), unless faults
         # must fire on calls or residuals must be compared first
-        self._fast = ws.fast_call if not ws.call_fault and not self._check_residual else None
+        plain_path = bool(ws.call_fault) or self._check_residual  # every call through Python
+        self._fast = None if plain_path else ws.fast_call
+        self._fast_moe = None if plain_path else ws.fast_moe_call
 
     # --- what was decided --------------------------------------------------------------------
 
@@ -179,6 +181,15 @@ class FusedAllReduce:
         + shared_expert_output[t]`` (an index of -1: none), computed in fp32. ``expanded``:
         ``[P, hidden]`` (the permuted expert outputs); the index: int32 ``[tokens, top_k]``;
         ``expert_scales``: ``[tokens, top_k]``, fp32 or the activation dtype."""
+        fast = self._fast_moe
+        if fast is not None:
+            result: FusedOutput | None = fast(
+                expanded, expanded_idx_to_permuted_idx, expert_scales, shared_expert_output,
+                routed_scaling_factor, residual, weight, eps, weight_bias, quant, scale, layout,
+                out, residual_out, self._op)
+            if result is not None:
+                self._fast_calls += 1
+                return result
         step = moe.check_finalize(self._shape, expanded, expanded_idx_to_permuted_idx,
                                   expert_scales, shared_expert_output, routed_scaling_factor)
         return self._call(self.input_buffer(step.tokens), residual, weight, eps, weight_bias,
@@ -195,6 +206,14 @@ class FusedAllReduce:
         rank's rows are ``sum_e scale_input[e,t] * active_experts_token_input[e,t]
         + token_input[t]`` in fp32; the inputs are expert-major: ``[experts, tokens, hidden]``
         and ``[experts, tokens]``."""
+        fast = self._fast_moe
+        if fast is not None:
+            result: FusedOutput | None = fast(
+                active_experts_token_input, None, scale_input, token_input, 1.0, residual,
+                weight, eps, weight_bias, quant, scale, layout, out, residual_out, self._op)
+            if result is not None:
+                self._fast_calls += 1
+                return result
         step = moe.check_reduce(self._shape, active_experts_token_input, scale_input,
                                 token_input)
         return self._call(self.input_buffer(step.tokens), residual, weight, eps, weight_bias,
@@ -273,7 +292,7 @@ class FusedAllReduce:
         if self._unfused is not None:
             self._unfused.destroy()
         self._ws = self._unfused = None
-        self._fast = None
+        self._fast = self._fast_moe = None
 
     def __enter__(self) -> FusedAllReduce:
         return self

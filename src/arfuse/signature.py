@@ -32,6 +32,8 @@ MOE_SHARED_SHIFT = int(_S["kMoeSharedShift"])
 MOE_DIGEST_SHIFT = int(_S["kMoeDigestShift"])
 MOE_DIGEST_BITS = int(_S["kMoeDigestBits"])
 MAX_MOE_FAN_IN = int(_S["kMaxMoeFanIn"])
+_MOE_ROWS_MUL = int(_S["kMoeDigestRowsMul"])
+_MOE_ROUTED_MUL = int(_S["kMoeDigestRoutedMul"])
 _MASK32 = 0xFFFFFFFF
 
 _DTYPE_NAMES = ("bf16", "fp16", "fp32")
@@ -52,7 +54,7 @@ def moe_bits(fan_in: int, shared: bool, rows: int, routed_scaling_bits: int) -> 
     ``MAX_MOE_FAN_IN``), whether a shared expert is given, and an 11-bit digest of the expanded
     rows and the routed scaling factor's fp32 bits (ranks that differ there fail but for a
     chance of 1 in 2048; the other fields are exact)."""
-    mixed = (rows * 0x9E3779B97F4A7C15 ^ routed_scaling_bits * 0xC2B2AE3D27D4EB4F) & (2**64 - 1)
+    mixed = ((rows * _MOE_ROWS_MUL ^ routed_scaling_bits * _MOE_ROUTED_MUL) & (2**64 - 1))
     digest = (mixed >> (64 - MOE_DIGEST_BITS)) & ((1 << MOE_DIGEST_BITS) - 1)
     return (fan_in << MOE_FAN_IN_SHIFT | int(shared) << MOE_SHARED_SHIFT
             | digest << MOE_DIGEST_SHIFT)

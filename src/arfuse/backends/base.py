@@ -47,6 +47,13 @@ class Workspace(ABC):
         path); it returns ``None`` whenever the checked Python path must take over."""
         return None
 
+    @property
+    def fast_moe_call(self) -> Any:
+        """The same for the MoE calls: ``(rows, index, scales, add, routed, residual, weight,
+        eps, weight_bias, quant, scale, layout, out, residual_out, op)``, ``index`` None for
+        ``moe_reduce`` (``add``: its token input; a finalize's shared expert or None)."""
+        return None
+
     def input_buffer(self, tokens: int) -> torch.Tensor:
         """Where the caller may write the next call's input (a backend with a shared input
         slot returns a view of it and skips a copy); by default a fresh tensor."""

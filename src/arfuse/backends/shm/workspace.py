@@ -227,6 +227,12 @@ class ShmWorkspace(Workspace):
         return None if self._comm is None else self._comm.call
 
     @property
+    def fast_moe_call(self) -> Any:
+        """The kernel's checked MoE entry (``None`` on the pure-torch path); ``None`` from it:
+        take the Python path, as for ``fast_call``."""
+        return None if self._comm is None else self._comm.call_moe
+
+    @property
     def handle(self) -> int | None:
         """The integer that names this rank's kernel to the torch operator (``None`` on the
         pure-torch path). Every rank of the group calls, alike (it is collective)::

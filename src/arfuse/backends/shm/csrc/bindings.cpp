@@ -306,6 +306,11 @@ void bind_comm(py::module_& m) {
       .def("call", &ShmComm::call, py::arg("x"), py::arg("residual"), py::arg("weight"),
            py::arg("eps"), py::arg("weight_bias"), py::arg("quant"), py::arg("scale"),
            py::arg("layout"), py::arg("out"), py::arg("residual_out"), py::arg("op") = 0)
+      .def("call_moe", &ShmComm::call_moe, py::arg("rows"), py::arg("index"),
+           py::arg("scales"), py::arg("add"), py::arg("routed"), py::arg("residual"),
+           py::arg("weight"), py::arg("eps"), py::arg("weight_bias"), py::arg("quant"),
+           py::arg("scale"), py::arg("layout"), py::arg("out"), py::arg("residual_out"),
+           py::arg("op") = 0)
       .def("run", [](ShmComm& comm, const at::Tensor& x, const std::optional<at::Tensor>& residual,
                      const std::optional<at::Tensor>& weight, double eps, double weight_bias,
                      int64_t quant, double scale, bool swizzled,
@@ -375,5 +380,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   diagnostics.def("nvfp4_quantize", &nvfp4_quantize);
   diagnostics.def("round_to", &round_to);
   diagnostics.def("exchange_copy", &exchange_copy);
+  diagnostics.def("moe_bits", [](int64_t fan_in, bool shared, int64_t rows, int64_t routed_bits) {
+    return signature::moe_bits(fan_in, shared, rows, uint32_t(routed_bits));
+  });
   bind_comm(m);
 }

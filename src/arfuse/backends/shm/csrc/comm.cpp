@@ -1,10 +1,13 @@
 // ShmComm (comm.h): argument checks, outputs, and one call's exchange.
 #include "comm.h"
+
 #include "float_env.h"
+#include "moe.h"
 
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cmath>
+#include <cstring>
 #include <new>
 #include <optional>
 #include <unordered_map>
@@ -381,6 +384,91 @@ py::object ShmComm::call(py::handle x_obj, py::handle residual_obj, py::handle w
   if (!take_tensor(out_obj, &t.out) || !take_tensor(residual_out_obj, &t.residual_out) ||
       memory_problem(t)) {
     return py::none();
+  }
+  std::array<at::Tensor, 4> r = execute(t, n, true);
+  return make_result(r);
+}
+
+// ---- the MoE fast path (arfuse.moe's checks, rule for rule; None where they would raise) -----
+
+// A MoE input: a contiguous, plain CPU tensor of `dim` dimensions outside the shared segment.
+bool ShmComm::moe_input_ok(const at::Tensor& t, int64_t dim) const {
+  return plain_tensor(t) && t.dim() == dim && t.is_cpu() && t.is_contiguous() &&
+         !overlap(span(t), Span{seg_.base, seg_.end()});
+}
+
+// The expert rows, scales and index of a MoE call, checked; the call's tokens (0: declined).
+int64_t ShmComm::moe_tokens(const at::Tensor& rows, const at::Tensor* index,
+                            const at::Tensor& scales, const at::Tensor* add) const {
+  const bool finalize = index != nullptr;
+  if (!moe_input_ok(rows, finalize ? 2 : 3) || rows.scalar_type() != scalar_type() ||
+      rows.size(rows.dim() - 1) != hidden_ || !moe_input_ok(scales, 2)) {
+    return 0;
+  }
+  if (scales.scalar_type() != at::kFloat && scales.scalar_type() != scalar_type()) return 0;
+  int64_t tokens = 0, fan_in = 0;
+  if (finalize) {
+    if (!moe_input_ok(*index, 2) || index->scalar_type() != at::kInt) return 0;
+    tokens = index->size(0);
+    fan_in = index->size(1);
+    if (scales.sizes() != index->sizes()) return 0;
+  } else {
+    fan_in = rows.size(0);
+    tokens = rows.size(1);
+    if (scales.size(0) != fan_in || scales.size(1) != tokens) return 0;
+  }
+  if (fan_in < 1 || fan_in > signature::kMaxMoeFanIn || tokens < 1) return 0;
+  if (add != nullptr && (!moe_input_ok(*add, 2) || add->scalar_type() != scalar_type() ||
+                         add->size(0) != tokens || add->size(1) != hidden_)) {
+    return 0;
+  }
+  return tokens;
+}
+
+py::object ShmComm::call_moe(py::handle rows_obj, py::handle index_obj, py::handle scales_obj,
+                             py::handle add_obj, py::handle routed_obj, py::handle residual_obj,
+                             py::handle weight_obj, py::handle eps_obj, py::handle bias_obj,
+                             py::handle quant_obj, py::handle scale_obj, py::handle layout_obj,
+                             py::handle out_obj, py::handle residual_out_obj, int64_t op) {
+  const at::Tensor *rows = nullptr, *index = nullptr, *scales = nullptr, *add = nullptr;
+  double routed = 1.0;
+  if (failed() || op < 0 || op > signature::kMaxOp || !take_tensor(rows_obj, &rows) ||
+      !rows || !take_tensor(index_obj, &index) || !take_tensor(scales_obj, &scales) ||
+      !scales || !take_tensor(add_obj, &add) || (!index && !add) ||
+      !plain_number(routed_obj, &routed) || !(std::fabs(routed) <= kFp32Max)) {
+    return py::none();
+  }
+  const int64_t tokens = moe_tokens(*rows, index, *scales, add);
+  if (tokens < 1 || tokens > max_tokens_) return py::none();
+  const at::Tensor x = at::from_blob(next_slot(), {tokens, hidden_},
+                                     at::TensorOptions().dtype(scalar_type()));
+  Tensors t;
+  Numbers n;
+  n.op = op;
+  t.x = &x;
+  if (!take_tensor(weight_obj, &t.weight) || !take_tensor(residual_obj, &t.residual) ||
+      tensors_problem(t) ||
+      !take_numbers(t.weight != nullptr, eps_obj, bias_obj, quant_obj, scale_obj, layout_obj,
+                    &n) ||
+      numbers_problem(t.weight != nullptr, n) || !take_tensor(out_obj, &t.out) ||
+      !take_tensor(residual_out_obj, &t.residual_out) || memory_problem(t)) {
+    return py::none();
+  }
+  const float routed_f32 = float(routed);
+  uint32_t routed_bits = 0;
+  std::memcpy(&routed_bits, &routed_f32, sizeof routed_bits);
+  const int reduction = index ? signature::kReductionMoeFinalize : signature::kReductionMoeReduce;
+  n.moe = (int64_t(reduction) << (signature::kReductionShift + signature::kPatternShift)) |
+          signature::moe_bits(index ? index->size(1) : rows->size(0), index && add,
+                              rows->size(0), routed_bits);
+  if (index) {
+    // an index outside the rows: nothing written; the Python path meets the peers and raises
+    if (!moe_finalize(x, *rows, *index, *scales, add ? std::optional<at::Tensor>(*add)
+                                                     : std::nullopt, routed_f32).empty()) {
+      return py::none();
+    }
+  } else {
+    moe_reduce(x, *rows, *scales, *add);
   }
   std::array<at::Tensor, 4> r = execute(t, n, true);
   return make_result(r);

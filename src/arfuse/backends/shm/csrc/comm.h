@@ -97,6 +97,15 @@ class ShmComm {
   py::object call(py::handle x, py::handle residual, py::handle weight, py::handle eps,
                   py::handle weight_bias, py::handle quant, py::handle scale,
                   py::handle layout, py::handle out, py::handle residual_out, int64_t op);
+  // The fast path of a MoE call (moe_finalize with an index, moe_reduce without): the rules
+  // of arfuse.moe and of call, the expert step straight into this rank's input slot, then
+  // the call. None wherever the Python path would raise or for anything unusual, an index
+  // outside the rows included (the Python path then meets the peers and raises).
+  py::object call_moe(py::handle rows, py::handle index, py::handle scales, py::handle add,
+                      py::handle routed, py::handle residual, py::handle weight,
+                      py::handle eps, py::handle weight_bias, py::handle quant,
+                      py::handle scale, py::handle layout, py::handle out,
+                      py::handle residual_out, int64_t op);
   // (out, residual_out, quant_out, scale_out), the absent ones undefined (None in Python).
   std::array<at::Tensor, 4> run(const Tensors& t, const Numbers& n, bool release_gil);
   // Meet the group with the signature of a call this rank runs elsewhere (over capacity, on
@@ -154,6 +163,9 @@ class ShmComm {
   const char* memory_problem(const Tensors& t) const;
   const char* destination_problem(const Tensors& t, const at::Tensor& dest, bool is_out) const;
   bool like_x(const at::Tensor& t, const at::Tensor& x) const;
+  bool moe_input_ok(const at::Tensor& t, int64_t dim) const;
+  int64_t moe_tokens(const at::Tensor& rows, const at::Tensor* index, const at::Tensor& scales,
+                     const at::Tensor* add) const;
   static bool take_numbers(bool norm, py::handle eps, py::handle weight_bias, py::handle quant,
                            py::handle scale, py::handle layout, Numbers* n);
   py::object make_result(std::array<at::Tensor, 4>& r) const;

@@ -87,6 +87,21 @@ inline constexpr bool moe_bits_only(int64_t moe) {
                   ~((int64_t(1) << kMoeFanInShift) - 1))) == 0;
 }
 
+// The MoE fields of word 0 (arfuse.signature.moe_bits computes the same): the fan-in, the
+// shared-expert bit and an 11-bit digest of the expanded rows and the routed scaling
+// factor's fp32 bits, which mixes both by these odd multipliers and keeps the top bits.
+constexpr uint64_t kMoeDigestRowsMul = 0x9E3779B97F4A7C15;
+constexpr uint64_t kMoeDigestRoutedMul = 0xC2B2AE3D27D4EB4F;
+
+inline constexpr int64_t moe_bits(int64_t fan_in, bool shared, int64_t rows,
+                                  uint32_t routed_bits) {
+  const uint64_t mixed = (uint64_t(rows) * kMoeDigestRowsMul) ^
+                         (uint64_t(routed_bits) * kMoeDigestRoutedMul);
+  const uint64_t digest = (mixed >> (64 - kMoeDigestBits)) & ((uint64_t(1) << kMoeDigestBits) - 1);
+  return (fan_in << kMoeFanInShift) | (int64_t(shared ? 1 : 0) << kMoeSharedShift) |
+         int64_t(digest << kMoeDigestShift);
+}
+
 inline constexpr int64_t word1(int64_t hidden, int64_t op) {
   return int64_t((uint64_t(hidden) & 0xffffffffULL) | (uint64_t(op & kMaxOp) << kOpShift));
 }
