@@ -100,7 +100,7 @@ class Plan:
             mark = "yes" if cand.viable else "no"
             lines.append(f"  {cand.backend:<8} {mark:<7} {cand.reason}")
         lines += ["", "patterns fused (arfuse.pattern):"]
-        lines.extend(f"  {cand.backend:<8} {_pattern_list(cand.fuses)}" for cand in self.candidates)
+        lines.extend(f"  {cand.backend:<8} {pattern_list(cand.fuses)}" for cand in self.candidates)
         lines.append("")
         kind = "fused" if self.fused else "unfused"
         lines.append(f"chosen: {self.backend} ({kind}); fallback to another fused backend: "
@@ -116,7 +116,8 @@ class Plan:
         return "\n".join(lines)
 
 
-def _pattern_list(names: tuple[str, ...]) -> str:
+def pattern_list(names: tuple[str, ...]) -> str:
+    """The patterns a backend fuses, in a few words (``explain``, ``doctor``)."""
     if not names:
         return "no pattern (each step on its own)"
     if len(names) == len(ALL_PATTERNS):

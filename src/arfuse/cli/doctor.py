@@ -90,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
         why = descriptor.unmet(topo, spec) or blocked.get(descriptor.name, "")
         print(f"  {descriptor.name:<8} {'yes' if not why else 'no':<13} {why or 'ok'}")
     plan = policy.resolve(conf, topo, spec, blocked)
+    print("\n  patterns each fuses here (arfuse.pattern; a MoE pattern a backend does not fuse "
+          "runs its expert step first)")
+    for cand in plan.candidates:
+        print(f"  {cand.backend:<8} {policy.pattern_list(cand.fuses)}")
     print(f"\n  {picks_label(conf)}: {plan.backend} for {world} ranks (arfuse explain shows why)")
     removed = shm_segment.clean_stale_segments()
     print(f"  stale shm segments of dead jobs removed: {len(removed)}")
