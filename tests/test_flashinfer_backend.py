@@ -159,6 +159,68 @@ class CheckpointingWorkspace(FakeWorkspace):
         self.restored_with = comm_backend
 
 
+UNIFIED_PARAMETERS = frozenset((
+    "input", "workspace", "pattern", "launch_with_pdl", "trigger_completion_at_end", "output",
+    "residual_out", "norm_out", "quant_out", "scale_out", "residual_in", "rms_gamma",
+    "rms_eps", "scale_factor", "layout_code", "use_oneshot", "fp32_acc",
+    "moe_reduction_device_num_experts", "moe_reduction_scale_input",
+    "moe_reduction_active_experts_token_input", "moe_reduction_token_input",
+    "expanded_idx_to_permuted_idx", "expert_scale_factor", "shared_expert_output",
+    "block_quant_group_size", "weight_bias"))
+"""``allreduce_fusion``'s keywords in 0.6.13 and 0.7.2.post1 (no ``routed_scaling_factor``)."""
+
+
+def kernel_finalize_rows(kw: dict[str, Any]) -> torch.Tensor:
+    """Pattern 7's expert step as its kernel reads the arguments: flat pointers, ``top_k`` the
+    index's last dimension, the scales in the activation dtype, each product and sum rounded
+    to it; an index read past its end or outside ``expanded`` raises (a GPU would read it)."""
+    residual = kw["residual_in"]
+    tokens, hidden = residual.shape
+    dtype = residual.dtype
+    index, scales = kw["expanded_idx_to_permuted_idx"], kw["expert_scale_factor"]
+    if index.dtype != torch.int32 or scales.dtype != dtype:
+        raise TypeError(f"the kernel reads int32 indices and {dtype} scales, got "
+                        f"{index.dtype} and {scales.dtype}")
+    top_k, rows = index.shape[-1], kw["input"].reshape(-1, hidden)
+    flat_index, flat_scales = index.reshape(-1), scales.reshape(-1)
+    acc = torch.zeros(tokens, hidden, dtype=dtype)
+    for t in range(tokens):
+        for k in range(top_k):
+            j = t * top_k + k
+            if j >= flat_index.numel() or j >= flat_scales.numel():
+                raise IndexError(f"read past the index: entry {j} of {flat_index.numel()}")
+            row = int(flat_index[j])
+            if row == -1:
+                continue
+            if not 0 <= row < rows.shape[0]:
+                raise IndexError(f"read row {row} of {rows.shape[0]}")
+            acc[t] += (rows[row].float() * float(flat_scales[j])).to(dtype)
+    if kw.get("shared_expert_output") is not None:
+        acc = (acc.float() + kw["shared_expert_output"].float()).to(dtype)
+    return acc
+
+
+def kernel_reduction_rows(kw: dict[str, Any]) -> torch.Tensor:
+    """Pattern 6's expert step as its kernel reads it: ``active`` at ``e*T*H + t*H + h``,
+    fp32 scales at ``e*T + t`` (it reads floats), rounded to the activation dtype."""
+    residual = kw["residual_in"]
+    tokens, hidden = residual.shape
+    experts = kw["moe_reduction_device_num_experts"]
+    scales = kw["moe_reduction_scale_input"]
+    if scales.dtype != torch.float32:
+        raise TypeError(f"the kernel reads float scales, got {scales.dtype}")
+    active = kw["moe_reduction_active_experts_token_input"].reshape(-1)
+    active = active[:experts * tokens * hidden].view(experts, tokens, hidden)
+    scales = scales.reshape(-1)[:experts * tokens].view(experts, tokens)
+    acc = torch.zeros(tokens, hidden, dtype=residual.dtype)
+    for e in range(experts):
+        acc += (active[e].float() * scales[e].unsqueeze(1)).to(acc.dtype)
+    return (acc.float() + kw["moe_reduction_token_input"].float()).to(acc.dtype)
+
+
+KERNEL_MOE_ROWS = {6: kernel_reduction_rows, 7: kernel_finalize_rows}
+
+
 class FakeFlashInfer:
     def __init__(self, mc_ptr: int = 0xABC, buffer_scale: float = 1.0, version: str = NEW,
                  multicast: Callable[[int], bool] | None = None,
@@ -202,8 +264,13 @@ class FakeFlashInfer:
             return ws
 
         def allreduce_fusion(**kw: Any) -> torch.Tensor:
+            unknown = set(kw) - UNIFIED_PARAMETERS
+            if unknown:  # as Python would for the real function
+                raise TypeError(f"allreduce_fusion() got unexpected arguments {unknown}")
             fake.calls.append(kw)
             x, ws = kw["input"], kw["workspace"]
+            if kw["pattern"] in KERNEL_MOE_ROWS:
+                x = KERNEL_MOE_ROWS[kw["pattern"]](kw)
             total = fake.wire.sum(ws.rank, x) if fake.wire is not None else x
             if kw["pattern"] == 0:  # one rank, or the wire's sum
                 kw["output"].copy_(total)
@@ -736,7 +803,7 @@ def test_quantisation_without_rmsnorm_is_a_step_of_its_own(
                         nvlink_all_pairs=True, flashinfer="0.7.2.post1")
     assert not ws.takes(topology, call.pattern)
     assert ws.takes(topology, Pattern("rmsnorm", quant, "linear" if quant == "nvfp4" else None))
-    got = run_on(ws, call, ws.takes(topology, call.pattern))
+    got = run_on(ws, call, lambda pattern: ws.takes(topology, pattern))
     assert fake.calls[-1]["pattern"] == 0
     want = quantize(got.out, quant, scale, "linear")
     assert got.quant_out is not None and torch.equal(got.quant_out.view(torch.uint8),

@@ -66,6 +66,10 @@ class BackendDescriptor:
     fuses: Callable[[Topology, Spec, Pattern], bool] = _fuses_nothing
     """Whether its kernel computes ``pattern`` in one step here (a quantised pattern it does
     not fuse runs as the pattern without quantisation, then the quantisation on its own)."""
+    notes: Callable[[Topology, Spec], tuple[str, ...]] = field(
+        default=lambda topology, spec: ())
+    """What ``explain`` adds to the patterns it fuses: the conditions that depend on the call,
+    not the spec (when a call of a fused pattern still runs in steps)."""
     footprint: Callable[[int, Spec, Topology], Footprint] = field(
         default=lambda world, spec, topology: Footprint(0, 0))
     auto_rank: int | None = None

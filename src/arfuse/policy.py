@@ -26,10 +26,13 @@ class Candidate:
     quant_fusion: bool = False
     fuses: tuple[str, ...] = ()
     """Names of the patterns it fuses for this spec here (``arfuse.pattern``)."""
+    notes: tuple[str, ...] = ()
+    """When a call of those patterns still runs in steps (``BackendDescriptor.notes``)."""
 
     def to_dict(self) -> dict[str, Any]:
+        # notes only where there are some, so the keys of the other candidates stay as they were
         return {"backend": self.backend, "viable": self.viable, "reason": self.reason,
-                "fuses": list(self.fuses)}
+                "fuses": list(self.fuses), **({"notes": list(self.notes)} if self.notes else {})}
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,9 @@ class Plan:
             mark = "yes" if cand.viable else "no"
             lines.append(f"  {cand.backend:<8} {mark:<7} {cand.reason}")
         lines += ["", "patterns fused (arfuse.pattern):"]
-        lines.extend(f"  {cand.backend:<8} {pattern_list(cand.fuses)}" for cand in self.candidates)
+        for cand in self.candidates:
+            lines.append(f"  {cand.backend:<8} {pattern_list(cand.fuses)}")
+            lines.extend(f"  {'':<8} {note}" for note in cand.notes)
         lines.append("")
         kind = "fused" if self.fused else "unfused"
         lines.append(f"chosen: {self.backend} ({kind}); fallback to another fused backend: "
@@ -193,7 +198,8 @@ def _candidate(descriptor: catalog.BackendDescriptor, topology: Topology, spec: 
                         "swizzled_128x4" if spec.quant == "nvfp4" else None)
     return Candidate(name, not why, why or "meets every requirement",
                      not why and spec.quant is not None and quantised in fuses,
-                     tuple(p.name for p in fuses))
+                     tuple(p.name for p in fuses),
+                     () if why else descriptor.notes(topology, spec))
 
 
 def _unfused_candidate(settings: Settings, blocked: Mapping[str, str]) -> Candidate:

@@ -11,6 +11,9 @@ needed: FlashInfer's own Python code runs for real, and only what needs a device
    API (``create_allreduce_fusion_workspace`` bound to its real signature, ``allreduce_fusion``
    with its real dispatch and argument checks down to the kernel binding), on both backends
    and every pattern arfuse uses.
+   MoE (patterns 6/7 on trtllm): each rule of ``moe_rules`` against the real package, what
+   arfuse hands the kernel bindings (index shape, scale dtypes, no routed scaling), what the
+   unified API drops or skips, the wrappers' one-shot checks, and the kernel sources' numbers.
 3. Bytes: FlashInfer's real workspace constructors run with their allocations recorded, for a
    grid of (world, tokens, hidden, dtype); the sizes asked for, the sizes allocated (its real
    ``SymmDeviceMemory._get_allocation_prop`` at arfuse's assumed granularity) and the buffer
@@ -132,6 +135,7 @@ def main() -> int:
                                 sizes=sizes, workspace=workspace, version=version, v=v)
     section("constants", lambda: constants(env))
     section("calls", lambda: calls(env))
+    section("moe", lambda: moe_patterns(env))
     section("bytes", lambda: bytes_grid(env))
     failed = sum(1 for _, ok, _ in RESULTS if not ok)
     print(f"flashinfer {version}: contract checked in {time.monotonic() - started:.1f} s")
@@ -222,7 +226,9 @@ def fake_kernels(env: Any, record: list[tuple[str, dict[str, Any]]]) -> list[Any
             record.append((name, {"args": args, **kwargs}))
         return call
 
-    trt = types.SimpleNamespace(trtllm_allreduce_fusion=recorder("trtllm_allreduce_fusion"))
+    trt = types.SimpleNamespace(**{name: recorder(name) for name in (
+        "trtllm_allreduce_fusion", "trtllm_moe_allreduce_fusion",
+        "trtllm_moe_finalize_allreduce_fusion")})
     mn = types.SimpleNamespace(
         trtllm_mnnvl_allreduce_fusion=recorder("trtllm_mnnvl_allreduce_fusion"))
     return [patched(env.trtllm_ar, "get_trtllm_comm_module", lambda: trt),
@@ -335,37 +341,45 @@ def real_allocation(env: Any, size: int, multicast: bool, granularity: int,
     return int(stub.allocation_size), int(stub.get_usable_buffer_size())
 
 
-def calls(env: Any) -> None:
-    ar, ws_mod = env.ar, env.workspace
-    from arfuse.backends.flashinfer import comm as fi_comm
-    from arfuse.call_checks import CallArgs
-    from arfuse.spec import Spec
-
+@contextlib.contextmanager
+def recorded(env: Any) -> Iterator[Any]:
+    """arfuse's create and destroy reach the real functions' signatures (bound), the real
+    workspaces are built without a GPU, and FlashInfer's kernel entry points are recorded."""
+    ar = env.ar
     real_create = ar.create_allreduce_fusion_workspace
-    created: list[dict[str, Any]] = []
-    kernels: list[tuple[str, dict[str, Any]]] = []
-    world, hidden = 2, 256
+    rec = types.SimpleNamespace(created=[], kernels=[], destroyed=[])
 
     def create(**kw: Any) -> Any:
         bind(real_create, **kw)
-        created.append(kw)
+        rec.created.append(kw)
         if kw["backend"] == "trtllm":
             return real_trtllm_workspace(env, kw)
         return mnnvl_workspace(env, kw, sizes_g(env), sizes_g(env))[0]
 
-    destroyed: list[tuple[Any, ...]] = []
     real_destroy = env.trtllm_ar.trtllm_destroy_ipc_workspace_for_all_reduce_fusion
 
     def destroy(*args: Any, **kwargs: Any) -> None:
         bind(real_destroy, *args, **kwargs)
-        destroyed.append(args)
+        rec.destroyed.append(args)
         real_destroy(*args, **kwargs)
 
     with contextlib.ExitStack() as stack:
         for p in (patched(ar, "create_allreduce_fusion_workspace", create),
                   patched(env.trtllm_ar, "trtllm_destroy_ipc_workspace_for_all_reduce_fusion",
-                          destroy), *fake_kernels(env, kernels)):
+                          destroy), *fake_kernels(env, rec.kernels)):
             stack.enter_context(p)
+        yield rec
+
+
+def calls(env: Any) -> None:
+    ws_mod = env.workspace
+    from arfuse.backends.flashinfer import comm as fi_comm
+    from arfuse.call_checks import CallArgs
+    from arfuse.spec import Spec
+
+    world, hidden = 2, 256
+    with recorded(env) as rec:
+        created, kernels, destroyed = rec.created, rec.kernels, rec.destroyed
         for backend_name, backend in (("trtllm", ws_mod.TrtllmBackend()),
                                       ("mnnvl", ws_mod.MnnvlBackend())):
             for dtype in ("bf16", "fp16", "fp32"):
@@ -450,6 +464,239 @@ def check_checkpoint(env: Any, ws: Any, backend: str) -> None:
     # recorded allocations are not FlashInfer's SymmDeviceMemory: arfuse must say "no"
     check(f"{backend}: supports_checkpoint only on FlashInfer's own allocations",
           ws.supports_checkpoint is False)
+
+
+# --- 2b. the MoE patterns (moe_rules) ----------------------------------------------------------
+
+
+def kernel_source(env: Any, *parts: str) -> str:
+    """A file of the kernel sources the wheel ships (``flashinfer/data``)."""
+    path = os.path.join(os.path.dirname(env.flashinfer.__file__), "data", *parts)
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def moe_patterns(env: Any) -> None:
+    moe_constants(env)
+    moe_drops(env)
+    moe_oneshot_checks(env)
+    with recorded(env) as rec:
+        moe_runs(env, rec.kernels)
+
+
+def moe_constants(env: Any) -> None:
+    """The numbers and facts ``moe_rules`` states, in the installed package and its kernels."""
+    import re
+
+    from arfuse.backends.flashinfer import moe_rules as r
+
+    pattern = env.trtllm_ar.AllReduceFusionPattern
+    check("kMoEReductionARResidualRMSNorm, kMoEFinalizeARResidualRMSNorm == 6, 7",
+          (pattern.kMoEReductionARResidualRMSNorm, pattern.kMoEFinalizeARResidualRMSNorm)
+          == (r.K_MOE_REDUCTION, r.K_MOE_FINALIZE))
+    params = inspect.signature(env.ar.allreduce_fusion).parameters
+    moe_args = {"moe_reduction_device_num_experts", "moe_reduction_scale_input",
+                "moe_reduction_active_experts_token_input", "moe_reduction_token_input",
+                "expanded_idx_to_permuted_idx", "expert_scale_factor", "shared_expert_output"}
+    check("the unified allreduce_fusion takes 6/7's arguments (no dedicated call needed)",
+          moe_args <= set(params), str(sorted(moe_args - set(params))))
+    check("the unified allreduce_fusion has no routed_scaling_factor (moe_rules.ROUTED)",
+          "routed_scaling_factor" not in params)
+    header = kernel_source(env, "include", "flashinfer", "comm",
+                           "trtllm_moe_allreduce_fusion.cuh")
+    binding = kernel_source(env, "csrc", "trtllm_moe_allreduce_fusion.cu")
+    found = {name: re.findall(rf"\b{name} = (\d+);", header)
+             for name in ("kOneShotMaxToken", "kBytesPerAccess")}
+    check("kOneShotMaxToken, kBytesPerAccess", found == {
+        "kOneShotMaxToken": [str(r.ONESHOT_MAX_TOKENS)],
+        "kBytesPerAccess": [str(r.BYTES_PER_ACCESS)]}, str(found))
+    clusters = re.findall(r"int cluster_size = (?:std::min\()?(\d+)", header)
+    limits = re.findall(r"FLASHINFER_CHECK\(block_size <= (\d+) && cluster_size > 0", header)
+    check("both launchers: a first cluster of 8, at most 1024 threads a block",
+          clusters == [str(r.MAX_CLUSTER)] * 2 and limits == [str(r.MAX_BLOCK_THREADS)] * 2,
+          f"{clusters} {limits}")
+    dispatch = binding.split("#define DISPATCH_FLOATING_TYPES_FOR_ALLREDUCE")[1].split(
+        "}()")[0]
+    codes = re.findall(r"case (\w+)_code:", dispatch)
+    check("the MoE bindings dispatch fp16 and bf16 only (moe_rules.MOE_DTYPES)",
+          codes == ["float16", "bfloat16"], str(codes))
+    check("pattern 7's top_k is the index's last dimension (a flat index reads past it)",
+          "int top_k = expanded_idx_to_permuted_idx.size(-1);" in binding)
+    check("pattern 7 reads its scales in the activation dtype (ScaleType = T)",
+          "typename ScaleType = T>" in header and
+          "moefinalize_allreduce_fusion_kernel_launcher<T, N_RANKS, RES, RMS, QUANT>(" in header)
+    check("pattern 6 reads float scales",
+          "reinterpret_cast<float*>(moe_reduction_scale_input.data_ptr())" in binding)
+
+
+def moe_inputs(env: Any, dtype: Any, tokens: int, hidden: int,
+               device: str = "cpu") -> dict[str, Any]:
+    """residual_in, rms_gamma and the outputs of a call of ``tokens`` (meta: sizes only)."""
+    torch = env.torch
+    t = torch.empty if device == "meta" else torch.zeros
+    return {"residual_in": t(tokens, hidden, dtype=dtype, device=device),
+            "rms_gamma": torch.ones(hidden, dtype=dtype),
+            "residual_out": t(tokens, hidden, dtype=dtype, device=device),
+            "norm_out": t(tokens, hidden, dtype=dtype, device=device)}
+
+
+def moe_drops(env: Any) -> None:
+    """What the unified API drops or skips for 6/7, called as a user would."""
+    torch = env.torch
+    from arfuse.backends.flashinfer import moe_rules as r
+
+    tokens, hidden, world, experts = 16, 256, 2, 3
+    kw = {"backend": "trtllm", "world_size": world, "rank": 0, "max_token_num": 8,
+          "hidden_dim": hidden, "dtype": torch.bfloat16}
+    ws = real_trtllm_workspace(env, kw)
+    kernels: list[tuple[str, dict[str, Any]]] = []
+    common = moe_inputs(env, torch.bfloat16, tokens, hidden)
+    reduction = {
+        "moe_reduction_device_num_experts": experts,
+        "moe_reduction_scale_input": torch.ones(experts, tokens),
+        "moe_reduction_active_experts_token_input": torch.zeros(experts, tokens, hidden,
+                                                                dtype=torch.bfloat16),
+        "moe_reduction_token_input": torch.zeros(tokens, hidden, dtype=torch.bfloat16)}
+    finalize = {"expanded_idx_to_permuted_idx": torch.zeros(tokens, 2, dtype=torch.int32),
+                "expert_scale_factor": torch.ones(tokens, 2, dtype=torch.bfloat16)}
+    x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+    with contextlib.ExitStack() as stack:
+        for p in fake_kernels(env, kernels):
+            stack.enter_context(p)
+        env.ar.allreduce_fusion(input=x, workspace=ws, pattern=r.K_MOE_REDUCTION,
+                                scale_factor=torch.tensor([0.5]), **common, **reduction)
+        check("pattern 6 turns a tensor scale_factor into 1.0 (moe_rules.QUANT_APART)",
+              kernels[-1][1].get("scale_factor") == 1.0, str(kernels[-1][1].get("scale_factor")))
+        check("pattern 6 skips the workspace's capacity check (16 tokens, max 8; ONESHOT)",
+              kernels[-1][1].get("token_num") == tokens)
+        env.ar.allreduce_fusion(input=x, workspace=ws, pattern=r.K_MOE_FINALIZE, **common,
+                                **finalize)
+        check("pattern 7 passes routed_scaling_factor=None and skips the capacity check",
+              kernels[-1][0] == "trtllm_moe_finalize_allreduce_fusion"
+              and kernels[-1][1].get("routed_scaling_factor", "absent") is None)
+        try:
+            env.ar.allreduce_fusion(input=x, workspace=ws, pattern=1, **common)
+            raised = False
+        except ValueError as exc:
+            raised = "exceeds workspace max_token_num" in str(exc)
+        check("pattern 1 does check the capacity (so 6/7 are the exception)", raised)
+
+
+def moe_oneshot_checks(env: Any) -> None:
+    """The wrappers' one-shot checks (ValueError past MAX_COMM_SIZE) at arfuse's boundary:
+    meta tensors carry the sizes, nothing is allocated."""
+    torch = env.torch
+    from arfuse.backends.flashinfer import moe_rules as r
+
+    world, hidden = 16, 7168
+    bf16 = torch.bfloat16
+    edge_tokens = env.sizes.MAX_COMM_SIZE // (world * hidden * 2)
+    wrong: list[str] = []
+    kernels: list[tuple[str, dict[str, Any]]] = []
+    with contextlib.ExitStack() as stack:
+        for p in fake_kernels(env, kernels):
+            stack.enter_context(p)
+        for finalize, tokens, rows in ((True, 4, edge_tokens), (True, 4, edge_tokens + 1),
+                                       (True, edge_tokens, 4), (True, edge_tokens + 1, 4),
+                                       (False, edge_tokens, 0), (False, edge_tokens + 1, 0)):
+            common = moe_inputs(env, bf16, tokens, hidden, "meta")
+            try:
+                if finalize:
+                    env.trtllm_ar.trtllm_moe_finalize_allreduce_fusion(
+                        allreduce_in=torch.empty(rows, hidden, dtype=bf16, device="meta"),
+                        residual_in=common["residual_in"], norm_weight=common["rms_gamma"],
+                        expanded_idx_to_permuted_idx=torch.empty(tokens, 2, dtype=torch.int32,
+                                                                 device="meta"),
+                        norm_out=common["norm_out"], residual_out=common["residual_out"],
+                        quant_out=None, scale_out=None, workspace_ptrs=torch.zeros(1),
+                        launch_with_pdl=False, world_rank=0, world_size=world, eps=1e-6,
+                        shared_expert_output=None, expert_scale_factor=None,
+                        routed_scaling_factor=None)
+                else:
+                    env.trtllm_ar.trtllm_moe_allreduce_fusion(
+                        world_size=world, world_rank=0, token_num=tokens, hidden_dim=hidden,
+                        workspace_ptrs=torch.zeros(1), launch_with_pdl=False,
+                        residual_in=common["residual_in"], rms_gamma=common["rms_gamma"],
+                        rms_eps=1e-6, scale_factor=1.0, moe_reduction_device_num_experts=2,
+                        moe_reduction_scale_input=torch.empty(2, tokens, device="meta"),
+                        moe_reduction_active_experts_token_input=torch.empty(
+                            2, tokens, hidden, dtype=bf16, device="meta"),
+                        moe_reduction_token_input=common["residual_in"], layout_code=None,
+                        moe_allreduce_out=None, residual_out=common["residual_out"],
+                        norm_out=common["norm_out"], quant_out=None, scale_out=None)
+                raised = False
+            except ValueError:
+                raised = True
+            checked = r.oneshot_bytes(env.v, world, tokens, rows, hidden, 2, finalize)[1]
+            if raised != (checked > env.sizes.MAX_COMM_SIZE):
+                wrong.append(f"{'finalize' if finalize else 'reduce'} T={tokens} P={rows}: "
+                             f"flashinfer raised={raised}, arfuse counts {checked}")
+    check("the wrappers' one-shot checks are moe_rules.oneshot_bytes'", not wrong,
+          "; ".join(wrong))
+
+
+def moe_runs(env: Any, kernels: list[tuple[str, dict[str, Any]]]) -> None:
+    """arfuse's own run of MoE calls, through the real unified API to the kernel bindings."""
+    torch = env.torch
+    from arfuse import moe
+    from arfuse.backends.flashinfer import moe_rules as r
+    from arfuse.call_checks import CallArgs, OpShape
+    from arfuse.spec import Spec
+    from arfuse.torch_types import TORCH_DTYPES
+
+    tokens, top_k, rows, experts, hidden = 3, 4, 9, 5, 256
+    for dtype in ("bf16", "fp16", "fp32"):
+        t = TORCH_DTYPES[dtype]
+        ws = env.workspace.TrtllmBackend().create(context(env, 2),
+                                                  Spec(max_tokens=64, hidden=hidden, dtype=dtype))
+        shape = OpShape(hidden, t, dtype, torch.device("cpu"))
+        index = torch.arange(tokens * top_k, dtype=torch.int32).view(tokens, top_k) % rows
+        final = moe.check_finalize(shape, torch.randn(rows, hidden).to(t), index,
+                                   torch.rand(tokens, top_k).to(t),
+                                   torch.randn(tokens, hidden).to(t), 1.0)
+        reduce = moe.check_reduce(shape, torch.randn(experts, tokens, hidden).to(t),
+                                  torch.rand(experts, tokens).to(t),
+                                  torch.randn(tokens, hidden).to(t))
+        res, w = torch.randn(tokens, hidden).to(t), torch.ones(hidden).to(t)
+        for name, step in (("finalize", final), ("reduce", reduce)):
+            before = len(kernels)
+            call = CallArgs(torch.empty(tokens, hidden, dtype=t), res, w, 1e-6, 0.0, moe=step)
+            ws.run(call)
+            got = [k for k, _ in kernels[before:]]
+            if dtype == "fp32":
+                check(f"fp32 {name}: refused (moe_rules.NOT_BF16), the plain kernel runs",
+                      ws.moe_refusal(call) == r.NOT_BF16 and got == ["trtllm_allreduce_fusion"])
+                continue
+            args = kernels[-1][1]
+            if name == "finalize":
+                index_in = args.get("expanded_idx_to_permuted_idx")
+                ok = (got == ["trtllm_moe_finalize_allreduce_fusion"]
+                      and args["allreduce_in"] is step.rows and index_in is step.index
+                      and tuple(index_in.shape) == (tokens, top_k) and index_in.size(-1) == top_k
+                      and index_in.dtype == torch.int32
+                      and args["expert_scale_factor"].dtype == t
+                      and args["routed_scaling_factor"] is None
+                      and args["shared_expert_output"] is step.add
+                      and tuple(args["residual_in"].shape) == (tokens, hidden))
+            else:
+                ok = (got == ["trtllm_moe_allreduce_fusion"]
+                      and args["moe_reduction_device_num_experts"] == experts
+                      and args["moe_reduction_scale_input"].dtype == torch.float32
+                      and args["moe_reduction_active_experts_token_input"] is step.rows
+                      and args["moe_reduction_token_input"] is step.add
+                      and args["token_num"] == tokens and args["hidden_dim"] == hidden
+                      and args["quant_out"] is None)
+            check(f"{dtype} {name}: arfuse's run reaches the kernel binding with the kernel's "
+                  "shapes and dtypes", ok, f"{got} {sorted(args)}")
+        if dtype != "fp32":
+            routed = moe.check_finalize(shape, final.rows, final.index, final.scales, None, 2.5)
+            before = len(kernels)
+            ws.run(CallArgs(torch.empty(tokens, hidden, dtype=t), res, w, 1e-6, 0.0,
+                            moe=routed))
+            check(f"{dtype} finalize with routed_scaling_factor 2.5: expert step apart, then "
+                  "the plain kernel (moe_rules.ROUTED)",
+                  [k for k, _ in kernels[before:]] == ["trtllm_allreduce_fusion"])
+        ws.destroy()
 
 
 # --- 3. bytes -----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from ...pattern import Pattern
 from ...sizing import largest_fitting
 from ...spec import Spec
 from ...topology import Topology
+from . import moe_rules
 from .sizes import (
     MIN_VERSION,
     UINT32_MAX,
@@ -123,16 +124,23 @@ def _fusable(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
 
 
 def mnnvl_fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
-    """Quantised patterns from ``MIN_VERSION`` on; no MoE pattern (its expert step runs on its
-    own, then the fused all-reduce)."""
+    """Quantised patterns from ``MIN_VERSION`` on; no MoE pattern (``moe_rules.TRTLLM_ONLY``:
+    its expert step runs on its own, then the fused all-reduce)."""
     return not pattern.moe and _fusable(topology, spec, pattern) and (
         pattern.quant is None or version_tuple(topology.flashinfer) >= MIN_VERSION)
 
 
 def trtllm_fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
-    """No MoE pattern yet: FlashInfer's 6/7 are not wired into the workspace's run, so the
-    expert step runs on its own, then the fused all-reduce (as on mnnvl)."""
-    return not pattern.moe and _fusable(topology, spec, pattern)
+    """The MoE patterns as FlashInfer's 6/7 run them (``moe_rules.pattern_refusal``: bf16 or
+    fp16, with RMSNorm, the quantisation after); a call of one may still run its expert step
+    apart (``moe_rules.call_refusal``, which ``explain`` lists as ``trtllm_notes``)."""
+    if pattern.moe:
+        return not moe_rules.pattern_refusal(spec, pattern)
+    return _fusable(topology, spec, pattern)
+
+
+def trtllm_notes(topology: Topology, spec: Spec) -> tuple[str, ...]:
+    return moe_rules.explain_notes(spec)
 
 
 # --- bytes per rank, for the topology's FlashInfer version (formulas and sources: sizes.py) ----
@@ -173,6 +181,6 @@ DESCRIPTORS = (
         name="trtllm", fused=True, devices=("cuda",), auto_rank=1,
         implementation="arfuse.backends.flashinfer.workspace:TrtllmBackend",
         unmet=trtllm_unmet, auto_skip=trtllm_auto_skip,
-        explicit_refusal=trtllm_explicit_refusal, fuses=trtllm_fuses,
+        explicit_refusal=trtllm_explicit_refusal, fuses=trtllm_fuses, notes=trtllm_notes,
         footprint=trtllm_footprint),
 )

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ... import catalog
+from ... import catalog, log, moe
 from ...call_checks import CallArgs
 from ...epilogue import FusedOutput
 from ...errors import ArfuseError, CreationFailed, NegotiationTimeout
@@ -39,7 +39,7 @@ from ...spec import Spec
 from ...topology import Topology, flashinfer_version
 from ...torch_types import TORCH_DTYPES, device_of
 from ..base import Backend, Workspace
-from . import MNNVL_WORLD_SIZES, TRTLLM_WORLD_SIZES
+from . import MNNVL_WORLD_SIZES, TRTLLM_WORLD_SIZES, moe_rules
 from .comm import agree_to_enter, channel_comm
 from .probe import confidential_compute, fabric_handles, multicast_support
 from .sizes import SYMM_DEVICE_MEMORY_FROM, sizing_version, trtllm_capacity, version_tuple
@@ -99,6 +99,7 @@ class FlashInferWorkspace(Workspace):
         self._poisoned = self._detached = False
         self._scope = str(getattr(ctx.channel, "scope", "-"))
         self._checkpoints = 0
+        self._apart: set[str] = set()  # why MoE calls ran their expert step apart (logged)
         super().__init__(ctx, spec, nbytes=0, capacity=0)
         try:
             self._measure(ctx, spec, version)
@@ -224,26 +225,46 @@ class FlashInferWorkspace(Workspace):
         if self._detached:
             raise ArfuseError(f"{self.backend} workspace is checkpointed: call "
                               "checkpoint_restore() on every rank before the next call")
-        x, weight, out, residual_out = call.x, call.weight, call.out, call.residual_out
-        tokens, hidden = x.shape
+        if call.moe is not None:
+            return self._run_moe(call)
+        return self._run_all_reduce(call)
+
+    def _kwargs(self, call: CallArgs) -> dict[str, Any]:
+        """The mode arguments of a call of patterns 0-5, 10, 11."""
         kwargs: dict[str, Any] = {"launch_with_pdl": False}
         if self.backend == "trtllm":
+            tokens, hidden = call.x.shape
             kwargs.update(trigger_completion_at_end=True, fp32_acc=True,
                           use_oneshot=trtllm_use_oneshot(self.ctx.world_size, tokens, hidden,
-                                                         x.element_size()))
+                                                         call.x.element_size()))
         else:
             kwargs["use_oneshot"] = None  # R1: the mode the workspace was sized for
-        if weight is None:
-            summed = out if out is not None else torch.empty_like(x)
+        return kwargs
+
+    @staticmethod
+    def _norm_tensors(call: CallArgs) -> dict[str, Any]:
+        """``residual_in`` (zeros without a residual: FlashInfer always adds one),
+        ``norm_out`` and ``residual_out`` (the caller's, else new), the norm's arguments."""
+        x = call.x
+        return {"residual_in": call.residual if call.residual is not None
+                else torch.zeros_like(x),
+                "norm_out": call.out if call.out is not None else torch.empty_like(x),
+                "residual_out": call.residual_out if call.residual_out is not None
+                else torch.empty_like(x),
+                "rms_gamma": call.weight, "rms_eps": call.eps, "weight_bias": call.weight_bias}
+
+    def _run_all_reduce(self, call: CallArgs) -> FusedOutput:
+        x = call.x
+        tokens, hidden = x.shape
+        kwargs = self._kwargs(call)
+        if call.weight is None:
+            summed = call.out if call.out is not None else torch.empty_like(x)
             # a quantised call without RMSNorm comes without its quantisation (the descriptor
             # does not fuse it: FlashInfer quantises only after its RMSNorm)
             self._comm.allreduce_fusion(input=x, workspace=self._handle, pattern=K_ALLREDUCE,
                                         output=summed, **kwargs)
             return FusedOutput(summed)
-        residual_in = call.residual if call.residual is not None else torch.zeros_like(x)
-        norm_out = out if out is not None else torch.empty_like(x)
-        if residual_out is None:
-            residual_out = torch.empty_like(x)
+        norm = self._norm_tensors(call)
         quant_out = scale_out = scale_result = None
         pattern = K_RESIDUAL_RMSNORM
         if call.quant == "fp8_dynamic":
@@ -269,13 +290,59 @@ class FlashInferWorkspace(Workspace):
                 # zeroed: FlashInfer never writes the swizzle padding
                 scale_out = torch.zeros(rows * cols, dtype=torch.float8_e4m3fn, device=x.device)
                 scale_result = scale_out.view(torch.uint8).view(rows, cols)
-        self._comm.allreduce_fusion(
-            input=x, workspace=self._handle, pattern=pattern, residual_in=residual_in,
-            residual_out=residual_out, norm_out=norm_out, quant_out=quant_out,
-            scale_out=scale_out, rms_gamma=weight, rms_eps=call.eps,
-            weight_bias=call.weight_bias,
-            **kwargs)
-        return FusedOutput(norm_out, residual_out, quant_out, scale_result)
+        self._comm.allreduce_fusion(input=x, workspace=self._handle, pattern=pattern,
+                                    quant_out=quant_out, scale_out=scale_out, **norm, **kwargs)
+        return FusedOutput(norm["norm_out"], norm["residual_out"], quant_out, scale_result)
+
+    def moe_refusal(self, call: CallArgs) -> str:
+        """Why this MoE call runs its expert step apart ("" when FlashInfer's kernel takes it):
+        ``moe_rules``, the one home of these rules."""
+        step = call.moe
+        assert step is not None
+        if self.backend != "trtllm":
+            return moe_rules.TRTLLM_ONLY
+        return moe_rules.pattern_refusal(self.spec, call.pattern) or moe_rules.call_refusal(
+            sizing_version(self._version), self.ctx.world_size, self.spec,
+            step.index is not None, call.tokens, int(step.rows.shape[0]), step.routed,
+            step.scales.dtype == self._dtype)
+
+    def _run_moe(self, call: CallArgs) -> FusedOutput:
+        """Pattern 7 (finalize) or 6 (reduction) in FlashInfer's kernel where ``moe_refusal``
+        lets it take the call; else the expert step here (the torch reference), then the
+        fused all-reduce of the rows it made. The kernel reads every index unchecked, so the
+        index is checked first (a ``RefusedStep`` names a bad entry)."""
+        step = call.moe
+        assert step is not None
+        why = self.moe_refusal(call)
+        if why:
+            if why not in self._apart:  # once per workspace and reason
+                self._apart.add(why)
+                log.logger.info("arfuse group %s: %s runs a MoE call's expert step apart, then "
+                                "the fused all-reduce: %s", self.ctx.key, self.backend, why)
+            moe.local_rows(step, call.x)
+            return self._run_all_reduce(call.without_moe())
+        problem = moe.index_problem(step)
+        if problem:
+            raise moe.RefusedStep(problem)
+        norm = self._norm_tensors(call)
+        common = {"workspace": self._handle, "launch_with_pdl": False, **norm}
+        if step.index is not None:
+            # the index as [T, top_k] (the kernel's top_k is its last dimension), the scales
+            # in the activation dtype (its ScaleType)
+            self._comm.allreduce_fusion(
+                input=step.rows, pattern=moe_rules.K_MOE_FINALIZE,
+                expanded_idx_to_permuted_idx=step.index, expert_scale_factor=step.scales,
+                shared_expert_output=step.add, **common)
+        else:
+            # expert-major [E, T, H] and [E, T] as the kernel indexes them; fp32 scales (it
+            # reads floats: activation-dtype scales widen exactly)
+            self._comm.allreduce_fusion(
+                input=call.x, pattern=moe_rules.K_MOE_REDUCTION,
+                moe_reduction_device_num_experts=step.fan_in,
+                moe_reduction_scale_input=step.scales.float(),
+                moe_reduction_active_experts_token_input=step.rows,
+                moe_reduction_token_input=step.add, **common)
+        return FusedOutput(norm["norm_out"], norm["residual_out"])
 
     def _free(self) -> None:
         handle, self._handle = self._handle, None
