@@ -17,6 +17,13 @@ overhead per call under 3 us. The ratios to DeepSpeed are also given with
 ``replicated_residual=True`` (the ``-replicated`` rows: the residual is the same on every rank,
 as in tensor parallelism). Needs DeepSpeed for the ratios (``EXTRAS=bench
 ./scripts/setup.sh``); without it those verdicts say "not measured".
+
+``--pattern moe_finalize`` (or ``moe_reduce``) gives the MoE targets instead: ``arfuse bench
+--pattern ... --backends shm,torch,deepspeed`` ``--runs`` times (1-512 tokens by default), the
+fused call at least 3x faster than torch's expert step + arfuse's fused all-reduce and at least
+4x faster than that step + DeepSpeed's all-reduce + eager add + RMSNorm.
+
+    python benchmarks/targets.py --pattern moe_finalize --runs 3 --out benchmarks/results/moe-now
 """
 
 from __future__ import annotations
@@ -30,7 +37,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from arfuse.backends.shm.build import ISAS
-from arfuse.bench.targets import DTYPES, TOKENS, table, verdicts
+from arfuse.bench.targets import DTYPES, TOKENS, moe_verdicts, table, verdicts
+from arfuse.moe_workload import MOE_PATTERNS
+
+MOE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 HERE = Path(__file__).resolve().parent
 
@@ -43,12 +53,15 @@ def _quietly(cmd: list[str], env: dict[str, str]) -> None:
         raise SystemExit(f"{' '.join(cmd[1:])} failed with exit status {done.returncode}")
 
 
-def _bench(out: Path, runs: int, tokens: str, dtypes: str, env: dict[str, str]) -> list[Path]:
+def _bench(out: Path, runs: int, tokens: str, dtypes: str, env: dict[str, str],
+           pattern: str) -> list[Path]:
     paths = []
+    moe = ["--pattern", pattern, "--backends", "shm,torch,deepspeed"] \
+        if pattern != "residual_rmsnorm" else ["--backends", "shm,deepspeed"]
     for i in range(runs):
         run_dir = out / f"run{i}"
         cmd = [sys.executable, "-m", "arfuse.cli", "bench", "--tokens", tokens, "--dtype",
-               dtypes, "--backends", "shm,deepspeed", "--out", str(run_dir)]
+               dtypes, *moe, "--out", str(run_dir)]
         print(f"run {i + 1}/{runs}: {' '.join(cmd[1:])}", flush=True)
         _quietly(cmd, env)
         paths.append(run_dir / "bench.json")
@@ -58,7 +71,11 @@ def _bench(out: Path, runs: int, tokens: str, dtypes: str, env: dict[str, str]) 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--tokens", default=None,
+                        help=f"default {','.join(map(str, TOKENS))}; MoE: "
+                        f"{','.join(map(str, MOE_TOKENS))}")
+    parser.add_argument("--pattern", default="residual_rmsnorm",
+                        choices=("residual_rmsnorm", *MOE_PATTERNS))
     parser.add_argument("--dtype", default=",".join(DTYPES))
     parser.add_argument("--isa", default=None, choices=ISAS, help="ARFUSE_SHM_ISA for every run")
     parser.add_argument("--no-oversubscribed", action="store_true")
@@ -71,21 +88,26 @@ def main() -> int:
     env = dict(os.environ)
     if args.isa:
         env["ARFUSE_SHM_ISA"] = args.isa
-    reports = [json.loads(p.read_text()) for p in _bench(out, args.runs, args.tokens,
-                                                         args.dtype, env)]
+    moe = args.pattern != "residual_rmsnorm"
+    tokens_text = args.tokens or ",".join(map(str, MOE_TOKENS if moe else TOKENS))
+    reports = [json.loads(p.read_text()) for p in _bench(out, args.runs, tokens_text,
+                                                         args.dtype, env, args.pattern)]
+    tokens = tuple(int(t) for t in tokens_text.split(","))
+    dtypes = tuple(args.dtype.split(","))
     one_core = None
-    if not args.no_oversubscribed:
+    if not moe and not args.no_oversubscribed:
         path = out / "oversubscribed.json"
         _quietly([sys.executable, str(HERE / "oversubscribed.py"), "--out", str(path)], env)
         one_core = json.loads(path.read_text())
-    tokens = tuple(int(t) for t in args.tokens.split(","))
-    found = verdicts(reports, one_core, tokens, tuple(args.dtype.split(",")))
+    found = moe_verdicts(reports, tokens, dtypes) if moe else verdicts(reports, one_core,
+                                                                        tokens, dtypes)
     machine = reports[0].get("machine", {})
     text = table(found, machine)
     print(text)
     (out / "targets.txt").write_text(text + "\n")
     (out / "targets.json").write_text(json.dumps(
         {"machine": machine, "runs": args.runs, "isa_override": args.isa,
+         "pattern": args.pattern,
          "verdicts": [{**asdict(v), "median": v.median, "met": v.met, "runs_met": v.runs_met}
                       for v in found]}, indent=1))
     print(f"wrote {out / 'targets.txt'}, {out / 'targets.json'}")

@@ -25,8 +25,7 @@ RATIO_ROWS = (("in place x DeepSpeed", "shm-inplace", IN_PLACE_MAX),
 
 # (target, unfused row of a MoE bench, least speedup of the fused call over it)
 MOE_SPEEDUP_ROWS = (("MoE: torch step + fused AR / fused", "torch-step+shm", 3.0),
-                    ("MoE: torch step + DeepSpeed + norm / fused", "torch-step+deepspeed+norm",
-                     4.0))
+                    ("MoE: torch step + DS + norm / fused", "torch-step+deepspeed+norm", 4.0))
 
 
 @dataclass
