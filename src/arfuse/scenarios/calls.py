@@ -8,8 +8,8 @@ from typing import Any
 from ..pattern import Pattern
 from ..reference import expected
 
-PATTERNS = ("plain", "norm", "norm_residual", "fp8", "nvfp4", "in_place", "slot",
-            "moe_finalize", "moe_reduce")
+PATTERNS = ("plain", "norm", "norm_residual", "fp8", "nvfp4", "in_place", "slot")
+MOE_CALLS = ("moe_finalize", "moe_reduce")  # x is then the rank's ExpertRows
 MOE_EXPERTS = 16                   # a finalize token picks top_k of these
 FP8_SCALE = 0.0625                 # dequantisation scale: |out| up to ~28 fits e4m3
 NVFP4_SCALE = 448.0 * 6.0 / 8.0    # global encode scale for |out| up to ~8
@@ -74,7 +74,7 @@ def make_moe_inputs(seed: int, pattern: str, tokens: int, hidden: int, dtype: st
 def run_pattern(comm: Any, pattern: str, x: Any, residual: Any, weight: Any) -> Any:
     """One call of ``pattern``; inputs that the pattern overwrites are copies. A MoE pattern's
     ``x`` is the rank's ``ExpertRows``."""
-    if pattern in ("moe_finalize", "moe_reduce"):
+    if pattern in MOE_CALLS:
         return x.call(comm, residual=residual, weight=weight, eps=EPS)
     if pattern == "plain":
         return comm(x)
@@ -94,7 +94,8 @@ def run_pattern(comm: Any, pattern: str, x: Any, residual: Any, weight: Any) -> 
         buf = comm.input_buffer(int(x.shape[0]))
         buf.copy_(x)
         return comm(buf, residual=residual, weight=weight, eps=EPS)
-    raise ValueError(f"pattern={pattern!r} is not valid; use one of {', '.join(PATTERNS)}")
+    raise ValueError(f"pattern={pattern!r} is not valid; use one of "
+                     f"{', '.join((*PATTERNS, *MOE_CALLS))}")
 
 
 # what each call form computes (``run_pattern``)

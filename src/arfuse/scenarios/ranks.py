@@ -16,7 +16,7 @@ from typing import Any
 
 from ..digest import digest
 from ..launch import die_with_parent, rank_store
-from .calls import check_result, make_inputs, make_moe_inputs, run_pattern
+from .calls import MOE_CALLS, check_result, make_inputs, make_moe_inputs, run_pattern
 from .language import as_list, step_expect
 from .leaks import LeakBaseline, segment_modes
 
@@ -156,7 +156,7 @@ class RankProgram:
             xs, residual, weight = make_inputs(seed * 100_003 + k, n, int(spec["hidden"]),
                                                str(spec["dtype"]), ranks)
             mine = xs[ranks.index(self.rank)]
-            if pattern.startswith("moe_"):
+            if pattern in MOE_CALLS:
                 inputs, xs = make_moe_inputs(
                     seed * 100_003 + k, pattern, n, int(spec["hidden"]), str(spec["dtype"]),
                     ranks, {r: int(_per_rank(step, "top_k", r, 4)) for r in ranks},

@@ -196,6 +196,16 @@ py::dict signature_constants() {
   d["kReductionShift"] = signature::kReductionShift;
   d["kEpilogueShift"] = signature::kEpilogueShift;
   d["kReductionAllReduce"] = signature::kReductionAllReduce;
+  d["kReductionMoeReduce"] = signature::kReductionMoeReduce;
+  d["kReductionMoeFinalize"] = signature::kReductionMoeFinalize;
+  d["kMoeFanInShift"] = signature::kMoeFanInShift;
+  d["kMoeFanInBits"] = signature::kMoeFanInBits;
+  d["kMoeSharedShift"] = signature::kMoeSharedShift;
+  d["kMoeDigestShift"] = signature::kMoeDigestShift;
+  d["kMoeDigestBits"] = signature::kMoeDigestBits;
+  d["kMaxMoeFanIn"] = signature::kMaxMoeFanIn;
+  d["kMoeDigestRowsMul"] = signature::kMoeDigestRowsMul;
+  d["kMoeDigestRoutedMul"] = signature::kMoeDigestRoutedMul;
   d["kEpilogueNone"] = signature::kEpilogueNone;
   d["kEpilogueRmsNorm"] = signature::kEpilogueRmsNorm;
   d["kEpilogueResidualRmsNorm"] = signature::kEpilogueResidualRmsNorm;
