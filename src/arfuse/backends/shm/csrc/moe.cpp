@@ -34,11 +34,12 @@ void check_dense(const at::Tensor& t, const char* name, int64_t dim) {
                     "arfuse shm: ", name, " must be a contiguous ", dim, "-D CPU tensor");
 }
 
-// The scales as fp32, [tokens * fan_in] in the order the rows take them.
-std::vector<float> scales_f32(const at::Tensor& scales) {
-  const at::Tensor f = scales.to(at::kFloat).contiguous();
-  const float* p = f.data_ptr<float>();
-  return std::vector<float>(p, p + f.numel());
+// The scales as fp32, [tokens * fan_in] in the order the rows take them: their own memory
+// when they are fp32 already (no copy on the hot path), else an exact conversion kept in `keep`.
+const float* scales_f32(const at::Tensor& scales, at::Tensor* keep) {
+  if (scales.scalar_type() == at::kFloat) return scales.data_ptr<float>();  // contiguous
+  *keep = scales.to(at::kFloat).contiguous();
+  return keep->data_ptr<float>();
 }
 
 template <int D>
@@ -127,14 +128,15 @@ std::string moe_finalize(const at::Tensor& dst, const at::Tensor& expanded, cons
   const int32_t* idx = index.data_ptr<int32_t>();
   std::string problem = index_problem(idx, index.numel(), fan_in, expanded.size(0));
   if (!problem.empty()) return problem;
-  const std::vector<float> s = scales_f32(scales);
+  at::Tensor converted;
+  const float* s = scales_f32(scales, &converted);
   char* out = static_cast<char*>(dst.data_ptr());
   const char* rows = static_cast<const char*>(expanded.data_ptr());
   const char* shared_rows = shared ? static_cast<const char*>(shared->data_ptr()) : nullptr;
   py::gil_scoped_release no_gil;
   const DefaultFloatEnv env;
   by_dtype(d, [&](auto dc) {
-    finalize_rows<decltype(dc)::value>(out, rows, idx, s.data(), shared_rows, float(routed),
+    finalize_rows<decltype(dc)::value>(out, rows, idx, s, shared_rows, float(routed),
                                        tokens, int(fan_in), hidden);
   });
   return problem;
@@ -158,14 +160,15 @@ void moe_reduce(const at::Tensor& dst, const at::Tensor& active, const at::Tenso
   TORCH_CHECK_VALUE(token_input.sizes() == dst.sizes() &&
                         token_input.scalar_type() == dst.scalar_type(),
                     "arfuse shm: token_input must be [tokens, hidden] in the dtype");
-  const std::vector<float> s = scales_f32(scales);
+  at::Tensor converted;
+  const float* s = scales_f32(scales, &converted);
   char* out = static_cast<char*>(dst.data_ptr());
   const char* rows = static_cast<const char*>(active.data_ptr());
   const char* add = static_cast<const char*>(token_input.data_ptr());
   py::gil_scoped_release no_gil;
   const DefaultFloatEnv env;
   by_dtype(d, [&](auto dc) {
-    reduce_rows<decltype(dc)::value>(out, rows, s.data(), add, tokens, int(experts), hidden);
+    reduce_rows<decltype(dc)::value>(out, rows, s, add, tokens, int(experts), hidden);
   });
 }
 
