@@ -199,6 +199,12 @@ class GroupDecision:
     rank: int
 
 
+def _decline_cutedsl() -> None:
+    log.once(logging.INFO, "sglang cutedsl", "arfuse SGLang drop-in: %s cutedsl is SGLang's "
+             "CuTe DSL fusion, not arfuse's: arfuse creates no workspace for it, SGLang's CuTe "
+             "DSL module stays in charge", FLAG)
+
+
 def _decide(group: Any) -> GroupDecision:
     """Collective on ``group``, once per group and setting (SGLang asks on every fused call)."""
     group = common.normalize(group)
@@ -213,6 +219,8 @@ def _decide(group: Any) -> GroupDecision:
              "arfuse SGLang drop-in, group %s (%d ranks, %d node(s), SM %s): %s %s -> %s",
              agreed.group_key, agreed.world_size, topo.node_count, topo.sm, FLAG, setting,
              backend)
+    if backend == "cutedsl":
+        _decline_cutedsl()
     decision = GroupDecision(setting, topo, backend, agreed.group_key, agreed.rank)
     _decisions[(agreed.group_key, setting)] = decision
     return decision
@@ -257,6 +265,7 @@ class FlashInferWorkspaceManager:
         self._max_token_num_seen: int | None = None
         self._max_hidden_dim_seen: int | None = None
         self._tried: tuple[Any, ...] | None = None  # the last request that made no workspace
+        self._attempts = 0  # creations tried (the same count on every rank of the group)
 
     def _reset(self) -> None:
         self.workspace: Any = None
@@ -284,9 +293,7 @@ class FlashInferWorkspaceManager:
                 self.is_buffer_size_sufficient(max_token_num, hidden_dim, want, use_oneshot):
             return
         if backend == "cutedsl":
-            log.once(logging.INFO, "sglang cutedsl", "arfuse SGLang drop-in: %s cutedsl is "
-                     "SGLang's CuTe DSL fusion, not arfuse's: no workspace here, SGLang's CuTe "
-                     "DSL module stays in charge", FLAG)
+            _decline_cutedsl()
             return
         if _comm() is None:
             log.once(logging.WARNING, "sglang no comm", "FlashInfer comm not available, "
@@ -302,7 +309,7 @@ class FlashInferWorkspaceManager:
         if request == self._tried:  # creation is collective: the same request is not retried
             return
         self.cleanup()
-        self._tried = request
+        self._tried, self._attempts = request, self._attempts + 1
         self._create(negotiated, backend, want, (device_group, cpu_group))
         if self.initialized and not self.is_buffer_size_sufficient(
                 max_token_num, hidden_dim, want, use_oneshot):
@@ -424,11 +431,13 @@ def ensure_workspace_initialized(max_token_num: int = 2048, hidden_dim: int = 40
     decision = _decide(cpu_group)
     if decision.backend is None:
         return False
+    attempts = manager._attempts
     manager.initialize(world_size=world_size, rank=rank, max_token_num=max_token_num,
                        hidden_dim=hidden_dim, backend=str(decision.setting), group=cpu_group,
                        use_fp32_lamport=use_fp32_lamport, dtype=dtype, use_oneshot=use_oneshot,
                        device_group=device_group, cpu_group=cpu_group)
-    _sync_unavailable()
+    if manager._attempts != attempts:  # only after a creation: never a collective per call
+        _sync_unavailable()
     return not _unavailable and holds()
 
 
