@@ -8,7 +8,11 @@ Every rank (``torchrun --nproc-per-node N``, or this script's own launcher):
    residual + RMSNorm, fp8, fp8_dynamic, nvfp4 where the SM has it) against a float64 reference
    of the same inputs, and bit-identical bytes on every rank;
 4. CUDA-graph capture of the fused op (given destinations) and replay with new inputs;
-5. a latency table: the fused op against NCCL ``all_reduce`` + add + RMSNorm, medians.
+5. the SGLang drop-in as SGLang's layers call it (SGLang's state stood in for, its module is not
+   installed here): per flag (auto, mnnvl, trtllm) and dtype (bf16, fp32), the resolver, the
+   group's workspace, the fused residual + RMSNorm and the plain all-reduce against the float64
+   reference, the same bytes on every rank, and a CUDA-graph capture of the fused op;
+6. a latency table: the fused op against NCCL ``all_reduce`` + add + RMSNorm, medians.
 
 Results go to ``benchmarks/results/gpu-check-<gpu>-<world>.json`` and ``.txt``. ``--device cpu``
 runs the same steps on CPU ranks (gloo, shm) so the script itself can be checked anywhere.
@@ -151,6 +155,109 @@ def _graph_capture(rank: int, world: int, opts: argparse.Namespace,
     return rows
 
 
+SGLANG_SETTINGS = ("auto", "mnnvl", "trtllm")
+
+
+def _sglang_call(rank: int, world: int, tokens: int, opts: argparse.Namespace,
+                 dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    """One layer's calls as SGLang makes them: the fused op (``(None, None)``: declined), then
+    ``can_use_flashinfer_allreduce`` and ``flashinfer_allreduce``."""
+    import torch.distributed as dist
+
+    from arfuse.integrations import sglang as dropin
+
+    data = _inputs(rank, world, tokens, opts.hidden, dtype, device)
+    norm_out, residual_out = dropin.flashinfer_allreduce_residual_rmsnorm(
+        data["x"], data["residual"].clone(), data["weight"], eps=EPS,
+        max_token_num=max(opts.tokens))
+    row: dict[str, Any] = {"tokens": tokens, "fused": norm_out is not None}
+    want = expected(data["xs"], Pattern("residual_rmsnorm"), data["residual_cpu"],
+                    data["weight_cpu"], EPS)
+    errors = []
+    if norm_out is not None:
+        errors += [_error(norm_out, want.out), _error(residual_out, want.residual_out)]
+    manager = dropin._get_workspace_manager(True)
+    row["plain"] = dropin.can_use_flashinfer_allreduce(
+        data["x"], use_attn_tp_group=True, expected_world_size=world,
+        expected_group_key=manager.group)
+    summed = dropin.flashinfer_allreduce(data["x"], use_attn_tp_group=True) \
+        if row["plain"] else None
+    if summed is not None:
+        errors.append(_error(summed, want.sum))
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, digest(norm_out, residual_out, summed))
+    row["err"] = max(errors, default=0.0)
+    tolerance = TOLERANCE["fp32" if dtype == torch.float32 else "bf16"]
+    row["ok"] = len(set(digests)) == 1 and row["err"] <= tolerance
+    return row
+
+
+def _sglang_graph(rank: int, world: int, opts: argparse.Namespace,
+                  device: torch.device) -> bool:
+    """SGLang captures the fused op in its CUDA graphs: replay with new inputs equals eager."""
+    from arfuse.integrations import sglang as dropin
+
+    tokens = min(max(opts.tokens), 64)
+    data = _inputs(rank, world, tokens, opts.hidden, torch.bfloat16, device)
+    x, residual, weight = data["x"].clone(), data["residual"], data["weight"]
+
+    def call() -> Any:
+        return dropin.flashinfer_allreduce_residual_rmsnorm(
+            x, residual, weight, eps=EPS, max_token_num=max(opts.tokens))
+
+    call()  # the workspace exists before capture, as SGLang pre-initialises it
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    x.mul_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = call()
+    return bool(captured[0] is not None and torch.equal(captured[0], eager[0])
+                and torch.equal(captured[1], eager[1]))
+
+
+def _sglang(rank: int, world: int, opts: argparse.Namespace,
+            device: torch.device) -> list[dict[str, Any]]:
+    """The SGLang drop-in per flag and dtype, on the group of every rank (gloo ``cpu_group``,
+    the default group as ``device_group``, as SGLang's coordinator has them)."""
+    import pytest
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from sglang_standin import SGLang
+
+    from arfuse.integrations import sglang as dropin
+
+    cpu_group, rows = dist.new_group(backend="gloo"), []
+    for setting in SGLANG_SETTINGS:
+        for dtype in (torch.bfloat16, torch.float32):
+            row: dict[str, Any] = {"setting": setting, "dtype": str(dtype).split(".")[-1]}
+            mp = pytest.MonkeyPatch()
+            try:
+                SGLang(setting, cpu_group, dist.group.WORLD).install(mp)
+                mp.setattr(dropin, "_unavailable", False)
+                try:
+                    row["resolved"] = dropin.resolve_flashinfer_allreduce_fusion_backend()
+                except ValueError as exc:  # SGLang's own refusal, on every rank
+                    row["resolved"] = f"ValueError: {exc}"
+                row["ready"] = dropin.ensure_workspace_initialized(
+                    max_token_num=max(opts.tokens), hidden_dim=opts.hidden, dtype=dtype)
+                row["backend"] = dropin._get_workspace_manager(True).backend
+                row["calls"] = [_sglang_call(rank, world, t, opts, dtype, device)
+                                for t in opts.tokens]
+                if row["ready"] and device.type == "cuda" and dtype == torch.bfloat16:
+                    row["cuda_graph"] = _sglang_graph(rank, world, opts, device)
+                row["ok"] = all(c["ok"] for c in row["calls"]) and row.get("cuda_graph", True)
+            except Exception as exc:
+                row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            finally:
+                dropin.cleanup_flashinfer_workspace()
+                mp.undo()
+            rows.append(row)
+    return rows
+
+
 def _latency(rank: int, world: int, opts: argparse.Namespace,
              device: torch.device) -> list[dict[str, Any]]:
     import torch.distributed as dist
@@ -226,6 +333,7 @@ def body(rank: int, world: int, opts: argparse.Namespace) -> int:
                       lambda b=backend: _check_backend(rank, world, b, opts, device, sm)))
     if opts.device == "cuda" and world > 1:
         steps.append(("cuda_graph", lambda: _graph_capture(rank, world, opts, device)))
+    steps.append(("sglang", lambda: _sglang(rank, world, opts, device)))
     steps.append(("latency", lambda: _latency(rank, world, opts, device)))
     for name, step in steps:
         started = time.monotonic()
@@ -269,6 +377,13 @@ def _write(report: dict[str, Any], out: Path, gpu: str) -> None:
                          + (f"; first failure: {bad[0]}" if bad else ""))
     for row in report.get("cuda_graph", []) if isinstance(report.get("cuda_graph"), list) else []:
         lines.append(f"cuda graph {row['backend']}: {'ok' if row.get('ok') else row}")
+    for row in report["sglang"] if isinstance(report.get("sglang"), list) else []:
+        calls = row.get("calls", [])
+        lines.append(f"sglang {row['setting']} {row['dtype']}: resolver {row.get('resolved')}, "
+                     f"workspace {row.get('backend')}, "
+                     f"{sum(c['fused'] for c in calls)}/{len(calls)} fused, "
+                     f"graph {row.get('cuda_graph', '-')}: "
+                     + ("ok" if row.get("ok") else f"FAILED {row.get('error', calls)}"))
     if isinstance(report.get("latency"), list):
         lines.append(f"{'tokens':>7} {'backend':>8} {'fused us':>10} {'NCCL+norm us':>13} "
                      f"{'speedup':>8}")

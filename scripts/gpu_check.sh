@@ -2,8 +2,10 @@
 # The checks for a lent GPU machine, as one prepared run (under 8 minutes): set up .venv with
 # the `flashinfer` extra (keeping the machine's CUDA torch if it has one), then on every GPU:
 # detection, FlashInfer's JIT build and the single-rank path (one GPU), every backend and
-# pattern against a float64 reference, CUDA-graph capture and replay, and a latency table
-# fused vs NCCL + norm (two or more). Results: benchmarks/results/gpu-check-*.json and .txt.
+# pattern against a float64 reference, CUDA-graph capture and replay, the SGLang drop-in's rows
+# (its resolver, workspaces, fused and plain calls and a graph capture, per flag and dtype, as
+# SGLang's layers call them), and a latency table fused vs NCCL + norm (two or more). Results:
+# benchmarks/results/gpu-check-*.json and .txt.
 #
 #   scripts/gpu_check.sh                 # every GPU of this machine
 #   NGPU=2 scripts/gpu_check.sh          # the first two

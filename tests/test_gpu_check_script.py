@@ -23,5 +23,9 @@ def test_gpu_check_runs_its_steps_on_cpu_ranks(tmp_path: Path) -> None:
     for backend in ("backend:auto", "backend:torch"):
         rows = report[backend]
         assert len(rows) == 6 * 2 and all(r["ok"] for r in rows), rows
+    # the SGLang drop-in's rows: on CPU ranks every one declines as SGLang does, without error
+    assert [(r["setting"], r["dtype"]) for r in report["sglang"]] == [
+        (s, d) for s in ("auto", "mnnvl", "trtllm") for d in ("bfloat16", "float32")]
+    assert all(r["ok"] and not r["ready"] for r in report["sglang"]), report["sglang"]
     assert {r["tokens"] for r in report["latency"]} == {1, 8}
     assert len(report["facts"]) == 2

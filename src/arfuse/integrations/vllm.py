@@ -31,28 +31,31 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .. import group as group_mod
 from .. import log, negotiate
-from .. import settings as settings_mod
 from .. import topology as topology_mod
 from ..dtypes import parse_dtype
 from ..errors import NegotiationError
-from ..group import GroupContext
 from ..ops import FusedAllReduce
-from ..registry import REGISTRY
 from ..spec import Spec
 from ..topology import Topology
 from ..torch_types import TORCH_DTYPES
+from . import common
+from .common import DROP_IN_TIMEOUT_S, FLASHINFER_BACKENDS, drop_in_timeout_s
+from .common import cuda_if_available as _device_kind
+from .common import level as _level
+from .common import normalize as _normalize
+from .common import rank_and_size as _rank_and_size
 
 __all__ = [
     "BACKEND_CHOICES",
+    "DROP_IN_TIMEOUT_S",
     "ENV_BACKEND",
     "FI_ALLREDUCE_FUSION_MAX_SIZE_MB",
     "FI_MNNVL_ALLREDUCE_MAX_SIZE_MB",
@@ -64,6 +67,7 @@ __all__ = [
     "checkpoint_restore_fi_ar_workspaces",
     "choose_backend",
     "destroy_fi_ar_workspace",
+    "drop_in_timeout_s",
     "fi_ar_available",
     "flashinfer_comm",
     "get_fi_ar_quant_workspace",
@@ -82,7 +86,6 @@ BACKEND_CHOICES: list[str] = ["auto", "trtllm", "mnnvl"]
 DEFAULT_BACKEND = "auto"
 # vllm/envs.py: bool(int(os.getenv("VLLM_ALLREDUCE_USE_FLASHINFER", "1")))
 ENV_USE_FLASHINFER = "VLLM_ALLREDUCE_USE_FLASHINFER"
-FLASHINFER_BACKENDS = ("mnnvl", "trtllm")
 
 # vLLM 0.33.0 vllm/compilation/passes/fusion/allreduce_rms_fusion.py: the largest input (MB)
 # per SM and world size that FlashInferAllReduce admits (scripts/vllm_check.sh compares them)
@@ -110,11 +113,6 @@ _TRTLLM_MULTI_NODE_QUANT = ("Flashinfer allreduce quantization fusion is not sup
                             "backend instead.")
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_GROWTH = 8  # a workspace regrown for R1 is at most this many times the one that fell short
-# The drop-in's deadline when ARFUSE_TIMEOUT_S is not set: torch's default process-group
-# timeout, which vLLM's own creation waits on its gloo group. Ranks reach the first getter
-# after loading their weights, minutes apart on a large model; arfuse's 60 s default would
-# end that start-up on the early ranks.
-DROP_IN_TIMEOUT_S = 1800.0
 
 
 def _load_flashinfer_comm() -> ModuleType | None:
@@ -191,108 +189,20 @@ def _tuned_max_size(decision: GroupDecision, world_size: int) -> int | None:
     return None if size_mb is None else int(size_mb * MiB)
 
 
-def _level(rank: int, level: int) -> int:
-    """Decisions are the same on every rank: group rank 0 tells them, the others at debug."""
-    return level if rank == 0 else logging.DEBUG
-
-
-def _normalize(group: Any) -> Any:
-    """``None`` is the default group, or one process without ``torch.distributed``."""
-    if group is None and dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return group
-
-
-def _rank_and_size(group: Any) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _device_kind() -> str | None:
-    """vLLM passes its gloo group with CUDA tensors: CUDA whenever available; otherwise arfuse
-    infers the device from the group."""
-    return "cuda" if torch.cuda.is_available() else None
-
-
-def _forget_if_unused(key: str) -> None:
-    """R10: no reference to the group's store once arfuse holds no workspace of it."""
-    if not any(ws.ctx.key == key for ws in REGISTRY.workspaces()):
-        group_mod.forget_group(key)
-
-
-def _local_view(ctx: GroupContext) -> dict[str, Any]:
-    """This rank's setting, facts and topology file (what ``_decide`` exchanges)."""
-    path = ctx.settings.topology_path
-    return {"setting": backend_setting(),
-            "file_topology": topology_mod.load(path).to_dict() if path else None,
-            "facts": asdict(topology_mod.local_facts(ctx.device))}
-
-
-def _agreed_setting(ctx: GroupContext, payloads: list[dict[str, Any]]) -> str:
-    settings = [p["setting"] for p in payloads]
-    if any(s != settings[0] for s in settings):
-        values = "; ".join(f"rank {rank}: {s!r}" for rank, s in enumerate(settings))
-        raise NegotiationError(f"ranks of group {ctx.key} have different {ENV_BACKEND}: "
-                               f"{values}. Every rank of the group must ask for the same thing")
-    return str(settings[0])
-
-
-def drop_in_timeout_s() -> float:
-    """``ARFUSE_TIMEOUT_S`` when set, else ``DROP_IN_TIMEOUT_S`` (what vLLM would wait)."""
-    if os.environ.get(settings_mod.ENV_VARS["timeout_s"]) is not None:
-        return settings_mod.load().timeout_s
-    return DROP_IN_TIMEOUT_S
-
-
-def _fallback_timeout_s() -> float:
-    """The drop-in's wait for a rank whose own settings are what failed."""
-    try:
-        return drop_in_timeout_s()
-    except (TypeError, ValueError):
-        return DROP_IN_TIMEOUT_S
-
-
 def _decide(group: Any, device: str | None,
             check: Callable[[], None] = lambda: None) -> GroupDecision:
-    """Collective on ``group``: every rank sends its setting and facts through the group's own
-    store, under the drop-in's deadline, and every rank applies vLLM's rule to the same facts.
-    ``check``: the caller's checks of its arguments; what it (or this rank's settings) raises
-    travels in the exchange, so every rank fails together instead of the others waiting."""
-    member = group_mod.join(group)
-    epoch = member.channel.next_epoch()
-    member.channel.begin(f"n{epoch}/vllm")
-
-    def local() -> tuple[GroupContext, dict[str, Any]]:
-        check()
-        conf = settings_mod.load(timeout_s=drop_in_timeout_s())
-        log.configure(conf.log_level)
-        ctx = group_mod.make_context(member, device, conf)
-        return ctx, _local_view(ctx)
-
-    try:
-        found, error = negotiate.attempt_locally(local)
-        timeout = found[0].timeout_s if found is not None else _fallback_timeout_s()
-        try:
-            payloads = negotiate.exchange_verdicts(member.channel, timeout, "facts",
-                                                   None if found is None else found[1], error)
-        finally:  # no reference cycle through the error this frame's traceback holds
-            del error
-        assert found is not None  # a rank whose local step failed raised above
-        ctx = found[0]
-        try:
-            setting = _agreed_setting(ctx, payloads)
-            topo = negotiate.topology_of(ctx, payloads)
-        except (NegotiationError, ValueError) as exc:
-            negotiate.fail_together(ctx.channel, ctx.timeout_s, "facts", exc)
-    finally:
-        _forget_if_unused(member.key)
+    """Collective on ``group``: every rank's setting and facts through the group's own store
+    (``common.agree``), then vLLM's rule on the same facts on every rank. ``check``: the
+    caller's checks of its arguments, which every rank learns the verdict of."""
+    agreed = common.agree(group, device, backend_setting, ENV_BACKEND, "vllm", check)
+    setting, topo = str(agreed.setting), agreed.topology
     backend, allow = choose_backend(setting, topo)
-    log.once(_level(ctx.rank, logging.INFO), (ctx.key, setting, backend, allow, topo.node_count),
+    log.once(_level(agreed.rank, logging.INFO),
+             (agreed.group_key, setting, backend, allow, topo.node_count),
              "arfuse vLLM drop-in, group %s (%d ranks, %d node(s), SM %s): %s=%s -> backend %s, "
-             "trtllm fallback %s", ctx.key, ctx.world_size, topo.node_count, topo.sm,
+             "trtllm fallback %s", agreed.group_key, agreed.world_size, topo.node_count, topo.sm,
              ENV_BACKEND, setting, backend, "allowed" if allow else "no")
-    return GroupDecision(setting, topo, backend, allow, ctx.key, ctx.rank)
+    return GroupDecision(setting, topo, backend, allow, agreed.group_key, agreed.rank)
 
 
 def resolve_fi_ar_backend(group: Any = None) -> tuple[str | None, bool]:
@@ -511,12 +421,7 @@ def get_fi_ar_quant_workspace(world_size: int, rank: int, max_token_num: int, hi
 
 
 def _release(held: list[_Held]) -> None:
-    for entry in held:
-        try:
-            entry.op.close()
-        except Exception as exc:  # keep freeing the rest
-            log.logger.warning("arfuse vLLM drop-in: releasing a %s workspace raised %s: %s",
-                               entry.op.backend, type(exc).__name__, exc)
+    common.release((entry.op for entry in held), "vLLM")
 
 
 def destroy_fi_ar_workspace() -> None:
