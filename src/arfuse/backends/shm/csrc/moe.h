@@ -36,25 +36,77 @@ inline __m512 broadcast_f32(float v) { return _mm512_set1_ps(v); }
 inline __m256 broadcast_f32(float v) { return _mm256_set1_ps(v); }
 #endif
 
-// [0, n) of a row in whole vectors, four at a time where they fit; returns how many it did.
+using F32s = decltype(broadcast_f32(0.0f));  // the build's fp32 vector
+
+// How the rows of dtype D are read and written: kElems elements as kParts fp32 vectors.
+template <int D>
+struct Chunk {  // one isa::Vec
+  using T = typename Elem<D>::T;
+  static constexpr int kParts = 1;
+  static constexpr int64_t kElems = ARFUSE_VEC_LANES;
+  static void load(const T* p, F32s* v) { v[0] = isa::Vec<D>::load(p); }
+  static void store(T* p, const F32s* v) { isa::Vec<D>::put(p, isa::Vec<D>::pack(v[0])); }
+};
+template <>
+struct Chunk<kBF16> {  // even and odd elements apart: no widening shuffle per load
+  static constexpr int kParts = 2;
+  static constexpr int64_t kElems = 2 * ARFUSE_VEC_LANES;
+  static void load(const uint16_t* p, F32s* v) {
+    const isa::BF16Pair pair = isa::BF16Pair::load(p);
+    v[0] = pair.even;
+    v[1] = pair.odd;
+  }
+  static void store(uint16_t* p, const F32s* v) { isa::BF16Pair::store_rounded(p, v[0], v[1]); }
+};
+
+// kChunks chunks at h: the sums of the rows' scaled elements, each lane in k order, then
+// routed scaling and `add`, rounded into dst.
+template <int D, int kChunks>
+inline void combine_step(const typename Elem<D>::T* const* rows, const F32s* scales, int terms,
+                         float routed, bool scale_routed, const typename Elem<D>::T* add,
+                         typename Elem<D>::T* dst, int64_t h) {
+  using C = Chunk<D>;
+  constexpr int kVecs = kChunks * C::kParts;
+  F32s acc[kVecs], v[kVecs];
+  for (int i = 0; i < kVecs; ++i) acc[i] = broadcast_f32(0.0f);
+  for (int k = 0; k < terms; ++k) {
+    for (int c = 0; c < kChunks; ++c) C::load(rows[k] + h + c * C::kElems, v + c * C::kParts);
+    for (int i = 0; i < kVecs; ++i) acc[i] = isa::add_o(acc[i], isa::mul_o(scales[k], v[i]));
+  }
+  if (scale_routed) {
+    const F32s r = broadcast_f32(routed);
+    for (int i = 0; i < kVecs; ++i) acc[i] = isa::mul_o(acc[i], r);
+  }
+  if (add != nullptr) {
+    for (int c = 0; c < kChunks; ++c) C::load(add + h + c * C::kElems, v + c * C::kParts);
+    for (int i = 0; i < kVecs; ++i) acc[i] = isa::add_o(acc[i], v[i]);
+  }
+  for (int c = 0; c < kChunks; ++c) C::store(dst + h + c * C::kElems, acc + c * C::kParts);
+}
+
+// [0, n) of a row in whole chunks; returns how many elements it did. The rows a finalize
+// index skips are dropped and the scales broadcast once per token; each step then keeps four
+// vectors' sums going at once (one sum alone waits on its own adds and leaves the loads idle).
 template <int D>
 int64_t combine_vectors(const ExpertRows& e, float routed, bool scale_routed,
                         const typename Elem<D>::T* add, typename Elem<D>::T* dst, int64_t n) {
   using T = typename Elem<D>::T;
-  using V = isa::Vec<D>;
-  constexpr int64_t kLanes = ARFUSE_VEC_LANES;
-  const auto routed_v = broadcast_f32(routed);
+  using C = Chunk<D>;
+  constexpr int kChunks = 4 / C::kParts;
+  const T* rows[signature::kMaxMoeFanIn];
+  F32s scales[signature::kMaxMoeFanIn];
+  int terms = 0;
+  for (int k = 0; k < e.fan_in; ++k) {
+    if (e.rows[k] == nullptr) continue;
+    rows[terms] = static_cast<const T*>(e.rows[k]);
+    scales[terms++] = broadcast_f32(e.scales[k]);
+  }
   int64_t h = 0;
-  for (; h + kLanes <= n; h += kLanes) {
-    auto acc = broadcast_f32(0.0f);
-    for (int k = 0; k < e.fan_in; ++k) {
-      if (e.rows[k] == nullptr) continue;
-      const T* row = static_cast<const T*>(e.rows[k]) + h;
-      acc = isa::add_o(acc, isa::mul_o(broadcast_f32(e.scales[k]), V::load(row)));
-    }
-    if (scale_routed) acc = isa::mul_o(acc, routed_v);
-    if (add != nullptr) acc = isa::add_o(acc, V::load(add + h));
-    V::put(dst + h, V::pack(acc));
+  for (; h + kChunks * C::kElems <= n; h += kChunks * C::kElems) {
+    combine_step<D, kChunks>(rows, scales, terms, routed, scale_routed, add, dst, h);
+  }
+  for (; h + C::kElems <= n; h += C::kElems) {
+    combine_step<D, 1>(rows, scales, terms, routed, scale_routed, add, dst, h);
   }
   return h;
 }

@@ -137,7 +137,12 @@ struct BF16x16 {
   static void put(uint16_t* p, __m256 even, __m256 odd) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits(even, odd));
   }
+  // even and odd rounded and stored in element order
+  static void store_rounded(uint16_t* p, __m256 even, __m256 odd) {
+    put(p, bf16x8_round32(even), bf16x8_round32(odd));
+  }
 };
+using BF16Pair = BF16x16;  // the bf16 form without widening shuffles (moe.h reads it)
 
 // 16 bf16 elements at h of the first pass (see pass1_step); acc_even and acc_odd take the
 // squares of its even and odd elements.

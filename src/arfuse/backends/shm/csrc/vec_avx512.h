@@ -161,7 +161,12 @@ struct BF16x32 {
     return _mm512_or_si512(_mm512_srli_epi32(as_si(bf16_round32_int(even)), 16),
                            as_si(bf16_round32_int(odd)));
   }
+  // even and odd rounded and stored in element order
+  static void store_rounded(uint16_t* p, __m512 even, __m512 odd) {
+    put(p, BF16x32{even, odd}.pack());
+  }
 };
+using BF16Pair = BF16x32;  // the bf16 form without widening shuffles (moe.h reads it)
 
 // The sum over the ranks of 16 elements at h, in rank order.
 template <int D, int W>
