@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -138,3 +139,27 @@ def test_moe_traffic_and_verdicts() -> None:
     assert fused_ar.per_run == [3.5, 3.5] and fused_ar.met is True
     assert deepspeed.median == 3.0 and deepspeed.met is False
     assert moe_verdicts([report], (2,), ("bf16",))[0].met is None  # not measured
+
+
+def test_a_miss_is_out_of_reach_only_when_a_call_at_its_floor_would_miss_too() -> None:
+    def report(floor_us: float) -> dict[str, Any]:
+        return {"results": [
+            {"dtype": "fp32", "tokens": 8, "backend": "shm", "median_us": 10.0,
+             "floor_us": floor_us},
+            {"dtype": "fp32", "tokens": 8, "backend": "torch-step+shm", "median_us": 25.0},
+            {"dtype": "fp32", "tokens": 8, "backend": "torch-step+deepspeed+norm",
+             "median_us": 45.0},
+        ]}
+    # the fused call at 1.25x its floor: 3x would need 8.33 us, the floor is 8 us (reachable)
+    fused_ar, deepspeed = moe_verdicts([report(8.0)], (8,), ("fp32",))
+    assert fused_ar.met is False and fused_ar.at_floor == [25.0 / 8.0]
+    assert not fused_ar.out_of_reach and fused_ar.met_words() == "no (0/1)"
+    assert deepspeed.met is True and not deepspeed.out_of_reach
+    # at 1.1x its floor: even a call at the floor would be 2.75x (out of reach here)
+    fused_ar, _ = moe_verdicts([report(10.0 / 1.1)], (8,), ("fp32",))
+    assert fused_ar.out_of_reach
+    assert fused_ar.met_words() == "no (0/1); 2.75 at the floor"
+    # no floor recorded: a miss is just a miss
+    bare = {"results": [{k: v for k, v in row.items() if k != "floor_us"}
+                        for row in report(8.0)["results"]]}
+    assert not moe_verdicts([bare], (8,), ("fp32",))[0].out_of_reach

@@ -4,6 +4,7 @@ files: ``bench.json``, ``bench.txt``, ``bench.png``."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -57,16 +58,19 @@ def _moe_words(options: dict[str, Any]) -> str:
 
 
 def _versus_fused_moe(report: dict[str, Any], dname: str) -> list[str]:
-    """Each unfused row's median over the fused MoE call's, against its target."""
+    """Each unfused row's median over the fused MoE call's, against its target; where it is
+    not met, and a fused call at its one-rate floor would not meet it either, that best case."""
     found = moe_verdicts([report], tuple(report["options"]["tokens"]), (dname,))
     names = list(dict.fromkeys(v.target for v in found))
-    lines = [f"{'':>7}" + "".join(f" {n[5:]:>44}" for n in names)]
+    lines = [f"{'':>7}" + "".join(f" {n[5:]:>48}" for n in names)]
     for tokens in report["options"]["tokens"]:
         cells = []
         for v in (v for v in found if v.tokens == tokens):
+            reach = (f"; {statistics.median(v.at_floor):.2f}x at the floor"
+                     if v.out_of_reach else "")
             cell = "-" if v.median is None else (
-                f"{v.median:.2f}x (>= {v.limit:g}x: {'met' if v.met else 'not met'})")
-            cells.append(f" {cell:>44}")
+                f"{v.median:.2f}x (>= {v.limit:g}x: {'met' if v.met else 'not met'}{reach})")
+            cells.append(f" {cell:>48}")
         lines.append(f"{tokens:>7}" + "".join(cells))
     return lines
 

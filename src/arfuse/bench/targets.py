@@ -39,6 +39,9 @@ class Verdict:
     limit: float
     at_most: bool  # True: the figure must be <= limit; False: >= limit
     per_run: list[float] = field(default_factory=list)
+    # a speedup's best value on this machine: the unfused row over the fused call's one-rate
+    # memory floor (every byte the call must move at the copy rate), per run
+    at_floor: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float | None:
@@ -55,6 +58,21 @@ class Verdict:
     @property
     def runs_met(self) -> int:
         return sum(self.meets(v) for v in self.per_run)
+
+    @property
+    def out_of_reach(self) -> bool:
+        """Not met, and a call at its memory floor would not meet it either (median over runs):
+        the limit is beyond this machine, not beyond the kernel."""
+        return self.met is False and bool(self.at_floor) and not self.meets(
+            statistics.median(self.at_floor))
+
+    def met_words(self) -> str:
+        if self.met is None:
+            return "not measured"
+        words = f"{'yes' if self.met else 'no'} ({self.runs_met}/{len(self.per_run)})"
+        if self.out_of_reach:
+            words += f"; {statistics.median(self.at_floor):.2f} at the floor"
+        return words
 
 
 def _row(report: dict[str, Any], dtype: str, tokens: int, backend: str) -> dict[str, Any] | None:
@@ -105,7 +123,8 @@ def verdicts(reports: list[dict[str, Any]], one_core: dict[str, Any] | None,
 def moe_verdicts(reports: list[dict[str, Any]], tokens: tuple[int, ...],
                  dtypes: tuple[str, ...] = DTYPES) -> list[Verdict]:
     """The MoE targets' verdicts from ``arfuse bench --pattern moe_*`` reports: each unfused
-    row's median over the fused call's (``shm``). Pure: no I/O."""
+    row's median over the fused call's (``shm``), and over the fused call's one-rate floor
+    (``at_floor``). Pure: no I/O."""
     out: list[Verdict] = []
     for dtype in dtypes:
         for t in tokens:
@@ -115,6 +134,8 @@ def moe_verdicts(reports: list[dict[str, Any]], tokens: tuple[int, ...],
                     fused, row = _row(report, dtype, t, "shm"), _row(report, dtype, t, row_name)
                     if fused is not None and row is not None:
                         verdict.per_run.append(row["median_us"] / fused["median_us"])
+                        if fused.get("floor_us"):
+                            verdict.at_floor.append(row["median_us"] / fused["floor_us"])
                 out.append(verdict)
     return out
 
@@ -126,11 +147,8 @@ def table(found: list[Verdict], machine: dict[str, Any]) -> str:
              f"{'met':<12} per run"]
     for v in found:
         median = v.median
-        met = "not measured" if v.met is None else (
-            f"yes ({v.runs_met}/{len(v.per_run)})" if v.met else
-            f"no ({v.runs_met}/{len(v.per_run)})")
         sign = "<=" if v.at_most else ">="
         lines.append(f"{v.target:<36} {v.dtype:>5} {'' if v.tokens is None else v.tokens:>6} "
                      f"{sign}{v.limit:<5g} {'-' if median is None else f'{median:.3f}':>8}  "
-                     f"{met:<12} {' '.join(f'{x:.2f}' for x in v.per_run)}")
+                     f"{v.met_words():<12} {' '.join(f'{x:.2f}' for x in v.per_run)}")
     return "\n".join(lines)
