@@ -74,20 +74,19 @@ class _Chains:
         if comm is None:
             return self._unfused(x, residual, weight, eps, weight_bias, form, scale)
         shape = x.shape
-        hidden = shape[-1]
-        flat = x.reshape(-1, hidden).contiguous()
-        if residual is not None:
-            residual = residual.reshape(-1, hidden).contiguous()
-        if scale is None:
-            result = comm(flat, residual, weight, eps, weight_bias)
-        else:
-            result = comm(flat, residual, weight, eps, weight_bias, quant="fp8", scale=scale)
+        rows = len(shape) == 2
+        if not rows:  # [batch, sequence, hidden] and the like: the op takes [tokens, hidden]
+            x = x.reshape(-1, shape[-1])
+            residual = None if residual is None else residual.reshape(-1, shape[-1])
+        # the op reads its inputs in place: they must be contiguous (a no-op when they are)
+        result = comm(x.contiguous(), None if residual is None else residual.contiguous(),
+                      weight, eps, weight_bias, None if scale is None else "fp8", scale)
         assert result.residual_out is not None
-        outputs = (result.out.view(shape), result.residual_out.view(shape))
-        if scale is None:
-            return outputs
-        assert result.quant_out is not None
-        return (*outputs, result.quant_out.view(shape))
+        found: tuple[torch.Tensor, ...] = (result.out, result.residual_out)
+        if scale is not None:
+            assert result.quant_out is not None
+            found += (result.quant_out,)
+        return found if rows else tuple(t.view(shape) for t in found)
 
     def _unfused(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float, weight_bias: float, form: int,
