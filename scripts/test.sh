@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Set up, then lint, type-check, run the whole test suite, check arfuse's calls against the
 # real FlashInfer packages (0.6.13 and 0.7.2.post1, one venv each on .venv's torch; ~1.5 min
-# cold) and the SGLang
-# drop-in against SGLang 0.5.23's real module (.venv-sglang on .venv's torch; ~55 s cold,
-# ~25 s warm). What CI runs.
+# cold) and the SGLang drop-in against SGLang 0.5.23's real module (.venv-sglang on .venv's
+# torch; ~55 s cold, ~25 s warm). What CI runs.
 # The suite runs on two pytest-xdist workers: much of it waits on ranks and timeouts (`-n 0` as
 # an argument runs it in one process).
 set -euo pipefail
