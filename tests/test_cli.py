@@ -438,6 +438,42 @@ def test_run_under_torchrun_joins_the_ranks_it_started() -> None:
     assert "world size 2, hidden 64" in result.stdout and "negotiated: shm" in result.stdout
 
 
+TORCHRUN_RANK_SCRIPT = """
+import os, socket, sys
+import torch, torch.distributed as dist
+import arfuse
+from arfuse import registry
+from arfuse.launch import launch
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+
+def body(rank, world, options):
+    dist.init_process_group("gloo")
+    op = arfuse.FusedAllReduce(max_token_num=4, hidden_dim=64, dtype=torch.float32,
+                               backend="torch")
+    op(torch.ones(2, 64), torch.ones(2, 64), torch.ones(64))
+    return 3
+
+code = launch(body, 1, None)
+print(code, dist.is_initialized(), len(registry.REGISTRY.workspaces()))
+"""
+
+
+def test_a_rank_torchrun_started_leaves_no_group_nor_op_to_the_interpreters_exit() -> None:
+    """Under torchrun the body runs in the rank's own process, which then ends as a script
+    does: a process group still alive at the interpreter's exit had its C++ threads torn down
+    in no set order (a rank aborted with std::terminate after its work was done)."""
+    result = subprocess.run([sys.executable, "-c", TORCHRUN_RANK_SCRIPT], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT,
+                            env={**os.environ, "ARFUSE_LOG": "warning"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == ["3", "False", "0"], result.stdout + result.stderr
+
+
 def test_the_job_store_port_is_held_before_any_rank_starts(tmp_path: Path) -> None:
     """A port found free and closed again (then bound by rank 0 later) could go to another
     job started at the same moment: the launcher holds its store's port from the moment the

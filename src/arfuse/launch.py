@@ -311,7 +311,9 @@ def launch(body: JobBody, world: int, options: Any, env: dict[str, str] | None =
     Under torchrun this process is one of the ranks: run the body in place instead.
     """
     if under_torchrun():
-        return body(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), options)
+        code = body(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), options)
+        _leave_group()
+        return code
     ctx = mp.get_context("spawn")
     store = job_store()  # held until the job ends: its port cannot go to anyone else
     output_closed = ctx.Value("i", -1)  # the rank that found the output closed
@@ -323,6 +325,19 @@ def launch(body: JobBody, world: int, options: Any, env: dict[str, str] | None =
             return _run(procs, timeout_s, output_closed)
         finally:
             del store
+
+
+def _leave_group() -> None:
+    """Close arfuse's ops and destroy the process group, the way a torchrun rank's script
+    should end: left to the interpreter's exit, the group's C++ threads were torn down in no
+    set order and a rank could abort there (std::terminate) after its work was done."""
+    import torch.distributed as dist
+
+    from .registry import destroy_all
+
+    destroy_all()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _run(procs: list[Any], timeout_s: float | None, output_closed: Any) -> int:
