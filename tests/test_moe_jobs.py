@@ -158,7 +158,7 @@ def test_a_miss_is_out_of_reach_only_when_a_call_at_its_floor_would_miss_too() -
     # at 1.1x its floor: even a call at the floor would be 2.75x (out of reach here)
     fused_ar, _ = moe_verdicts([report(10.0 / 1.1)], (8,), ("fp32",))
     assert fused_ar.out_of_reach
-    assert fused_ar.met_words() == "no (0/1); 2.75 at the floor"
+    assert fused_ar.met_words() == "no (0/1); 2.75x at the floor"
     # no floor recorded: a miss is just a miss
     bare = {"results": [{k: v for k, v in row.items() if k != "floor_us"}
                         for row in report(8.0)["results"]]}

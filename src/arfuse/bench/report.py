@@ -4,7 +4,6 @@ files: ``bench.json``, ``bench.txt``, ``bench.png``."""
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +65,7 @@ def _versus_fused_moe(report: dict[str, Any], dname: str) -> list[str]:
     for tokens in report["options"]["tokens"]:
         cells = []
         for v in (v for v in found if v.tokens == tokens):
-            reach = (f"; {statistics.median(v.at_floor):.2f}x at the floor"
-                     if v.out_of_reach else "")
+            reach = f"; {v.reach_words()}" if v.out_of_reach else ""
             cell = "-" if v.median is None else (
                 f"{v.median:.2f}x (>= {v.limit:g}x: {'met' if v.met else 'not met'}{reach})")
             cells.append(f" {cell:>48}")

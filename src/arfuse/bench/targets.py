@@ -66,13 +66,16 @@ class Verdict:
         return self.met is False and bool(self.at_floor) and not self.meets(
             statistics.median(self.at_floor))
 
+    def reach_words(self) -> str:
+        """The best case at the floor when the limit is out of reach, else ""."""
+        return (f"{statistics.median(self.at_floor):.2f}x at the floor" if self.out_of_reach
+                else "")
+
     def met_words(self) -> str:
         if self.met is None:
             return "not measured"
         words = f"{'yes' if self.met else 'no'} ({self.runs_met}/{len(self.per_run)})"
-        if self.out_of_reach:
-            words += f"; {statistics.median(self.at_floor):.2f} at the floor"
-        return words
+        return f"{words}; {self.reach_words()}" if self.out_of_reach else words
 
 
 def _row(report: dict[str, Any], dtype: str, tokens: int, backend: str) -> dict[str, Any] | None:
