@@ -308,7 +308,8 @@ def launch(body: JobBody, world: int, options: Any, env: dict[str, str] | None =
     """Run ``body(rank, world, options)`` in ``world`` processes; the worst exit code wins
     (a rank that found the output closed ends the job with 0).
 
-    Under torchrun this process is one of the ranks: run the body in place instead.
+    Under torchrun this process is one of the ranks: run the body in place instead, then
+    close its ops and the process group (`_leave_group`).
     """
     if under_torchrun():
         code = body(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), options)
