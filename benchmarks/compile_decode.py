@@ -204,7 +204,10 @@ def one_case(rank: int, world: int, hidden: int, dtype: torch.dtype,
         medians = _interleaved_medians(
             {v: (lambda f=f: f(step, True)) for v, f in decode.items()}, options.steps,
             options.rounds)
+        ranks: list[Any] = [None] * world
+        dist.all_gather_object(ranks, medians)
         row.update({f"decode_us_{v}": us for v, us in medians.items()})
+        row.update({f"decode_us_{v}_ranks": [r[v] for r in ranks] for v in medians})
         for tokens in options.prefill:
             x = torch.randn(tokens, hidden).to(dtype)
             for f in prefill.values():

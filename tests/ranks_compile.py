@@ -217,13 +217,9 @@ def disagreeing_graphs(rank: int, world: int) -> dict[str, str]:
     return {"type": got["type"], "error": got["error"][:400]}
 
 
-def capacities(rank: int, world: int) -> dict[str, Any]:
-    """One chain compiled for 2 tokens with max_token_num=1 (over capacity: runs unfused),
-    then for 3 tokens and for 9 (the op grows): each against the eager chain, and the
-    capacity in use."""
-    from arfuse.compile import runtime
-
-    hidden = 32
+def _rank_scaled_chain(rank: int, hidden: int) -> Any:
+    """``(x, residual, weight) -> (normed, new residual)``, each rank's ``x`` scaled by its
+    number (ranks contribute differently), the all-reduce as models write it."""
 
     def chain(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
         y = x * (rank + 1)
@@ -231,6 +227,17 @@ def capacities(rank: int, world: int) -> dict[str, Any]:
         h = y + r
         return F.rms_norm(h, (hidden,), w, 1e-6), h
 
+    return chain
+
+
+def capacities(rank: int, world: int) -> dict[str, Any]:
+    """One chain compiled for 2 tokens with max_token_num=1 (over capacity: runs unfused),
+    then for 3 tokens and for 9 (the op grows): each against the eager chain, and the
+    capacity in use."""
+    from arfuse.compile import runtime
+
+    hidden = 32
+    chain = _rank_scaled_chain(rank, hidden)
     found: dict[str, Any] = {}
     for tokens, limit in ((2, 1), (3, None), (9, None)):
         generator = torch.Generator().manual_seed(tokens)
@@ -245,6 +252,38 @@ def capacities(rank: int, world: int) -> dict[str, Any]:
             "equal": [bool(torch.allclose(a, b, atol=1e-5)) for a, b in zip(want, got,
                                                                              strict=True)],
             "capacity": max(c.capacity for c in runtime._chains.values())}
+    return found
+
+
+def kernel_route(rank: int, world: int, calls: int) -> dict[str, Any]:
+    """A chain on ``[batch, sequence, hidden]`` inputs called ``calls`` times, closed, then
+    called again: whether the operator has its CPU kernel, how many calls Python ran (the
+    first of each op: negotiation) and how many in all, and each result against the eager
+    chain."""
+    from arfuse.compile import runtime
+
+    hidden = 32
+    chain = _rank_scaled_chain(rank, hidden)
+    torch._dynamo.reset()
+    compiled = torch.compile(chain, backend=tm.post_grad_backend(_fusion_pass()),
+                             fullgraph=True)
+    generator = torch.Generator().manual_seed(7)
+    w = torch.randn(hidden, generator=generator)
+    found: dict[str, Any] = {"equal": []}
+    for opened in range(2):
+        for _ in range(calls):
+            x, r = (torch.randn(2, 3, hidden, generator=generator) for _ in range(2))
+            with torch.no_grad():
+                want, got = chain(x, r, w), compiled(x, r, w)
+            found["equal"].append(all(torch.allclose(a, b, atol=1e-5) and a.shape == b.shape
+                                      for a, b in zip(want, got, strict=True)))
+        (chains,) = runtime._chains.values()
+        found[f"python_calls_{opened}"] = chains._calls
+        found[f"calls_{opened}"] = chains.calls
+        if opened == 0:
+            runtime.close_all()  # the next call negotiates a new op, and routes to it
+    found["cpu_kernel"] = torch._C._dispatch_has_kernel_for_dispatch_key(
+        "arfuse::compiled_fused_allreduce", "CPU")
     return found
 
 

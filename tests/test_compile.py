@@ -97,6 +97,17 @@ def test_capacity_grows_with_the_graphs_and_over_capacity_runs_unfused() -> None
                      "9/None": {"equal": [True, True], "capacity": 9}}
 
 
+def test_the_operators_cpu_kernel_runs_every_call_after_the_first_without_python() -> None:
+    calls = 5
+    found = values(run_ranks(ranks_compile.kernel_route, 2, calls, timeout=200))
+    for mine in found:
+        assert mine["cpu_kernel"]
+        assert mine["equal"] == [True] * (2 * calls), mine
+        # each op's first call negotiates in Python; the kernel's route runs the rest
+        assert mine["python_calls_0"] == mine["python_calls_1"] == 1, mine
+        assert mine["calls_0"] == mine["calls_1"] == calls, mine
+
+
 def test_entry_points_check_their_arguments() -> None:
     with pytest.raises(ValueError, match="max_token_num=0"):
         arfuse.compile_backend(max_token_num=0)

@@ -119,6 +119,16 @@ class FusedAllReduce:
         """Tokens per call that run fused; larger calls run unfused."""
         return self.workspace.capacity
 
+    def kernel_entry(self) -> tuple[Any, int, int] | None:
+        """``(kernel module, handle, op code)`` through which native code may run this op's
+        plain calls on the kernel's checked fast path, as ``__call__`` does (the compiled
+        graphs' operator); ``None`` where every call must pass through Python (no compiled
+        kernel, call faults, a checked residual)."""
+        if self._fast is None:
+            return None
+        entry = self.workspace.kernel_entry
+        return None if entry is None else (*entry, self._op)
+
     def input_buffer(self, tokens: int) -> torch.Tensor:
         """A ``[tokens, hidden]`` tensor to compute the next call's ``x`` into (for example
         ``torch.matmul(a, w.t(), out=comm.input_buffer(n))``). On shm it is this rank's

@@ -54,6 +54,13 @@ class Workspace(ABC):
         ``moe_reduce`` (``add``: its token input; a finalize's shared expert or None)."""
         return None
 
+    @property
+    def kernel_entry(self) -> tuple[Any, int] | None:
+        """``(kernel module, handle)`` when a compiled kernel runs this workspace's calls, so
+        that native code (the compiled graphs' operator) may call it without Python; else
+        ``None``."""
+        return None
+
     def input_buffer(self, tokens: int) -> torch.Tensor:
         """Where the caller may write the next call's input (a backend with a shared input
         slot returns a view of it and skips a copy); by default a fresh tensor."""

@@ -12,7 +12,10 @@ rank). When the group's plan is unfused the operator runs the chain the graph ha
 torch: the graph's own all-reduce op, the add, the norm in its ``form`` (``match``) and the
 quantisation.
 
-The hot path is a dict look-up and ``FusedAllReduce.__call__`` (the shm kernel's own entry).
+On CPU with the shm kernel the operator's CPU kernel is the kernel's own (bindings.cpp): once
+the op of a key exists it runs the calls straight from the graph, as the hand-written graph's
+``shm_fused_allreduce_functional`` does, and hands everything else to the Python
+implementation here. Elsewhere the hot path is a dict look-up and ``FusedAllReduce.__call__``.
 """
 
 from __future__ import annotations
@@ -51,8 +54,11 @@ class _Chains:
 
         resolve: Any = getattr(distributed_c10d, "_resolve_process_group")  # noqa: B009
         self.group = resolve(group_name)
+        self.group_name = group_name
         self.capacity = capacity
-        self.calls = 0  # chains run (fused or not), for tests and stats
+        self._calls = 0  # the chains Python ran
+        # (kernel, handle, dtype, hidden) once the kernel routes this op's calls: _enter_route
+        self._route: tuple[Any, int, torch.dtype, int] | None = None
         device = "cpu" if x.device.type == "cpu" else str(x.device)
         self.comm: FusedAllReduce | None = FusedAllReduce(
             self.group, max_token_num=capacity, hidden_dim=int(x.shape[-1]), dtype=x.dtype,
@@ -65,11 +71,36 @@ class _Chains:
         if not self.fused:
             self.comm.close()
             self.comm = None
+        elif x.device.type == "cpu":
+            self._enter_route(x)
+
+    def _enter_route(self, x: torch.Tensor) -> None:
+        """Let the operator's CPU kernel (the shm kernel's, bindings.cpp) run this op's calls
+        without Python: it takes the calls this op's fast path takes and hands the rest to
+        ``_run``. Nothing where the op has no such entry (another backend, call faults)."""
+        assert self.comm is not None
+        entry = self.comm.kernel_entry()
+        if entry is None:
+            return
+        kernel, handle, op = entry
+        kernel.register_compiled_op(_run)
+        hidden = int(x.shape[-1])
+        kernel.set_compiled_route(self.group_name, x.dtype, hidden, handle, op, self.capacity)
+        self._route = (kernel, handle, x.dtype, hidden)
+
+    @property
+    def calls(self) -> int:
+        """Chains run (fused or not), by Python or by the kernel's route; for tests and
+        stats."""
+        if self._route is None:
+            return self._calls
+        kernel, _, dtype, hidden = self._route
+        return self._calls + int(kernel.compiled_route_calls(self.group_name, dtype, hidden))
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float, weight_bias: float, form: int,
                  scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        self.calls += 1
+        self._calls += 1
         comm = self.comm
         if comm is None:
             return self._unfused(x, residual, weight, eps, weight_bias, form, scale)
@@ -103,6 +134,10 @@ class _Chains:
         return out, h, codes.to(torch.float8_e4m3fn)
 
     def close(self) -> None:
+        if self._route is not None:
+            kernel, handle, dtype, hidden = self._route
+            kernel.drop_compiled_route(self.group_name, dtype, hidden, handle)
+            self._route = None
         if self.comm is not None:
             self.comm.close()
             self.comm = None

@@ -233,6 +233,12 @@ class ShmWorkspace(Workspace):
         return None if self._comm is None else self._comm.call_moe
 
     @property
+    def kernel_entry(self) -> tuple[Any, int] | None:
+        if self._comm is None or self.kernel is None:
+            return None
+        return self.kernel, int(self._comm.handle)
+
+    @property
     def handle(self) -> int | None:
         """The integer that names this rank's kernel to the torch operator (``None`` on the
         pure-torch path). Every rank of the group calls, alike (it is collective)::

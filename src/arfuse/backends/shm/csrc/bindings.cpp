@@ -6,7 +6,13 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <string>
+#include <tuple>
 
 #include "comm.h"
 #include "moe.h"
@@ -143,6 +149,131 @@ void register_torch_ops() {
                                   __FILE__, __LINE__);
   impl->impl("shm_fused_allreduce", TORCH_FN(op_fused_allreduce));
   impl->impl("shm_fused_allreduce_functional", TORCH_FN(op_fused_allreduce_functional));
+}
+
+// ---- torch.ops.arfuse.compiled_fused_allreduce on CPU ---------------------------------------
+//
+// The operator the torch.compile pass puts in a graph (arfuse/compile/runtime.py defines it and
+// its Python implementation). A graph calls it once per chain every step, right after matmuls
+// that have evicted the caches, where a trip through Python's dispatch and arfuse's Python code
+// costs more than the kernel's own work. Here a route (the
+// shm op runtime.py negotiated for a group, dtype and hidden size, entered once it exists) leads
+// straight to the kernel with the fast path's checks; any other call (no route yet, a larger
+// capacity, anything the fast path declines) runs the Python implementation, which negotiates,
+// enters routes and falls back as the Python operator always did.
+
+struct CompiledRoute {
+  std::weak_ptr<ShmComm> comm;
+  int64_t handle = 0, op = 0, capacity = 0;
+  std::atomic<int64_t> calls{0};  // the calls this route ran (runtime.py counts the others)
+};
+
+using RouteKey = std::tuple<std::string, int, int64_t>;  // group name, dtype, hidden
+std::mutex g_routes_mutex;
+std::map<RouteKey, std::shared_ptr<CompiledRoute>> g_routes;
+PyObject* g_compiled_python = nullptr;  // runtime._run; never freed
+
+RouteKey route_key(c10::string_view group, at::ScalarType dtype, int64_t hidden) {
+  return {std::string(group.data(), group.size()), int(dtype), hidden};
+}
+
+std::shared_ptr<CompiledRoute> find_route(const RouteKey& key) {
+  const std::lock_guard<std::mutex> lock(g_routes_mutex);
+  auto it = g_routes.find(key);
+  return it == g_routes.end() ? nullptr : it->second;
+}
+
+void set_compiled_route(const std::string& group, at::ScalarType dtype, int64_t hidden,
+                        int64_t handle, int64_t op, int64_t capacity) {
+  std::shared_ptr<ShmComm> comm = ShmComm::find(handle);
+  TORCH_CHECK_VALUE(comm != nullptr, "arfuse shm: no live workspace has handle ", handle);
+  auto route = std::make_shared<CompiledRoute>();
+  route->comm = comm;
+  route->handle = handle;
+  route->op = op;
+  route->capacity = capacity;
+  const std::lock_guard<std::mutex> lock(g_routes_mutex);
+  g_routes[route_key(group, dtype, hidden)] = route;
+}
+
+// Removes the route if it still leads to `handle` (a later one of the key stays).
+void drop_compiled_route(const std::string& group, at::ScalarType dtype, int64_t hidden,
+                         int64_t handle) {
+  const std::lock_guard<std::mutex> lock(g_routes_mutex);
+  auto it = g_routes.find(route_key(group, dtype, hidden));
+  if (it != g_routes.end() && it->second->handle == handle) g_routes.erase(it);
+}
+
+int64_t compiled_route_calls(const std::string& group, at::ScalarType dtype, int64_t hidden) {
+  std::shared_ptr<CompiledRoute> route = find_route(route_key(group, dtype, hidden));
+  return route ? route->calls.load() : 0;
+}
+
+py::object optional_object(const std::optional<at::Tensor>& t) {
+  return t ? py::cast(*t) : py::none();
+}
+
+std::tuple<at::Tensor, at::Tensor> compiled_fused_allreduce(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
+    double eps, double weight_bias, c10::string_view group_name, int64_t capacity,
+    int64_t form, const std::optional<at::Tensor>& eps_input) {
+  std::shared_ptr<CompiledRoute> route =
+      x.dim() >= 1 ? find_route(route_key(group_name, x.scalar_type(), x.size(-1))) : nullptr;
+  std::shared_ptr<ShmComm> comm = route ? route->comm.lock() : nullptr;
+  if (comm && route->capacity >= capacity) {
+    // as runtime.py's Python path: [tokens, hidden] rows, eps from the graph's fp32 input
+    const bool rows = x.dim() == 2;
+    const at::Tensor x2 = rows ? x.contiguous() : x.reshape({-1, x.size(-1)}).contiguous();
+    at::Tensor residual2;
+    if (residual) {
+      residual2 = rows ? residual->contiguous()
+                       : residual->reshape({-1, x.size(-1)}).contiguous();
+    }
+    Numbers n;
+    n.eps = eps_input ? eps_input->to(at::kFloat).item<double>() : eps;
+    n.weight_bias = weight_bias;
+    n.op = route->op;
+    Tensors t;
+    t.x = &x2;
+    t.residual = residual ? &residual2 : nullptr;
+    t.weight = &weight;
+    std::array<at::Tensor, 4> r;
+    bool ran = false;
+    try {
+      ran = comm->try_run(t, n, Py_IsInitialized() && PyGILState_Check(), &r);
+    } catch (const ShmError& e) {
+      raise_python(e);
+    }
+    if (ran) {
+      route->calls.fetch_add(1, std::memory_order_relaxed);
+      if (rows) return {r[0], r[1]};
+      return {r[0].view(x.sizes()), r[1].view(x.sizes())};
+    }
+  }
+  TORCH_CHECK(g_compiled_python != nullptr, "arfuse shm: compiled operator not set up");
+  py::gil_scoped_acquire gil;
+  py::object result = py::reinterpret_borrow<py::object>(g_compiled_python)(
+      x, optional_object(residual), weight, eps, weight_bias,
+      std::string(group_name.data(), group_name.size()), capacity, form,
+      optional_object(eps_input));
+  return result.cast<std::tuple<at::Tensor, at::Tensor>>();
+}
+
+// Gives the operator (defined in Python before this is called) this CPU kernel, once per
+// process, with `python`, its Python implementation, for what the routes do not serve.
+void register_compiled_op(py::object python) {
+  static bool done = false;
+  if (done) return;
+  const auto op = c10::Dispatcher::singleton().findSchema({"arfuse::compiled_fused_allreduce",
+                                                            ""});
+  TORCH_CHECK(op.has_value(), "arfuse shm: torch.ops.arfuse.compiled_fused_allreduce is not "
+              "defined (arfuse.compile.runtime.register defines it)");
+  done = true;
+  if (op->hasKernelForDispatchKey(c10::DispatchKey::CPU)) return;  // another build's
+  g_compiled_python = python.release().ptr();
+  auto* impl = new torch::Library(torch::Library::IMPL, "arfuse", c10::DispatchKey::CPU,
+                                  __FILE__, __LINE__);  // never freed, as register_torch_ops
+  impl->impl("compiled_fused_allreduce", TORCH_FN(compiled_fused_allreduce));
 }
 
 py::dict layout_constants() {
@@ -380,6 +511,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("slot_geometry", &slot_geometry);
   m.def("describe_signature", &describe_signature);
   m.def("mismatch_message", &mismatch_message);
+  m.def("register_compiled_op", &register_compiled_op);
+  m.def("set_compiled_route", &set_compiled_route, py::arg("group"), py::arg("dtype"),
+        py::arg("hidden"), py::arg("handle"), py::arg("op"), py::arg("capacity"));
+  m.def("drop_compiled_route", &drop_compiled_route, py::arg("group"), py::arg("dtype"),
+        py::arg("hidden"), py::arg("handle"));
+  m.def("compiled_route_calls", &compiled_route_calls, py::arg("group"), py::arg("dtype"),
+        py::arg("hidden"));
   m.def("moe_finalize", &moe_finalize, py::arg("dst"), py::arg("expanded"), py::arg("index"),
         py::arg("scales"), py::arg("shared"), py::arg("routed"));
   m.def("moe_reduce", &moe_reduce, py::arg("dst"), py::arg("active"), py::arg("scales"),

@@ -367,26 +367,28 @@ py::object ShmComm::call(py::handle x_obj, py::handle residual_obj, py::handle w
                          py::handle residual_out_obj, int64_t op) {
   Tensors t;
   Numbers n;
-  if (failed() || !THPVariable_Check(x_obj.ptr()) || op < 0 || op > signature::kMaxOp) {
-    return py::none();
-  }
+  if (!THPVariable_Check(x_obj.ptr())) return py::none();
   n.op = op;
   t.x = &THPVariable_Unpack(x_obj.ptr());
-  if (x_problem(*t.x, true) || !take_tensor(weight_obj, &t.weight) ||
-      !take_tensor(residual_obj, &t.residual) || tensors_problem(t)) {
-    return py::none();
-  }
-  if (!take_numbers(t.weight != nullptr, eps_obj, bias_obj, quant_obj, scale_obj, layout_obj,
+  if (!take_tensor(weight_obj, &t.weight) || !take_tensor(residual_obj, &t.residual) ||
+      !take_numbers(t.weight != nullptr, eps_obj, bias_obj, quant_obj, scale_obj, layout_obj,
                     &n) ||
-      numbers_problem(t.weight != nullptr, n)) {
+      !take_tensor(out_obj, &t.out) || !take_tensor(residual_out_obj, &t.residual_out)) {
     return py::none();
   }
-  if (!take_tensor(out_obj, &t.out) || !take_tensor(residual_out_obj, &t.residual_out) ||
-      memory_problem(t)) {
-    return py::none();
-  }
-  std::array<at::Tensor, 4> r = execute(t, n, true);
+  std::array<at::Tensor, 4> r;
+  if (!try_run(t, n, true, &r)) return py::none();
   return make_result(r);
+}
+
+bool ShmComm::try_run(const Tensors& t, const Numbers& n, bool release_gil,
+                      std::array<at::Tensor, 4>* r) {
+  if (failed() || n.op < 0 || n.op > signature::kMaxOp || x_problem(*t.x, true) ||
+      tensors_problem(t) || numbers_problem(t.weight != nullptr, n) || memory_problem(t)) {
+    return false;
+  }
+  *r = execute(t, n, release_gil);
+  return true;
 }
 
 // ---- the MoE fast path (arfuse.moe's checks, rule for rule; None where they would raise) -----

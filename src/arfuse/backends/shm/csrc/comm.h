@@ -106,6 +106,10 @@ class ShmComm {
                       py::handle eps, py::handle weight_bias, py::handle quant,
                       py::handle scale, py::handle layout, py::handle out,
                       py::handle residual_out, int64_t op);
+  // call's checks and run, for arguments already unpacked (the compiled graphs' operator,
+  // bindings.cpp): false, with nothing run, wherever call returns None.
+  bool try_run(const Tensors& t, const Numbers& n, bool release_gil,
+               std::array<at::Tensor, 4>* r);
   // (out, residual_out, quant_out, scale_out), the absent ones undefined (None in Python).
   std::array<at::Tensor, 4> run(const Tensors& t, const Numbers& n, bool release_gil);
   // Meet the group with the signature of a call this rank runs elsewhere (over capacity, on
