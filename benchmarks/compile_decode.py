@@ -4,14 +4,18 @@
 itself; decode-step and prefill medians, the ratios, and the compile time with and without
 the pass. A fourth decode, the model with no chain at all (no all-reduce, add nor norm: the
 step's other work), bounds what any fusion can give: ``decode_bound_vs_plain``, plain over it.
-JSON out, the machine (ISA included) recorded.
+A fifth, "sync", is that model with the ranks meeting at each chain (the shm op on 64 floats of
+the partial sum, which take the sum's place): the step's other work plus the cheapest
+all-reduce there is, whose ratio ``decode_sync_bound_vs_plain`` bounds what any all-reduce
+can give (ranks whose steps vary wait for each other at every meeting). JSON out, the machine
+(ISA included) recorded.
 
     python benchmarks/compile_decode.py --out benchmarks/results/<machine>/compile-decode.json
     python benchmarks/compile_decode.py --short --out ...  # 1024 and 4096, ~12 min on 2 cores
     python benchmarks/compile_decode.py --quick          # tiny sizes: does it run
 
-Targets: decode with the pass >= 1.5x plain Inductor (out of reach where the bound is under
-it) and within 5% of the hand-written model; prefill (32-512 tokens) no slower than plain;
+Targets: decode with the pass >= 1.5x plain Inductor (out of reach where the sync bound is
+under it) and within 5% of the hand-written model; prefill (32-512 tokens) no slower than plain;
 the pass adds < 10% compile time (``compile_added_by_pass``: the whole decode compile's
 change; ``pass_share_of_plain_compile``: the pass's own seconds; compile seconds are Dynamo's
 record of the first call, caches off). Prefill runs one dynamic-shape graph per variant;
@@ -37,8 +41,9 @@ from torch import nn
 from arfuse.launch import init_from_env, launch, pin_to_core
 
 EPS = 1e-6
-VARIANTS = ("plain", "pass", "hand", "none")
-NO_CHAIN = -1  # Model's handle for the "none" variant: the chains left out
+VARIANTS = ("plain", "pass", "hand", "none", "sync")
+NO_CHAIN = -1  # Model's handle for the "none" and "sync" variants: the chains left out
+SYNC_FLOATS = 64  # what the "sync" variant's ranks exchange at each chain
 
 
 def rms_norm(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -69,6 +74,7 @@ class Model(nn.Module):
         self.cache = [torch.randn(2, self.heads, context, self.head_dim).to(dtype)
                       for _ in range(layers)]
         self.handle = handle  # the shm operator's handle: the hand-written fused version
+        self.sync: int | None = None  # with NO_CHAIN: the handle the ranks meet through
 
     def _attention(self, i: int, x: torch.Tensor, decode: bool) -> torch.Tensor:
         tokens = x.shape[0]
@@ -87,7 +93,15 @@ class Model(nn.Module):
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """all-reduce + residual add + RMSNorm: (normed, new residual)."""
         if self.handle == NO_CHAIN:
-            return partial, h
+            if self.sync is None:
+                return partial, h
+            # the sum of the partial's first 64 floats in their place: the meeting comes after
+            # the matmul and the graph needs its result (Inductor drops an op whose result
+            # only reaches the step times zero)
+            (met,) = torch.ops.arfuse.shm_fused_allreduce_functional(
+                self.sync, partial[:, :SYNC_FLOATS].float().contiguous(), None, None, EPS, 0.0,
+                0, 0.0, True)
+            return torch.cat([met.to(partial.dtype), partial[:, SYNC_FLOATS:]], dim=-1), h
         if self.handle is not None:
             out, residual = torch.ops.arfuse.shm_fused_allreduce_functional(
                 self.handle, partial, h, weight, EPS, 0.0, 0, 0.0, True)
@@ -182,6 +196,8 @@ def one_case(rank: int, world: int, hidden: int, dtype: torch.dtype,
     comm = arfuse.FusedAllReduce(max_token_num=capacity, hidden_dim=hidden, dtype=dtype,
                                  backend="shm", strict=True)
     handle = comm.workspace.handle  # type: ignore[attr-defined]
+    meet = arfuse.FusedAllReduce(max_token_num=1, hidden_dim=SYNC_FLOATS, dtype=torch.float32,
+                                 backend="shm", strict=True)
     row: dict[str, Any] = {"hidden": hidden, "dtype": str(dtype).split(".")[-1]}
     torch.manual_seed(0)
     weights = Model(hidden, options.layers, world, dtype, options.context, None)
@@ -191,7 +207,9 @@ def one_case(rank: int, world: int, hidden: int, dtype: torch.dtype,
     with torch.no_grad():
         for variant in VARIANTS:  # the same weights, each variant its own module and graphs
             model = copy.copy(weights)
-            model.handle = {"hand": handle, "none": NO_CHAIN}.get(variant)
+            model.handle = {"hand": handle, "none": NO_CHAIN, "sync": NO_CHAIN}.get(variant)
+            if variant == "sync":
+                model.sync = meet.workspace.handle  # type: ignore[attr-defined]
             decode[variant] = _compiled(variant, model, False, capacity)
             passes = len(_PASS_S)
             row[f"compile_s_{variant}"] = _timed_compile(decode[variant], step, True)
@@ -199,7 +217,7 @@ def one_case(rank: int, world: int, hidden: int, dtype: torch.dtype,
                 row["pass_s"] = sum(_PASS_S[passes:])
             for _ in range(options.warmup):
                 decode[variant](step, True)
-            if variant != "none":  # its prefill bounds nothing the targets ask
+            if variant not in ("none", "sync"):  # their prefill bounds no target
                 prefill[variant] = _compiled(variant, model, True, capacity)
         medians = _interleaved_medians(
             {v: (lambda f=f: f(step, True)) for v, f in decode.items()}, options.steps,
@@ -218,6 +236,7 @@ def one_case(rank: int, world: int, hidden: int, dtype: torch.dtype,
                 options.prefill_steps, min(options.rounds, options.prefill_steps))
             row.update({f"prefill{tokens}_us_{v}": us for v, us in medians.items()})
     row["decode_bound_vs_plain"] = row["decode_us_plain"] / row["decode_us_none"]
+    row["decode_sync_bound_vs_plain"] = row["decode_us_plain"] / row["decode_us_sync"]
     row["decode_speedup_pass_vs_plain"] = row["decode_us_plain"] / row["decode_us_pass"]
     row["decode_pass_vs_hand"] = row["decode_us_pass"] / row["decode_us_hand"]
     for tokens in options.prefill:
@@ -227,6 +246,7 @@ def one_case(rank: int, world: int, hidden: int, dtype: torch.dtype,
     # kernels to generate: the chain becomes one call)
     row["pass_share_of_plain_compile"] = row["pass_s"] / row["compile_s_plain"]
     row["compile_added_by_pass"] = row["compile_s_pass"] / row["compile_s_plain"] - 1
+    meet.close()
     comm.close()
     return row
 
