@@ -284,6 +284,14 @@ def kernel_route(rank: int, world: int, calls: int) -> dict[str, Any]:
             runtime.close_all()  # the next call negotiates a new op, and routes to it
     found["cpu_kernel"] = torch._C._dispatch_has_kernel_for_dispatch_key(
         "arfuse::compiled_fused_allreduce", "CPU")
+    # a call the route declines (a weight of another dtype) reaches Python, whose error comes
+    # back through the kernel as it is
+    x = torch.randn(3, hidden)
+    try:
+        runtime.register()(x, x, w.double(), 1e-6, 0.0, _group_name(), 3, 0, None)
+        found["declined"] = "no error"
+    except ValueError as e:
+        found["declined"] = str(e)
     return found
 
 
@@ -363,18 +371,28 @@ def _fp8_chains(rank: int) -> dict[str, tuple[Any, tuple[torch.Tensor, ...]]]:
 
 def fp8(rank: int, world: int) -> dict[str, Any]:
     """Each FP8 chain compiled with the pass against the same graph without it (both up to
-    the post-grad graph, then eagerly): what was replaced, and whether every output is the
-    same to the bit (the fp8 codes compared as bytes)."""
+    the post-grad graph, then eagerly), the fused one called twice (the second call of an op
+    takes the kernel's route): what was replaced, whether every output of both calls is the
+    same to the bit (the fp8 codes compared as bytes), and the calls Python ran of the two."""
+    from arfuse.compile import runtime
+
+    def counts() -> tuple[int, int]:
+        chains = runtime._chains.values()
+        return sum(c._calls for c in chains), sum(c.calls for c in chains)
+
     found: dict[str, Any] = {}
     for name, (fn, args) in _fp8_chains(rank).items():
         fusion = _fusion_pass()
-        results = []
-        for backend in (tm.post_grad_backend(None), tm.post_grad_backend(fusion)):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            want = torch.compile(fn, backend=tm.post_grad_backend(None), fullgraph=True)(*args)
             torch._dynamo.reset()
-            with torch.no_grad():
-                results.append(torch.compile(fn, backend=backend, fullgraph=True)(*args))
-        want, got = results
+            fused = torch.compile(fn, backend=tm.post_grad_backend(fusion), fullgraph=True)
+            before = counts()
+            got = [fused(*args), fused(*args)]
+            after = counts()
         found[name] = {"fused": dict(fusion.fused), "left": dict(fusion.left), "equal": all(
             a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-            for a, b in zip(want, got, strict=True))}
+            for result in got for a, b in zip(want, result, strict=True)),
+            "python_calls": after[0] - before[0], "calls": after[1] - before[1]}
     return found

@@ -82,6 +82,8 @@ def test_static_fp8_after_the_norm_is_fused_bit_for_bit() -> None:
     assert mine["division"]["fused"] == {"residual + RMSNorm": 1}, mine
     for name, seen in mine.items():
         assert seen["left"] == {} and seen["equal"], (name, seen)
+        # two calls; Python runs at most an op's first (negotiation), the kernel the rest
+        assert seen["calls"] == 2 and seen["python_calls"] <= 1, (name, seen)
     assert found[1] == mine
 
 
@@ -106,6 +108,7 @@ def test_the_operators_cpu_kernel_runs_every_call_after_the_first_without_python
         # each op's first call negotiates in Python; the kernel's route runs the rest
         assert mine["python_calls_0"] == mine["python_calls_1"] == 1, mine
         assert mine["calls_0"] == mine["calls_1"] == calls, mine
+        assert "weight" in mine["declined"], mine
 
 
 def test_entry_points_check_their_arguments() -> None:

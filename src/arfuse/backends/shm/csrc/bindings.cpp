@@ -151,10 +151,10 @@ void register_torch_ops() {
   impl->impl("shm_fused_allreduce_functional", TORCH_FN(op_fused_allreduce_functional));
 }
 
-// ---- torch.ops.arfuse.compiled_fused_allreduce on CPU ---------------------------------------
+// ---- torch.ops.arfuse.compiled_fused_allreduce(_fp8) on CPU ----------------------------------
 //
-// The operator the torch.compile pass puts in a graph (arfuse/compile/runtime.py defines it and
-// its Python implementation). A graph calls it once per chain every step, right after matmuls
+// The operators the torch.compile pass puts in a graph (arfuse/compile/runtime.py defines them
+// and their Python implementation). A graph calls it once per chain every step, right after matmuls
 // that have evicted the caches, where a trip through Python's dispatch and arfuse's Python code
 // costs more than the kernel's own work. Here a route (the
 // shm op runtime.py negotiated for a group, dtype and hidden size, entered once it exists) leads
@@ -172,6 +172,7 @@ using RouteKey = std::tuple<std::string, int, int64_t>;  // group name, dtype, h
 std::mutex g_routes_mutex;
 std::map<RouteKey, std::shared_ptr<CompiledRoute>> g_routes;
 PyObject* g_compiled_python = nullptr;  // runtime._run; never freed
+PyObject* g_compiled_python_fp8 = nullptr;  // runtime._run_fp8; never freed
 
 RouteKey route_key(c10::string_view group, at::ScalarType dtype, int64_t hidden) {
   return {std::string(group.data(), group.size()), int(dtype), hidden};
@@ -213,67 +214,117 @@ py::object optional_object(const std::optional<at::Tensor>& t) {
   return t ? py::cast(*t) : py::none();
 }
 
+// A chain's call on its route: true with r's outputs shaped as x, or false (nothing run) when
+// the Python implementation must take it. scale: the FP8 operator's (else null).
+bool run_routed(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                const at::Tensor& weight, double eps, double weight_bias,
+                c10::string_view group_name, int64_t capacity,
+                const std::optional<at::Tensor>& eps_input, const at::Tensor* scale,
+                std::array<at::Tensor, 4>* r) {
+  std::shared_ptr<CompiledRoute> route =
+      x.dim() >= 1 ? find_route(route_key(group_name, x.scalar_type(), x.size(-1))) : nullptr;
+  std::shared_ptr<ShmComm> comm = route ? route->comm.lock() : nullptr;
+  if (!comm || route->capacity < capacity) return false;
+  Numbers n;
+  if (scale) {  // the pass matches a one-element fp32 scale; anything else: Python's checks
+    if (!scale->is_cpu() || scale->numel() != 1 || scale->scalar_type() != at::kFloat) {
+      return false;
+    }
+    n.quant = kFP8;
+    n.scale = scale->item<double>();
+  }
+  // as runtime.py's Python path: [tokens, hidden] rows, eps from the graph's fp32 input
+  const bool rows = x.dim() == 2;
+  const at::Tensor x2 = rows ? x.contiguous() : x.reshape({-1, x.size(-1)}).contiguous();
+  at::Tensor residual2;
+  if (residual) {
+    residual2 = rows ? residual->contiguous() : residual->reshape({-1, x.size(-1)}).contiguous();
+  }
+  n.eps = eps_input ? eps_input->to(at::kFloat).item<double>() : eps;
+  n.weight_bias = weight_bias;
+  n.op = route->op;
+  Tensors t;
+  t.x = &x2;
+  t.residual = residual ? &residual2 : nullptr;
+  t.weight = &weight;
+  try {
+    if (!comm->try_run(t, n, Py_IsInitialized() && PyGILState_Check(), r)) return false;
+  } catch (const ShmError& e) {
+    raise_python(e);
+  }
+  route->calls.fetch_add(1, std::memory_order_relaxed);
+  if (!rows) {
+    for (int i = 0; i < (scale ? 3 : 2); ++i) (*r)[i] = (*r)[i].view(x.sizes());
+  }
+  return true;
+}
+
+// The Python implementation (runtime._run or _run_fp8) for a call no route took; every Python
+// object made here dies before the GIL is let go.
+template <typename Result>
+Result run_in_python(PyObject* python, const at::Tensor& x,
+                     const std::optional<at::Tensor>& residual, const at::Tensor& weight,
+                     double eps, double weight_bias, c10::string_view group_name,
+                     int64_t capacity, int64_t form, const std::optional<at::Tensor>& eps_input,
+                     const at::Tensor* scale) {
+  TORCH_CHECK(python != nullptr, "arfuse shm: compiled operator not set up");
+  py::gil_scoped_acquire gil;
+  py::object group = py::str(std::string(group_name.data(), group_name.size()));
+  py::object fn = py::reinterpret_borrow<py::object>(python);
+  py::object result =
+      scale ? fn(x, optional_object(residual), weight, eps, weight_bias, group, capacity, form,
+                 *scale, optional_object(eps_input))
+            : fn(x, optional_object(residual), weight, eps, weight_bias, group, capacity, form,
+                 optional_object(eps_input));
+  return result.cast<Result>();
+}
+
 std::tuple<at::Tensor, at::Tensor> compiled_fused_allreduce(
     const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
     double eps, double weight_bias, c10::string_view group_name, int64_t capacity,
     int64_t form, const std::optional<at::Tensor>& eps_input) {
-  std::shared_ptr<CompiledRoute> route =
-      x.dim() >= 1 ? find_route(route_key(group_name, x.scalar_type(), x.size(-1))) : nullptr;
-  std::shared_ptr<ShmComm> comm = route ? route->comm.lock() : nullptr;
-  if (comm && route->capacity >= capacity) {
-    // as runtime.py's Python path: [tokens, hidden] rows, eps from the graph's fp32 input
-    const bool rows = x.dim() == 2;
-    const at::Tensor x2 = rows ? x.contiguous() : x.reshape({-1, x.size(-1)}).contiguous();
-    at::Tensor residual2;
-    if (residual) {
-      residual2 = rows ? residual->contiguous()
-                       : residual->reshape({-1, x.size(-1)}).contiguous();
-    }
-    Numbers n;
-    n.eps = eps_input ? eps_input->to(at::kFloat).item<double>() : eps;
-    n.weight_bias = weight_bias;
-    n.op = route->op;
-    Tensors t;
-    t.x = &x2;
-    t.residual = residual ? &residual2 : nullptr;
-    t.weight = &weight;
-    std::array<at::Tensor, 4> r;
-    bool ran = false;
-    try {
-      ran = comm->try_run(t, n, Py_IsInitialized() && PyGILState_Check(), &r);
-    } catch (const ShmError& e) {
-      raise_python(e);
-    }
-    if (ran) {
-      route->calls.fetch_add(1, std::memory_order_relaxed);
-      if (rows) return {r[0], r[1]};
-      return {r[0].view(x.sizes()), r[1].view(x.sizes())};
-    }
+  std::array<at::Tensor, 4> r;
+  if (run_routed(x, residual, weight, eps, weight_bias, group_name, capacity, eps_input,
+                 nullptr, &r)) {
+    return {r[0], r[1]};
   }
-  TORCH_CHECK(g_compiled_python != nullptr, "arfuse shm: compiled operator not set up");
-  py::gil_scoped_acquire gil;
-  py::object result = py::reinterpret_borrow<py::object>(g_compiled_python)(
-      x, optional_object(residual), weight, eps, weight_bias,
-      std::string(group_name.data(), group_name.size()), capacity, form,
-      optional_object(eps_input));
-  return result.cast<std::tuple<at::Tensor, at::Tensor>>();
+  return run_in_python<std::tuple<at::Tensor, at::Tensor>>(
+      g_compiled_python, x, residual, weight, eps, weight_bias, group_name, capacity, form,
+      eps_input, nullptr);
 }
 
-// Gives the operator (defined in Python before this is called) this CPU kernel, once per
-// process, with `python`, its Python implementation, for what the routes do not serve.
-void register_compiled_op(py::object python) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> compiled_fused_allreduce_fp8(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
+    double eps, double weight_bias, c10::string_view group_name, int64_t capacity,
+    int64_t form, const at::Tensor& scale, const std::optional<at::Tensor>& eps_input) {
+  std::array<at::Tensor, 4> r;
+  if (run_routed(x, residual, weight, eps, weight_bias, group_name, capacity, eps_input,
+                 &scale, &r)) {
+    return {r[0], r[1], r[2]};
+  }
+  return run_in_python<std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
+      g_compiled_python_fp8, x, residual, weight, eps, weight_bias, group_name, capacity, form,
+      eps_input, &scale);
+}
+
+// Gives the two operators (defined in Python before this is called) these CPU kernels, once
+// per process, with their Python implementations for what the routes do not take.
+void register_compiled_ops(py::object python, py::object python_fp8) {
   static bool done = false;
   if (done) return;
-  const auto op = c10::Dispatcher::singleton().findSchema({"arfuse::compiled_fused_allreduce",
-                                                            ""});
-  TORCH_CHECK(op.has_value(), "arfuse shm: torch.ops.arfuse.compiled_fused_allreduce is not "
-              "defined (arfuse.compile.runtime.register defines it)");
+  auto& dispatcher = c10::Dispatcher::singleton();
+  const auto op = dispatcher.findSchema({"arfuse::compiled_fused_allreduce", ""});
+  const auto op_fp8 = dispatcher.findSchema({"arfuse::compiled_fused_allreduce_fp8", ""});
+  TORCH_CHECK(op.has_value() && op_fp8.has_value(), "arfuse shm: the compiled operators are "
+              "not defined (arfuse.compile.runtime.register defines them)");
   done = true;
   if (op->hasKernelForDispatchKey(c10::DispatchKey::CPU)) return;  // another build's
   g_compiled_python = python.release().ptr();
+  g_compiled_python_fp8 = python_fp8.release().ptr();
   auto* impl = new torch::Library(torch::Library::IMPL, "arfuse", c10::DispatchKey::CPU,
                                   __FILE__, __LINE__);  // never freed, as register_torch_ops
   impl->impl("compiled_fused_allreduce", TORCH_FN(compiled_fused_allreduce));
+  impl->impl("compiled_fused_allreduce_fp8", TORCH_FN(compiled_fused_allreduce_fp8));
 }
 
 py::dict layout_constants() {
@@ -511,7 +562,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("slot_geometry", &slot_geometry);
   m.def("describe_signature", &describe_signature);
   m.def("mismatch_message", &mismatch_message);
-  m.def("register_compiled_op", &register_compiled_op);
+  m.def("register_compiled_ops", &register_compiled_ops);
   m.def("set_compiled_route", &set_compiled_route, py::arg("group"), py::arg("dtype"),
         py::arg("hidden"), py::arg("handle"), py::arg("op"), py::arg("capacity"));
   m.def("drop_compiled_route", &drop_compiled_route, py::arg("group"), py::arg("dtype"),
