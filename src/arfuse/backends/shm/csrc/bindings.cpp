@@ -154,13 +154,13 @@ void register_torch_ops() {
 // ---- torch.ops.arfuse.compiled_fused_allreduce(_fp8) on CPU ----------------------------------
 //
 // The operators the torch.compile pass puts in a graph (arfuse/compile/runtime.py defines them
-// and their Python implementation). A graph calls it once per chain every step, right after matmuls
-// that have evicted the caches, where a trip through Python's dispatch and arfuse's Python code
-// costs more than the kernel's own work. Here a route (the
-// shm op runtime.py negotiated for a group, dtype and hidden size, entered once it exists) leads
-// straight to the kernel with the fast path's checks; any other call (no route yet, a larger
-// capacity, anything the fast path declines) runs the Python implementation, which negotiates,
-// enters routes and falls back as the Python operator always did.
+// and their Python implementation). A graph calls one per chain every step, right after
+// matmuls that have evicted the caches, where a trip through Python's dispatch and arfuse's
+// Python code costs more than the kernel's own work. Here a route (the shm op runtime.py
+// negotiated for a group, dtype and hidden size, entered once it exists) leads straight to the
+// kernel with the fast path's checks; any other call (no route yet, a larger capacity,
+// anything the fast path declines) runs the Python implementation, which negotiates, enters
+// routes and falls back as the Python operator always did.
 
 struct CompiledRoute {
   std::weak_ptr<ShmComm> comm;
