@@ -14,7 +14,7 @@ quantisation.
 
 On CPU with the shm kernel the operators' CPU kernels are the kernel's own (bindings.cpp): once
 the op of a key exists they run the calls straight from the graph, as the hand-written graph's
-``shm_fused_allreduce_functional`` does, and hands everything else to the Python
+``shm_fused_allreduce_functional`` does, and hand everything else to the Python
 implementation here. Elsewhere the hot path is a dict look-up and ``FusedAllReduce.__call__``.
 """
 

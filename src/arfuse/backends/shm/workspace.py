@@ -234,9 +234,8 @@ class ShmWorkspace(Workspace):
 
     @property
     def kernel_entry(self) -> tuple[Any, int] | None:
-        if self._comm is None or self.kernel is None:
-            return None
-        return self.kernel, int(self._comm.handle)
+        handle = self.handle
+        return None if handle is None or self.kernel is None else (self.kernel, handle)
 
     @property
     def handle(self) -> int | None:
