@@ -101,7 +101,7 @@ def backend_registered_on_one_rank(rank: int, world: int) -> str:
     if rank == 0:
         arfuse.register(arfuse.BackendDescriptor(
             name="extra", fused=True, devices=("cpu",), auto_rank=None,
-            implementation="arfuse.backends.torch_dist.workspace:TorchBackend"))
+            implementation="arfuse.backends.torch.workspace:TorchBackend"))
     return _outcome(lambda: arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64,
                                                   dtype=torch.float32, timeout_s=30.0))
 

@@ -792,7 +792,7 @@ def test_quantisation_without_rmsnorm_is_a_step_of_its_own(
     """FlashInfer has no all-reduce + quantise pattern without RMSNorm: its descriptor does not
     fuse it, so the op runs the plain all-reduce, then arfuse's quantisation of its sum (the
     quantised outputs used to be dropped)."""
-    from arfuse.epilogue import quantize
+    from arfuse.backends.torch.epilogue import quantize
     from arfuse.ops import run_on
 
     ws = BACKENDS[backend]().create(context(), Spec(max_tokens=8, hidden=64))

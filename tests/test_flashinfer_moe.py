@@ -22,8 +22,8 @@ from test_flashinfer_backend import (
 
 from arfuse import catalog, moe, policy
 from arfuse.backends.flashinfer import moe_rules, sizes
+from arfuse.backends.torch.epilogue import quantize
 from arfuse.call_checks import CallArgs, OpShape
-from arfuse.epilogue import quantize
 from arfuse.ops import run_on
 from arfuse.pattern import ALL, Pattern
 from arfuse.settings import Settings

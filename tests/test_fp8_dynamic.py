@@ -135,8 +135,8 @@ def test_shm_fast_path_takes_fp8_dynamic_without_a_scale() -> None:
     from arfuse import signature
     from arfuse.backends.shm import build as shm_build
     from arfuse.backends.shm import layout as shm_layout
-    from arfuse.epilogue import FusedOutput
     from arfuse.pattern import Pattern
+    from arfuse.result import FusedOutput
 
     module = shm_build.load()
     if module is None:

@@ -588,7 +588,7 @@ KERNEL_FUZZ = textwrap.dedent('''
     from hypothesis import given, settings, HealthCheck, Phase, strategies as st
     sys.path.insert(0, sys.argv[2])
     from test_kernel_exact import kernel_on_private_memory
-    from arfuse.epilogue import FusedOutput
+    from arfuse.result import FusedOutput
     log = open(sys.argv[1], "w")
     made = {}
     def comm_for(dtype):

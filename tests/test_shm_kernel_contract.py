@@ -23,8 +23,8 @@ from arfuse import ctables, signature
 from arfuse.backends.shm import build as shm_build
 from arfuse.backends.shm import layout as shm_layout
 from arfuse.call_checks import FP32_MAX, FP32_TINY, OpShape, check_call
-from arfuse.epilogue import FusedOutput
 from arfuse.pattern import Pattern
+from arfuse.result import FusedOutput
 
 import ranks_calls
 from harness import run_ranks, values

@@ -6,7 +6,6 @@
 
 from .catalog import BackendDescriptor, Footprint, register
 from .compile import compile_backend
-from .epilogue import FusedOutput
 from .errors import (
     ArfuseError,
     CallTimeout,
@@ -22,6 +21,7 @@ from .ops import FusedAllReduce
 from .pattern import Pattern
 from .policy import Candidate, Plan, resolve
 from .registry import destroy_all
+from .result import FusedOutput
 from .settings import ResidualPromise, Settings
 from .spec import Spec
 from .topology import Topology

@@ -29,7 +29,7 @@ UNFUSED = "torch"  # the backend every plan ends with, and every over-capacity c
 BUILTIN_MODULES: tuple[str, ...] = (
     "arfuse.backends.flashinfer",
     "arfuse.backends.shm",
-    "arfuse.backends.torch_dist",
+    "arfuse.backends.torch",
 )
 
 

@@ -20,14 +20,15 @@ import torch
 from . import catalog, collective, faults, log, moe
 from . import settings as settings_mod
 from .backends.base import Workspace
+from .backends.torch.epilogue import quantize
 from .call_checks import CallArgs, OpShape, check_call
 from .digest import digest_bytes
 from .dtypes import parse_dtype
-from .epilogue import FusedOutput, quantize
 from .errors import CallTimeout, MismatchedCall, WorkspaceBroken
 from .pattern import Pattern
 from .policy import Plan
 from .registry import REGISTRY, Lease
+from .result import FusedOutput
 from .settings import ResidualPromise
 from .signature import MAX_OP
 from .spec import Spec, parse_quant

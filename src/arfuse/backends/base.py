@@ -15,9 +15,9 @@ import torch
 from .. import catalog, faults
 from ..call_checks import CallArgs
 from ..catalog import BackendDescriptor
-from ..epilogue import FusedOutput
 from ..group import GroupContext
 from ..pattern import Pattern
+from ..result import FusedOutput
 from ..spec import Spec
 
 

@@ -231,7 +231,7 @@ def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
     """Median microseconds of the fused op and of the unfused path (``time_pair``)."""
     import torch.distributed as dist
 
-    from ..epilogue import quantize
+    from ..backends.torch.epilogue import quantize
 
     def fused() -> None:
         comm(partial, residual=residual, weight=gamma, eps=EPS, quant=opts.quant, scale=scale)

@@ -59,7 +59,7 @@ def check_moe_size(comm: Any, gamma: torch.Tensor, tokens: int, world: int, opts
     draws what every rank has alike (the residual), ``own_gen`` this rank's expert rows."""
     import torch.distributed as dist
 
-    from ..epilogue import quantize
+    from ..backends.torch.epilogue import quantize
 
     dtype, device = TORCH_DTYPES[opts.dtype], device_of(opts.device)
     inputs = _inputs(tokens, opts, own_gen)

@@ -31,9 +31,9 @@ import torch
 
 from ... import catalog, log, moe
 from ...call_checks import CallArgs
-from ...epilogue import FusedOutput
 from ...errors import ArfuseError, CreationFailed, NegotiationTimeout
 from ...quant import nvfp4_scale_shape
+from ...result import FusedOutput
 from ...sizing import largest_fitting
 from ...spec import Spec
 from ...topology import Topology, flashinfer_version

@@ -18,17 +18,18 @@ import torch
 from ... import log, moe, signature
 from ...call_checks import CallArgs
 from ...dtypes import DTYPES
-from ...epilogue import FusedOutput, apply, rank_order_sum
 from ...errors import (
     CallTimeout,
     CreationFailed,
     MismatchedCall,
     WorkspaceBroken,
 )
+from ...result import FusedOutput
 from ...sizing import ceil_div
 from ...spec import Spec
 from ...torch_types import TORCH_DTYPES
 from ..base import Workspace
+from ..torch.epilogue import apply, rank_order_sum
 from . import build as shm_build
 from .layout import (
     ARRIVE_OFFSET,

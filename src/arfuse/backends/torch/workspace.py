@@ -21,7 +21,6 @@ from ... import collective, moe, signature
 from ...call_checks import CallArgs
 from ...catalog import UNLIMITED
 from ...dtypes import DTYPES
-from ...epilogue import FusedOutput, apply, rank_order_sum
 from ...errors import (
     CallTimeout,
     CreationFailed,
@@ -30,9 +29,11 @@ from ...errors import (
     WorkspaceBroken,
 )
 from ...pattern import Pattern
+from ...result import FusedOutput
 from ...spec import Spec
 from ...torch_types import device_of
 from ..base import Backend, Workspace
+from .epilogue import apply, rank_order_sum
 
 
 class TorchWorkspace(Workspace):

@@ -1,6 +1,7 @@
-"""The reference epilogue, in device-agnostic torch: what every backend must compute.
+"""The epilogue in device-agnostic torch: the torch backend's production epilogue, and the
+pure-torch path's and every unfused fallback's (a call over a fused workspace's capacity).
 
-From the fp32 rank-order sum ``acc`` (FlashInfer's fusion semantics, see ``quant``):
+From the fp32 rank-order sum ``acc`` (FlashInfer's fusion semantics, see ``arfuse.quant``):
 
 * ``sum = T(acc)`` (one rounding to the activation dtype ``T``);
 * no weight: ``out = sum``;
@@ -8,27 +9,17 @@ From the fp32 rank-order sum ``acc`` (FlashInfer's fusion semantics, see ``quant
   ``out = T(r * rsqrt(sum(r^2)/H + eps) * (weight_bias + weight))``;
 * quantisation reads ``out`` after its rounding to ``T``.
 
-The torch backend uses it as its epilogue and the tests use it as the reference for every
-other backend.
+The tests check it, like every other backend, against the float64 reference in
+``tests/reference.py``.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from . import quant as q
-from .call_checks import CallArgs
-
-
-class FusedOutput(NamedTuple):
-    """``out`` always; ``residual_out`` with a weight; ``quant_out``/``scale_out`` with quant."""
-
-    out: torch.Tensor
-    residual_out: torch.Tensor | None = None
-    quant_out: torch.Tensor | None = None
-    scale_out: torch.Tensor | None = None
+from ... import quant as q
+from ...call_checks import CallArgs
+from ...result import FusedOutput, deliver
 
 
 def rank_order_sum(parts: torch.Tensor) -> torch.Tensor:
@@ -58,19 +49,6 @@ def apply(acc: torch.Tensor, call: CallArgs) -> FusedOutput:
         out = ((r * inv) * (call.weight.float() + call.weight_bias)).to(x.dtype)
     quant_out, scale_out = quantize(out, call.quant, call.scale, call.layout)
     return deliver(FusedOutput(out, residual_out, quant_out, scale_out), call)
-
-
-def deliver(result: FusedOutput, call: CallArgs) -> FusedOutput:
-    """Copy a computed result into caller-given destinations (``out=``/``residual_out=``).
-
-    Runs after the whole result exists, so a destination may be the input it replaces."""
-    if call.out is not None:
-        call.out.copy_(result.out)
-        result = result._replace(out=call.out)
-    if call.residual_out is not None and result.residual_out is not None:
-        call.residual_out.copy_(result.residual_out)
-        result = result._replace(residual_out=call.residual_out)
-    return result
 
 
 def quantize(out: torch.Tensor, quant: str | None, scale: float | None,

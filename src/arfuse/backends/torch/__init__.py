@@ -10,4 +10,4 @@ from ...catalog import BackendDescriptor
 
 DESCRIPTORS = (BackendDescriptor(
     name="torch", fused=False, devices=("cpu", "cuda"),
-    implementation="arfuse.backends.torch_dist.workspace:TorchBackend"),)
+    implementation="arfuse.backends.torch.workspace:TorchBackend"),)
