@@ -10,6 +10,7 @@
 #   scripts/flashinfer_contract.sh                  # 0.6.13 and 0.7.2.post1 (the primary)
 #   scripts/flashinfer_contract.sh 0.6.16.post4     # any versions, one venv each
 #   ARFUSE_FI_REBUILD=1 scripts/flashinfer_contract.sh   # rebuild the venvs
+#   ARFUSE_PREPARE_ONLY=1 scripts/flashinfer_contract.sh # build the venvs, run nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -70,6 +71,7 @@ for version in "${versions[@]}"; do
     fi
     t1=$(date +%s)
     echo "== flashinfer $version ($dir, ready in $((t1 - t0)) s)"
+    [ "${ARFUSE_PREPARE_ONLY:-0}" = 1 ] && continue
     if ! PYTHONPATH="$PWD/src" "$dir/bin/python" tests/contract/flashinfer_contract.py; then
         failed+=("$version")
     fi

@@ -9,7 +9,7 @@
 # describing GPU nodes. Every answer must equal SGLang's, or docs/sglang.md's table where arfuse
 # differs on purpose. Without a GPU no workspace can exist: every workspace function declines.
 # Prints the differing rows and the times taken. Needs .venv (scripts/setup.sh); MAIN_VENV to
-# use another.
+# use another. ARFUSE_PREPARE_ONLY=1 builds .venv-sglang and runs nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -60,6 +60,10 @@ if not torch.__version__.startswith("2.13.0") or torch.version.cuda is not None:
     sys.exit(f"torch {torch.__version__} (CUDA {torch.version.cuda}) is not the CPU 2.13.0 build")
 PY
 t1=$(date +%s.%N)
+if [ "${ARFUSE_PREPARE_ONLY:-0}" = 1 ]; then
+  echo "$venv ready ($built)"
+  exit 0
+fi
 
 # --- the patch -----------------------------------------------------------------------------------
 work=$(mktemp -d)

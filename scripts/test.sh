@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
 # Set up, then lint, type-check, run the whole test suite, check arfuse's calls against the
-# real FlashInfer packages (0.6.13 and 0.7.2.post1, one venv each on .venv's torch; ~1.5 min
-# cold) and the SGLang drop-in against SGLang 0.5.23's real module (.venv-sglang on .venv's
-# torch; ~55 s cold, ~25 s warm). What CI runs.
-# The suite runs on two pytest-xdist workers: much of it waits on ranks and timeouts (`-n 0` as
-# an argument runs it in one process).
+# real FlashInfer packages (0.6.13 and 0.7.2.post1, one venv each on .venv's torch) and the
+# SGLang drop-in against SGLang 0.5.23's real module (.venv-sglang on .venv's torch). What CI
+# runs. The three venvs are built in the background while the suite runs (mostly downloads and
+# unpacking); their checks run after it.
+# The suite runs on two pytest-xdist workers that take tests as they free up (much of it waits
+# on ranks and timeouts; `-n 0` as an argument runs it in one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+prepare_log=$(mktemp)
+trap 'rm -f "$prepare_log"' EXIT
+(ARFUSE_PREPARE_ONLY=1 ./scripts/flashinfer_contract.sh && ARFUSE_PREPARE_ONLY=1 \
+   ./scripts/sglang_check.sh) >"$prepare_log" 2>&1 &
+prepare=$!
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/mypy
-.venv/bin/python -m pytest -q -n 2 "$@"
+status=0
+.venv/bin/python -m pytest -q -n 2 --dist worksteal "$@" || status=$?
+if ! wait "$prepare"; then
+  cat "$prepare_log"
+  echo "test.sh: building the FlashInfer or SGLang venvs failed" >&2
+  exit 1
+fi
+[ "$status" -eq 0 ] || exit "$status"
 ./scripts/flashinfer_contract.sh
 ./scripts/sglang_check.sh
