@@ -22,6 +22,7 @@ from arfuse import topology as topology_mod
 from arfuse.errors import NegotiationTimeout
 from arfuse.integrations import common
 from arfuse.integrations import sglang as dropin
+from arfuse.integrations.sglang import workspaces
 from arfuse.registry import REGISTRY
 from arfuse.topology import Topology
 
@@ -46,7 +47,7 @@ def sglang(monkeypatch: pytest.MonkeyPatch) -> Any:
     """One process, no process group: SGLang's state with the flag unset."""
     state = SGLang(None)
     state.install(monkeypatch)
-    monkeypatch.setattr(dropin, "_unavailable", False)
+    monkeypatch.setattr(workspaces, "_unavailable", False)
     yield state
     dropin.cleanup_flashinfer_workspace()
 
@@ -247,7 +248,7 @@ class Rows:
             flashinfer_0_7_2_signature(mp, raises_on)
             mp.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA platform
             mp.setattr(common, "cuda_if_available", lambda: None)  # tensors: the gloo group's
-            mp.setattr(dropin, "_unavailable", False)
+            mp.setattr(workspaces, "_unavailable", False)
             SGLang(setting, self.group if group is None else group, nnodes=nnodes).install(mp)
             try:
                 self.rows[name] = body(fake)
@@ -380,14 +381,14 @@ def gpu_paths(rank: int, world: int, topologies: dict[str, str]) -> dict[str, An
 
     def over_capacity(fake: StandinFlashInfer) -> tuple[Any, ...]:
         syncs = []
-        real_sync = dropin._sync_unavailable
+        real_sync = workspaces._sync_unavailable
 
         def counted() -> None:
             syncs.append(1)
             real_sync()
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(dropin, "_sync_unavailable", counted)
+            mp.setattr(workspaces, "_sync_unavailable", counted)
             ready = dropin.ensure_workspace_initialized(max_token_num=64, hidden_dim=256,
                                                         dtype=BF16, token_num=4)
             calls = [fused(rank, tokens=4)]

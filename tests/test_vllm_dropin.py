@@ -18,6 +18,7 @@ from arfuse import group as group_mod
 from arfuse import policy
 from arfuse.errors import NegotiationError, NegotiationTimeout
 from arfuse.integrations import vllm as dropin
+from arfuse.integrations.vllm import workspaces
 from arfuse.registry import REGISTRY
 from arfuse.settings import Settings
 from arfuse.spec import Spec
@@ -173,11 +174,11 @@ def test_the_getters_ask_arfuse_for_cuda_when_cuda_is_available(
     stays auto (arfuse then adds R2/R3), both strict, and quant is only a pattern (R5)."""
     recorder, decide = Recorder(), decided(ONE_RANK_GPU, "trtllm")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(dropin, "_decide", decide)
-    monkeypatch.setattr(dropin, "FusedAllReduce", recorder)
+    monkeypatch.setattr(workspaces, "_decide", decide)
+    monkeypatch.setattr(workspaces, "FusedAllReduce", recorder)
     assert dropin.get_fi_ar_workspace(**GETTER) is None
     dropin.destroy_fi_ar_workspace()
-    monkeypatch.setattr(dropin, "_decide", decided(ONE_RANK_GPU, "auto"))
+    monkeypatch.setattr(workspaces, "_decide", decided(ONE_RANK_GPU, "auto"))
     assert dropin.get_fi_ar_quant_workspace(**GETTER) is None
     want = "cuda" if cuda else None
     assert decide.devices == [want]
@@ -191,8 +192,8 @@ def test_a_failed_creation_is_not_retried_until_destroy(monkeypatch: pytest.Monk
     """Creation is collective: like vLLM, a failure is remembered (per group, setting, hidden
     size and dtype, for that size and above); destroy forgets it."""
     recorder = Recorder()
-    monkeypatch.setattr(dropin, "_decide", decided(ONE_RANK_GPU))
-    monkeypatch.setattr(dropin, "FusedAllReduce", recorder)
+    monkeypatch.setattr(workspaces, "_decide", decided(ONE_RANK_GPU))
+    monkeypatch.setattr(workspaces, "FusedAllReduce", recorder)
     for _ in range(3):
         assert dropin.get_fi_ar_workspace(**GETTER) is None
         assert dropin.get_fi_ar_quant_workspace(**GETTER) is None
@@ -215,9 +216,9 @@ def test_a_failed_creation_is_not_retried_until_destroy(monkeypatch: pytest.Monk
 def test_explicit_trtllm_across_nodes_is_vllms_value_error(
         monkeypatch: pytest.MonkeyPatch, getter: Any, message: str) -> None:
     recorder = Recorder()
-    monkeypatch.setattr(dropin, "_decide", decided(TWO_NODES_H100, "trtllm"))
-    monkeypatch.setattr(dropin, "_rank_and_size", lambda group: (0, 2))
-    monkeypatch.setattr(dropin, "FusedAllReduce", recorder)
+    monkeypatch.setattr(workspaces, "_decide", decided(TWO_NODES_H100, "trtllm"))
+    monkeypatch.setattr(workspaces, "_rank_and_size", lambda group: (0, 2))
+    monkeypatch.setattr(workspaces, "FusedAllReduce", recorder)
     with pytest.raises(ValueError) as caught:
         getter(**{**GETTER, "world_size": 2})
     assert str(caught.value) == message and not recorder.calls
@@ -225,9 +226,9 @@ def test_explicit_trtllm_across_nodes_is_vllms_value_error(
 
 def test_auto_across_nodes_below_sm100_creates_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     recorder = Recorder()
-    monkeypatch.setattr(dropin, "_decide", decided(TWO_NODES_H100))
-    monkeypatch.setattr(dropin, "_rank_and_size", lambda group: (0, 2))
-    monkeypatch.setattr(dropin, "FusedAllReduce", recorder)
+    monkeypatch.setattr(workspaces, "_decide", decided(TWO_NODES_H100))
+    monkeypatch.setattr(workspaces, "_rank_and_size", lambda group: (0, 2))
+    monkeypatch.setattr(workspaces, "FusedAllReduce", recorder)
     assert dropin.get_fi_ar_workspace(**{**GETTER, "world_size": 2}) is None
     assert not recorder.calls
 
