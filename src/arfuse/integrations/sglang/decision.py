@@ -150,10 +150,22 @@ def _decline_cutedsl() -> None:
              "DSL module stays in charge", FLAG)
 
 
+def _flag() -> tuple[str | None, bool]:
+    """(the flag, whether SGLang allows it), raising nothing: a rank whose flag is refused
+    still meets its peers in the exchange, where its ``ValueError`` travels to them."""
+    try:
+        return backend_setting(), True
+    except ValueError:
+        return None, False
+
+
 def _decide(group: Any) -> GroupDecision:
-    """Collective on ``group``, once per group and setting (SGLang asks on every fused call)."""
+    """Collective on ``group``, once per group and setting (SGLang asks on every fused call).
+    A refused flag is exchanged like any fact (``common.agree``): that rank raises its
+    ``ValueError``, its peers ``PeerAborted``, at once and in step."""
     group = common.normalize(group)
-    cached = _decisions.get((group_mod.group_key(group), backend_setting()))
+    setting, allowed = _flag()
+    cached = _decisions.get((group_mod.group_key(group), setting)) if allowed else None
     if cached is not None:
         return cached
     agreed = common.agree(group, common.cuda_if_available(), backend_setting, FLAG, "sglang")
@@ -181,8 +193,9 @@ def _attention_cpu_group() -> Any:
 
 def resolve_flashinfer_allreduce_fusion_backend() -> Optional[str]:  # noqa: UP045
     """The fusion backend for the attention-TP fusion group, or None when fusion is off or
-    no fused backend pays on it. Collective on that group when a backend is set."""
-    if backend_setting() is None:
+    no fused backend pays on it. Collective on that group when a backend is set, or refused."""
+    setting, allowed = _flag()
+    if allowed and setting is None:
         return None
     return _decide(_attention_cpu_group()).backend
 

@@ -115,7 +115,12 @@ class FlashInferAllReduce:
         return op is not None and num_tokens <= op.capacity
 
     def all_reduce(self, input_tensor: torch.Tensor) -> torch.Tensor:
-        """The sum over the group, through arfuse's op on the FlashInfer workspace."""
+        """The sum over the group, through arfuse's op on the FlashInfer workspace. Only after
+        ``should_use_fi_ar`` said yes (vLLM's contract): a disabled communicator has no group
+        to reduce over, and says so."""
+        if self.disabled:
+            raise RuntimeError("FlashInfer All Reduce is disabled (see the log for why); "
+                               "call should_use_fi_ar first and reduce another way")
         _, hidden_dim = input_tensor.shape
         op = self._op(hidden_dim, input_tensor.dtype)
         if op is None:

@@ -110,6 +110,7 @@ class GroupDecision:
     allow_trtllm_fallback: bool
     group_key: str
     rank: int
+    known: tuple[Any, ...] = ()  # what each rank remembered of the request (``_decide``)
 
 
 def _use_flashinfer_env() -> bool:
@@ -125,12 +126,13 @@ def _tuned_max_size(decision: GroupDecision, world_size: int) -> int | None:
     return None if size_mb is None else int(size_mb * MiB)
 
 
-def _decide(group: Any, device: str | None,
-            check: Callable[[], None] = lambda: None) -> GroupDecision:
+def _decide(group: Any, device: str | None, check: Callable[[], None] = lambda: None,
+            known: Callable[[], Any] = lambda: None) -> GroupDecision:
     """Collective on ``group``: every rank's setting and facts through the group's own store
     (``common.agree``), then vLLM's rule on the same facts on every rank. ``check``: the
-    caller's checks of its arguments, which every rank learns the verdict of."""
-    agreed = common.agree(group, device, backend_setting, ENV_BACKEND, "vllm", check)
+    caller's checks of its arguments, which every rank learns the verdict of; ``known``: what
+    this rank remembers of the request, which every rank learns too."""
+    agreed = common.agree(group, device, backend_setting, ENV_BACKEND, "vllm", check, known)
     setting, topo = str(agreed.setting), agreed.topology
     backend, allow = choose_backend(setting, topo)
     log.once(_level(agreed.rank, logging.INFO),
@@ -138,7 +140,8 @@ def _decide(group: Any, device: str | None,
              "arfuse vLLM drop-in, group %s (%d ranks, %d node(s), SM %s): %s=%s -> backend %s, "
              "trtllm fallback %s", agreed.group_key, agreed.world_size, topo.node_count, topo.sm,
              ENV_BACKEND, setting, backend, "allowed" if allow else "no")
-    return GroupDecision(setting, topo, backend, allow, agreed.group_key, agreed.rank)
+    return GroupDecision(setting, topo, backend, allow, agreed.group_key, agreed.rank,
+                         agreed.known)
 
 
 def resolve_fi_ar_backend(group: Any = None) -> tuple[str | None, bool]:

@@ -67,7 +67,8 @@ class _Held:
 _lock = threading.RLock()
 _held: list[_Held] = []
 # (group key, setting, hidden, dtype) -> the smallest max_token_num that failed: creation is
-# collective, so a failure is not retried on every call (as vLLM does); destroy forgets them
+# collective, so a failure is not retried on every call (as vLLM does); destroy forgets them.
+# A remembered failure is told in the group's exchange (``_acquire``), never answered alone
 _failed: dict[tuple[str, str, int, str], int] = {}
 
 
@@ -138,14 +139,21 @@ def _acquire(group: Any, world_size: int, rank: int, max_token_num: int, hidden_
             found = _covering(group, spec, need)
             if found is not None:
                 return found.op
-            if max_token_num >= _failed.get(_failure_key(group, spec), max_token_num + 1):
-                return None
         _drop_dead()
-        decision = _decide(group, device, check)
+        # a failure this rank remembers is answered in the exchange, not instead of it: a
+        # peer that forgot it (destroy on that rank) or whose arguments are refused is in the
+        # exchange, and every rank learns every answer there
+        decision = _decide(group, device, check, lambda: _failed.get(_failure_key(group, spec))
+                           if spec is not None else None)
         assert spec is not None  # this rank's check raised above otherwise
         key = _failure_key(group, spec)
         if decision.backend == "trtllm" and decision.topology.node_count > 1:
             raise ValueError(_TRTLLM_MULTI_NODE_QUANT if quant else _TRTLLM_MULTI_NODE)
+        remembered = [int(tokens) for tokens in decision.known if tokens is not None]
+        if remembered:  # by any rank: every rank remembers the smallest, as one answer
+            _failed[key] = min(remembered)
+            if max_token_num >= _failed[key]:
+                return None
         if decision.backend is None or decision.topology.device != "cuda":
             _failed[key] = 1  # no size will do: FlashInfer needs CUDA and a backend
             return None
