@@ -228,6 +228,7 @@ def _sglang(rank: int, world: int, opts: argparse.Namespace,
     from sglang_standin import SGLang
 
     from arfuse.integrations import sglang as dropin
+    from arfuse.integrations.sglang import workspaces
 
     cpu_group, rows = dist.new_group(backend="gloo"), []
     for setting in SGLANG_SETTINGS:
@@ -236,7 +237,7 @@ def _sglang(rank: int, world: int, opts: argparse.Namespace,
             mp = pytest.MonkeyPatch()
             try:
                 SGLang(setting, cpu_group, dist.group.WORLD).install(mp)
-                mp.setattr(dropin, "_unavailable", False)
+                mp.setattr(workspaces, "_unavailable", False)
                 try:
                     row["resolved"] = dropin.resolve_flashinfer_allreduce_fusion_backend()
                 except ValueError as exc:  # SGLang's own refusal, on every rank

@@ -10,6 +10,7 @@ import inspect
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from arfuse import topology as topology_mod
 from arfuse.errors import NegotiationTimeout
 from arfuse.integrations import common
 from arfuse.integrations import sglang as dropin
+from arfuse.integrations.sglang import workspaces
 from arfuse.registry import REGISTRY
 from arfuse.topology import Topology
 
@@ -46,7 +48,7 @@ def sglang(monkeypatch: pytest.MonkeyPatch) -> Any:
     """One process, no process group: SGLang's state with the flag unset."""
     state = SGLang(None)
     state.install(monkeypatch)
-    monkeypatch.setattr(dropin, "_unavailable", False)
+    monkeypatch.setattr(workspaces, "_unavailable", False)
     yield state
     dropin.cleanup_flashinfer_workspace()
 
@@ -247,7 +249,7 @@ class Rows:
             flashinfer_0_7_2_signature(mp, raises_on)
             mp.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA platform
             mp.setattr(common, "cuda_if_available", lambda: None)  # tensors: the gloo group's
-            mp.setattr(dropin, "_unavailable", False)
+            mp.setattr(workspaces, "_unavailable", False)
             SGLang(setting, self.group if group is None else group, nnodes=nnodes).install(mp)
             try:
                 self.rows[name] = body(fake)
@@ -380,14 +382,14 @@ def gpu_paths(rank: int, world: int, topologies: dict[str, str]) -> dict[str, An
 
     def over_capacity(fake: StandinFlashInfer) -> tuple[Any, ...]:
         syncs = []
-        real_sync = dropin._sync_unavailable
+        real_sync = workspaces._sync_unavailable
 
         def counted() -> None:
             syncs.append(1)
             real_sync()
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(dropin, "_sync_unavailable", counted)
+            mp.setattr(workspaces, "_sync_unavailable", counted)
             ready = dropin.ensure_workspace_initialized(max_token_num=64, hidden_dim=256,
                                                         dtype=BF16, token_num=4)
             calls = [fused(rank, tokens=4)]
@@ -450,3 +452,50 @@ def two_node_launch(rank: int, world: int) -> dict[str, Any]:
         table.row("deadline", "auto", "", alone)
     mp.undo()
     return {**table.rows, "deadline": table.rows.get("deadline")}
+
+
+# the failing call's deadline; the peers must hear of a refusal well before it
+REFUSAL_TIMEOUT_S = 12.0
+
+
+def test_an_invalid_flag_on_one_rank_fails_every_rank_at_once(tmp_path: Path) -> None:
+    """Rank 1's flag is no value SGLang allows: its ValueError travels in the group's exchange,
+    so rank 0 raises PeerAborted at once instead of waiting out the deadline, through the
+    resolver and through the layer's workspace check alike; the group stays in step, and with
+    the flag right every rank resolves, creates and runs the fused calls."""
+    topo = topology_file(tmp_path, "nvswitch", cut("h200-nvswitch-8", ["n0"] * 2))
+    env = {**RANK_ENV, "ARFUSE_TIMEOUT_S": str(REFUSAL_TIMEOUT_S)}
+    for rank, row in enumerate(values(run_ranks(invalid_flag_on_rank_1, 2, topo, env=env,
+                                                timeout=150))):
+        for name in ("resolver", "workspace check"):
+            kind, error, message, seconds = row[name]
+            assert (kind, error) == ("raised", "PeerAborted" if rank == 0 else "ValueError"), \
+                (rank, name, row[name])
+            assert dropin.FLAG in message and "'nccl'" in message, message
+            assert seconds < REFUSAL_TIMEOUT_S / 2, (rank, name, seconds)
+        assert row["after"] == ("mnnvl", True, "mnnvl", False, ["mnnvl"], (4.0, True, 3.0))
+        for name, freed in row.items():
+            if name.endswith("/freed"):
+                assert freed == (True, True), f"rank {rank}: {name}"
+
+
+def invalid_flag_on_rank_1(rank: int, world: int, topo: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    table = Rows(dist.new_group(backend="gloo"))
+    flag = "auto" if rank == 0 else "nccl"
+
+    def timed(call: Any) -> Any:
+        def body(fake: Any) -> tuple[Any, ...]:
+            started = time.monotonic()
+            try:
+                return ("returned", repr(call()), "", time.monotonic() - started)
+            except Exception as exc:
+                return ("raised", type(exc).__name__, str(exc), time.monotonic() - started)
+        return body
+
+    table.row("resolver", flag, topo, timed(dropin.resolve_flashinfer_allreduce_fusion_backend))
+    table.row("workspace check", flag, topo, timed(lambda: dropin.ensure_workspace_initialized(
+        max_token_num=64, hidden_dim=256, dtype=BF16)))
+    table.row("after", "auto", topo, lambda fake: (*outcome(fake), fused(rank)))
+    return table.rows

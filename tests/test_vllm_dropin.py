@@ -8,6 +8,7 @@ import inspect
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,9 @@ import torch
 
 from arfuse import group as group_mod
 from arfuse import policy
-from arfuse.errors import NegotiationError, NegotiationTimeout
+from arfuse.errors import NegotiationError, NegotiationTimeout, PeerAborted
 from arfuse.integrations import vllm as dropin
+from arfuse.integrations.vllm import workspaces
 from arfuse.registry import REGISTRY
 from arfuse.settings import Settings
 from arfuse.spec import Spec
@@ -149,12 +151,12 @@ class Recorder:
 
 
 def decided(topology: Topology, setting: str = "auto") -> Any:
-    def fake_decide(group: Any, device: str | None,
-                    check: Any = lambda: None) -> dropin.GroupDecision:
+    def fake_decide(group: Any, device: str | None, check: Any = lambda: None,
+                    known: Any = lambda: None) -> dropin.GroupDecision:
         check()  # the caller's argument checks run where the real exchange runs them
         backend, allow = dropin.choose_backend(setting, topology)
         fake_decide.devices.append(device)  # type: ignore[attr-defined]
-        return dropin.GroupDecision(setting, topology, backend, allow, "g", 0)
+        return dropin.GroupDecision(setting, topology, backend, allow, "g", 0, (known(),))
 
     fake_decide.devices = []  # type: ignore[attr-defined]
     return fake_decide
@@ -173,11 +175,11 @@ def test_the_getters_ask_arfuse_for_cuda_when_cuda_is_available(
     stays auto (arfuse then adds R2/R3), both strict, and quant is only a pattern (R5)."""
     recorder, decide = Recorder(), decided(ONE_RANK_GPU, "trtllm")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(dropin, "_decide", decide)
-    monkeypatch.setattr(dropin, "FusedAllReduce", recorder)
+    monkeypatch.setattr(workspaces, "_decide", decide)
+    monkeypatch.setattr(workspaces, "FusedAllReduce", recorder)
     assert dropin.get_fi_ar_workspace(**GETTER) is None
     dropin.destroy_fi_ar_workspace()
-    monkeypatch.setattr(dropin, "_decide", decided(ONE_RANK_GPU, "auto"))
+    monkeypatch.setattr(workspaces, "_decide", decided(ONE_RANK_GPU, "auto"))
     assert dropin.get_fi_ar_quant_workspace(**GETTER) is None
     want = "cuda" if cuda else None
     assert decide.devices == [want]
@@ -191,8 +193,8 @@ def test_a_failed_creation_is_not_retried_until_destroy(monkeypatch: pytest.Monk
     """Creation is collective: like vLLM, a failure is remembered (per group, setting, hidden
     size and dtype, for that size and above); destroy forgets it."""
     recorder = Recorder()
-    monkeypatch.setattr(dropin, "_decide", decided(ONE_RANK_GPU))
-    monkeypatch.setattr(dropin, "FusedAllReduce", recorder)
+    monkeypatch.setattr(workspaces, "_decide", decided(ONE_RANK_GPU))
+    monkeypatch.setattr(workspaces, "FusedAllReduce", recorder)
     for _ in range(3):
         assert dropin.get_fi_ar_workspace(**GETTER) is None
         assert dropin.get_fi_ar_quant_workspace(**GETTER) is None
@@ -215,9 +217,9 @@ def test_a_failed_creation_is_not_retried_until_destroy(monkeypatch: pytest.Monk
 def test_explicit_trtllm_across_nodes_is_vllms_value_error(
         monkeypatch: pytest.MonkeyPatch, getter: Any, message: str) -> None:
     recorder = Recorder()
-    monkeypatch.setattr(dropin, "_decide", decided(TWO_NODES_H100, "trtllm"))
-    monkeypatch.setattr(dropin, "_rank_and_size", lambda group: (0, 2))
-    monkeypatch.setattr(dropin, "FusedAllReduce", recorder)
+    monkeypatch.setattr(workspaces, "_decide", decided(TWO_NODES_H100, "trtllm"))
+    monkeypatch.setattr(workspaces, "_rank_and_size", lambda group: (0, 2))
+    monkeypatch.setattr(workspaces, "FusedAllReduce", recorder)
     with pytest.raises(ValueError) as caught:
         getter(**{**GETTER, "world_size": 2})
     assert str(caught.value) == message and not recorder.calls
@@ -225,9 +227,9 @@ def test_explicit_trtllm_across_nodes_is_vllms_value_error(
 
 def test_auto_across_nodes_below_sm100_creates_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     recorder = Recorder()
-    monkeypatch.setattr(dropin, "_decide", decided(TWO_NODES_H100))
-    monkeypatch.setattr(dropin, "_rank_and_size", lambda group: (0, 2))
-    monkeypatch.setattr(dropin, "FusedAllReduce", recorder)
+    monkeypatch.setattr(workspaces, "_decide", decided(TWO_NODES_H100))
+    monkeypatch.setattr(workspaces, "_rank_and_size", lambda group: (0, 2))
+    monkeypatch.setattr(workspaces, "FusedAllReduce", recorder)
     assert dropin.get_fi_ar_workspace(**{**GETTER, "world_size": 2}) is None
     assert not recorder.calls
 
@@ -252,6 +254,15 @@ def test_one_process_gets_no_workspace_and_keeps_nothing() -> None:
     comm.destroy()
     dropin.checkpoint_prepare_fi_ar_workspaces(None)
     dropin.checkpoint_restore_fi_ar_workspaces(None)
+
+
+def test_a_disabled_communicator_refuses_to_reduce_in_one_line() -> None:
+    """vLLM calls ``all_reduce`` only after ``should_use_fi_ar``; a caller that does not gets
+    an error saying why, not an ``AttributeError`` from the half-made communicator."""
+    comm = dropin.FlashInferAllReduce(None, "cpu")  # no FlashInfer or no CUDA here
+    assert comm.disabled
+    with pytest.raises(RuntimeError, match="FlashInfer All Reduce is disabled"):
+        comm.all_reduce(torch.ones(2, 256))
 
 
 def test_decisions_are_logged_once_by_the_arfuse_logger(
@@ -666,3 +677,61 @@ def test_the_drop_in_waits_as_long_as_vllm_unless_told(monkeypatch: pytest.Monke
     assert dropin.drop_in_timeout_s() == dropin.DROP_IN_TIMEOUT_S == 1800.0
     monkeypatch.setenv("ARFUSE_TIMEOUT_S", "7.5")
     assert dropin.drop_in_timeout_s() == 7.5
+
+
+# the failing call's deadline; the peers must hear of a refusal well before it
+REFUSAL_TIMEOUT_S = 12.0
+
+
+@pytest.mark.parametrize("scenario", ["bad hidden_dim", "destroy on one rank"])
+def test_a_remembered_decline_meets_the_other_ranks_in_the_exchange(scenario: str) -> None:
+    """After a declined getter call (no CUDA here: nothing to create, remembered), rank 1
+    either passes an invalid hidden_dim or forgets the failure (destroy on that rank alone).
+    The remembered answer and the refusal travel in the same exchange: the refusing rank gets
+    its ValueError and the others PeerAborted at once; a rank that forgot declines with the
+    others. The group stays in step: later drop-in calls and ops on it work on every rank."""
+    env = {**RANK_ENV, "ARFUSE_TIMEOUT_S": str(REFUSAL_TIMEOUT_S)}
+    got = values(run_ranks(remembered_decline_then_rank_1_differs, 2, scenario, env=env,
+                           timeout=120))
+    if scenario == "bad hidden_dim":
+        assert got[0]["second"][:2] == ("raised", "PeerAborted"), got[0]
+        assert "rank 1" in got[0]["second"][2] and "hidden" in got[0]["second"][2]
+        assert got[1]["second"][:2] == ("raised", "ValueError"), got[1]
+    else:
+        assert [g["second"] for g in got] == [("returned", "None", "")] * 2, got
+    for rank, report in enumerate(got):
+        assert report["first"] == "None"
+        assert report["seconds"] < REFUSAL_TIMEOUT_S / 2, (rank, report)
+        assert report["third"] == "None" and report["resolve"] == ("mnnvl", True), report
+        assert report["sum"] == 3.0
+
+
+def remembered_decline_then_rank_1_differs(rank: int, world: int,
+                                           scenario: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import arfuse
+
+    group = dist.new_group(backend="gloo")
+    kw: dict[str, Any] = {"world_size": 2, "rank": rank, "max_token_num": 64,
+                          "hidden_dim": 256, "dtype": torch.float32, "group": group}
+    report: dict[str, Any] = {"first": repr(dropin.get_fi_ar_workspace(**kw))}
+    second = dict(kw)
+    if rank == 1 and scenario == "bad hidden_dim":
+        second["hidden_dim"] = 0
+    elif rank == 1:
+        dropin.destroy_fi_ar_workspace()
+    started = time.monotonic()
+    try:
+        report["second"] = ("returned", repr(dropin.get_fi_ar_workspace(**second)), "")
+    except (ValueError, PeerAborted, NegotiationError) as exc:
+        report["second"] = ("raised", type(exc).__name__, str(exc))
+    report["seconds"] = time.monotonic() - started
+    report["third"] = repr(dropin.get_fi_ar_workspace(**kw))
+    report["resolve"] = dropin.resolve_fi_ar_backend(group)
+    op = arfuse.FusedAllReduce(group, max_token_num=4, hidden_dim=64, dtype=torch.float32,
+                               backend="torch")
+    report["sum"] = float(op(torch.full((2, 64), float(rank + 1))).out[0, 0])
+    op.close()
+    dropin.destroy_fi_ar_workspace()
+    return report

@@ -45,6 +45,7 @@ class Agreed:
     group_key: str
     rank: int
     world_size: int
+    known: tuple[Any, ...] = ()  # every rank's ``known()`` (``agree``), in rank order
 
 
 def drop_in_timeout_s() -> float:
@@ -92,10 +93,11 @@ def forget_if_unused(key: str) -> None:
         group_mod.forget_group(key)
 
 
-def _local_view(ctx: GroupContext, setting: Any) -> dict[str, Any]:
-    """This rank's setting, facts and topology file (what ``agree`` exchanges)."""
+def _local_view(ctx: GroupContext, setting: Any, known: Any) -> dict[str, Any]:
+    """This rank's setting, what it already knows, its facts and topology file (what
+    ``agree`` exchanges)."""
     path = ctx.settings.topology_path
-    return {"setting": setting,
+    return {"setting": setting, "known": known,
             "file_topology": topology_mod.load(path).to_dict() if path else None,
             "facts": asdict(topology_mod.local_facts(ctx.device))}
 
@@ -110,23 +112,27 @@ def _agreed_setting(ctx: GroupContext, payloads: list[dict[str, Any]], name: str
 
 
 def agree(group: Any, device: str | None, setting: Callable[[], Any], name: str, scope: str,
-          check: Callable[[], None] = lambda: None) -> Agreed:
+          check: Callable[[], None] = lambda: None,
+          known: Callable[[], Any] = lambda: None) -> Agreed:
     """Collective on ``group``: every rank sends its setting (``setting()``, called ``name``
     in errors) and facts through the group's own store, under the drop-in's deadline.
     ``check``: the caller's checks of its arguments; what it, ``setting()`` or this rank's
     settings raise travels in the exchange, so every rank fails together instead of the
-    others waiting."""
+    others waiting. ``known``: what this rank already knows of the request (a remembered
+    answer, JSON), which may differ between ranks: every rank gets all of them in
+    ``Agreed.known``, so a rank that answers from memory still makes the exchange its peers
+    make, and they all answer alike."""
     member = group_mod.join(group)
     epoch = member.channel.next_epoch()
     member.channel.begin(f"n{epoch}/{scope}")
 
     def local() -> tuple[GroupContext, dict[str, Any]]:
         check()
-        value = setting()
+        value, knows = setting(), known()
         conf = settings_mod.load(timeout_s=drop_in_timeout_s())
         log.configure(conf.log_level)
         ctx = group_mod.make_context(member, device, conf)
-        return ctx, _local_view(ctx, value)
+        return ctx, _local_view(ctx, value, knows)
 
     try:
         found, error = negotiate.attempt_locally(local)
@@ -145,7 +151,8 @@ def agree(group: Any, device: str | None, setting: Callable[[], Any], name: str,
             negotiate.fail_together(ctx.channel, ctx.timeout_s, "facts", exc)
     finally:
         forget_if_unused(member.key)
-    return Agreed(agreed, topo, ctx.key, ctx.rank, ctx.world_size)
+    return Agreed(agreed, topo, ctx.key, ctx.rank, ctx.world_size,
+                  tuple(p["known"] for p in payloads))
 
 
 def release(ops: Iterable[FusedAllReduce], engine: str) -> None:
