@@ -72,7 +72,8 @@ def registry_story(rank: int, world: int) -> dict[str, Any]:
 
 
 def process_group_references(rank: int, world: int, backend: str) -> dict[str, int]:
-    """References to the process group before arfuse, after close() and destroy_all()."""
+    """References to the process group before arfuse, after close() and after destroy_all()
+    with an op still alive, and what a call of that op then raises."""
     import torch.distributed as dist
 
     import arfuse
@@ -94,11 +95,18 @@ def process_group_references(rank: int, world: int, backend: str) -> dict[str, i
     c = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,
                               backend=backend)
     c(torch.ones(2, 64))
-    arfuse.destroy_all()
-    del c
+    c(torch.ones(20, 64))
+    arfuse.destroy_all()  # c stays alive: destroy_all closes it
     gc.collect()
+    after_destroy_all = sys.getrefcount(group)
+    refused = ""
+    try:
+        c(torch.ones(2, 64))
+    except arfuse.ArfuseError as exc:
+        refused = str(exc)
     return {"before": before, "during": during, "after_close": after_close,
-            "after_destroy_all": sys.getrefcount(group)}
+            "after_destroy_all": after_destroy_all, "refused": refused,
+            "backend_after": c.backend}
 
 
 def store_keys_after_creations(rank: int, world: int, counts: list[int]) -> list[int]:

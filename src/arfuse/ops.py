@@ -24,7 +24,7 @@ from .backends.torch.epilogue import quantize
 from .call_checks import CallArgs, OpShape, check_call
 from .digest import digest_bytes
 from .dtypes import parse_dtype
-from .errors import CallTimeout, MismatchedCall, WorkspaceBroken
+from .errors import ArfuseError, CallTimeout, MismatchedCall, WorkspaceBroken
 from .pattern import Pattern
 from .policy import Plan
 from .registry import REGISTRY, Lease
@@ -61,6 +61,8 @@ class FusedAllReduce:
         # collective even when this rank's arguments or settings are bad: every rank then
         # raises together (the others PeerAborted), and no rank waits for another
         lease = REGISTRY.acquire(group, request, device, timeout_s)
+        lease.revoke_with(self._revoked)  # destroy_all() closes this op too
+        self._closed_by = ""
         conf, spec = lease.ctx.settings, lease.spec
         self.spec = spec
         self._replicated_residual = conf.replicated_residual.promised
@@ -112,7 +114,7 @@ class FusedAllReduce:
     @property
     def workspace(self) -> Workspace:
         if self._ws is None:
-            raise RuntimeError("this FusedAllReduce is closed")
+            raise self._closed_error()
         return self._ws
 
     @property
@@ -233,8 +235,13 @@ class FusedAllReduce:
     def _open(self) -> Workspace:
         ws = self._ws
         if ws is None or ws.destroyed:
-            raise RuntimeError("this FusedAllReduce is closed (close() or destroy_all())")
+            raise self._closed_error()
         return ws
+
+    def _closed_error(self) -> ArfuseError:
+        by = self._closed_by or "close() or arfuse.destroy_all()"
+        return ArfuseError(f"this FusedAllReduce is closed (by {by}); make a new one, on "
+                           "every rank of the group")
 
     def _call(self, x: Any, residual: Any, weight: Any, eps: Any, weight_bias: Any,
               quant: Any, scale: Any, layout: Any, out: Any, residual_out: Any,
@@ -300,6 +307,17 @@ class FusedAllReduce:
         lease, self._lease = self._lease, None
         if lease is not None:
             REGISTRY.release(lease)
+            self._closed_by = self._closed_by or "close()"
+        self._drop()
+
+    def _revoked(self) -> None:
+        """``destroy_all()`` freed the workspace under this op: let go of everything that
+        leads to the process group, so that destroying the group frees it."""
+        self._lease = None
+        self._closed_by = "arfuse.destroy_all()"
+        self._drop()
+
+    def _drop(self) -> None:
         if self._unfused is not None:
             self._unfused.destroy()
         self._ws = self._unfused = None

@@ -5,8 +5,9 @@
 * One workspace per group for plain and quantised patterns (R5): workspaces are
   pattern-agnostic, so quantisation never causes a second one.
 * Nothing is freed under a live user: a superseded workspace lives until its last user closes.
-* ``destroy_all`` frees everything, and runs at exit (R10). Once a group has no workspace left,
-  arfuse holds no reference to its process group.
+* ``destroy_all`` frees everything, and runs at exit (R10): it revokes every lease, so ops
+  still alive are closed and let go of their group too. Once a group has no workspace left,
+  arfuse holds no reference to its process group (``destroy_process_group`` can free it).
 
 Acquire and release are collective in the same sense as construction: every rank makes the
 same calls in the same order, so every rank takes the same reuse-or-negotiate branch.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,6 +47,7 @@ class Entry:
     epoch: int  # the group's negotiation that made it: the same number on every rank
     users: int = 0
     superseded: bool = False
+    leases: list[Lease] = field(default_factory=list)  # its users' leases, to revoke
 
     @property
     def workspace(self) -> Workspace:
@@ -61,6 +64,13 @@ class Lease:
     opened: int  # the group's exchange epoch this op was made in: its number on every rank
     reused: bool
     released: bool = field(default=False)
+    # the holder's hook that drops everything it holds of the group when ``destroy_all``
+    # revokes the lease (weak: the registry never keeps an op alive)
+    on_revoke: weakref.WeakMethod[Callable[[], None]] | None = field(default=None)
+
+    def revoke_with(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` (a bound method) if ``destroy_all`` frees the workspace first."""
+        self.on_revoke = weakref.WeakMethod(hook)
 
 
 class Registry:
@@ -111,7 +121,7 @@ class Registry:
             entry.users += 1
             log.logger.debug("arfuse group %s: reusing the %s workspace for %s", ctx.key,
                              entry.workspace.backend, spec)
-            return Lease(entry, ctx, spec, ctx.channel.epoch, reused=True)
+            return _lease(entry, ctx, spec, reused=True)
         return self._negotiate(ctx, spec, key)
 
     def _covering(self, key: EntryKey, spec: Spec) -> Entry | None:
@@ -135,7 +145,7 @@ class Registry:
                            "%d (it is freed when its last user closes)", ctx.key,
                            old.workspace.spec.max_tokens, high_water)
         live.append(entry)
-        return Lease(entry, ctx, spec, ctx.channel.epoch, reused=False)
+        return _lease(entry, ctx, spec, reused=False)
 
     def release(self, lease: Lease) -> None:
         """Drop one user; the workspace is destroyed when its last user is gone."""
@@ -144,6 +154,8 @@ class Registry:
                 return
             lease.released = True
             entry = lease.entry
+            if lease in entry.leases:
+                entry.leases.remove(lease)
             entry.users -= 1
             if entry.users <= 0:
                 live = self._entries.get(entry.key, [])
@@ -164,17 +176,39 @@ class Registry:
             return [e.workspace for entries in self._entries.values() for e in entries]
 
     def destroy_all(self) -> None:
-        """Free every workspace of every group (also runs at interpreter exit)."""
+        """Free every workspace of every group (also runs at interpreter exit). Ops still
+        alive are closed: each lease is revoked, so its holder drops the workspace, its
+        context and with them the process group (R10)."""
         with self._lock:
             entries = [e for es in self._entries.values() for e in es]
             self._entries.clear()
             for entry in entries:
+                leases, entry.leases = entry.leases, []
+                for lease in leases:
+                    _revoke(lease)
                 try:
                     entry.workspace.destroy()
                 except Exception as exc:  # at exit, keep freeing the rest
                     log.logger.warning("arfuse: destroying %s raised %s: %s",
                                        entry.workspace.backend, type(exc).__name__, exc)
             group_mod.forget_all_groups()
+
+
+def _lease(entry: Entry, ctx: GroupContext, spec: Spec, reused: bool) -> Lease:
+    lease = Lease(entry, ctx, spec, ctx.channel.epoch, reused=reused)
+    entry.leases.append(lease)
+    return lease
+
+
+def _revoke(lease: Lease) -> None:
+    lease.released = True
+    hook = None if lease.on_revoke is None else lease.on_revoke()
+    lease.on_revoke = None
+    if hook is not None:
+        try:
+            hook()
+        except Exception as exc:  # at exit, keep freeing the rest
+            log.logger.warning("arfuse: closing an op raised %s: %s", type(exc).__name__, exc)
 
 
 def _entry_key(ctx: GroupContext) -> EntryKey:
