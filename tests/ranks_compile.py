@@ -217,7 +217,7 @@ def disagreeing_graphs(rank: int, world: int) -> dict[str, str]:
     return {"type": got["type"], "error": got["error"][:400]}
 
 
-def _rank_scaled_chain(rank: int, hidden: int) -> Any:
+def _rank_scaled_chain(rank: int, hidden: int, eps: float = 1e-6) -> Any:
     """``(x, residual, weight) -> (normed, new residual)``, each rank's ``x`` scaled by its
     number (ranks contribute differently), the all-reduce as models write it."""
 
@@ -225,9 +225,63 @@ def _rank_scaled_chain(rank: int, hidden: int) -> Any:
         y = x * (rank + 1)
         dist.all_reduce(y)
         h = y + r
-        return F.rms_norm(h, (hidden,), w, 1e-6), h
+        return F.rms_norm(h, (hidden,), w, eps), h
 
     return chain
+
+
+class _HandWrittenNorm(torch.nn.Module):
+    """RMSNorm as HF's modelling code writes it: ``eps`` an attribute, added as it is (torch's
+    own norms round it to float32 first)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.clone())
+        self.eps = eps
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        c = h.to(torch.float32)
+        c = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * c.to(h.dtype)
+
+
+def refused_eps(rank: int, world: int) -> dict[str, Any]:
+    """A chain whose norm's ``eps`` eager torch takes and the fused call refuses (0, negative,
+    below float32's smallest), compiled with the pass, statically and with dynamic shapes:
+    what the pass replaced and left, whether the compiled chain gives the eager chain's
+    outputs, or the error it raised."""
+    hidden = 32
+    generator = torch.Generator().manual_seed(11)
+    x, r = (torch.randn(3, hidden, generator=generator) for _ in range(2))
+    w = torch.randn(hidden, generator=generator)
+    found: dict[str, Any] = {}
+    for eps in (0.0, -1e-6, 1e-45):
+        for dynamic in (False, True):
+            module = _HandWrittenNorm(w, eps)
+
+            def chain(x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                y = x * (rank + 1)
+                dist.all_reduce(y)
+                h = y + r
+                return module(h), h  # noqa: B023
+
+            fusion = _fusion_pass()
+            torch._dynamo.reset()
+            compiled = torch.compile(chain, backend=tm.post_grad_backend(fusion),
+                                     fullgraph=True, dynamic=dynamic)
+            error, equal = "", False
+            with torch.no_grad():
+                want = chain(x, r)
+                try:
+                    got = compiled(x, r)
+                    equal = all(torch.allclose(a, b, atol=1e-5, equal_nan=True)
+                                for a, b in zip(want, got, strict=True))
+                except Exception as e:
+                    error = f"{type(e).__name__}: {e}"[:300]
+            found[f"{eps}/{'dynamic' if dynamic else 'static'}"] = {
+                "fused": dict(fusion.fused), "left": dict(fusion.left), "equal": equal,
+                "error": error}
+    return found
 
 
 def capacities(rank: int, world: int) -> dict[str, Any]:

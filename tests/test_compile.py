@@ -99,6 +99,21 @@ def test_capacity_grows_with_the_graphs_and_over_capacity_runs_unfused() -> None
                      "9/None": {"equal": [True, True], "capacity": 9}}
 
 
+def test_an_eps_the_fused_call_refuses_is_left_to_the_graphs_own_norm() -> None:
+    found = values(run_ranks(ranks_compile.refused_eps, 2, timeout=300))
+    for mine in found:
+        for name, seen in mine.items():
+            assert seen["error"] == "" and seen["equal"], (name, seen)
+        for eps in ("0.0", "-1e-06", "1e-45"):
+            # a constant eps: the pass leaves the chain, and says why (with dynamic shapes
+            # eps is a graph input: the operator runs the chain unfused when it sees it)
+            static = mine[f"{eps}/static"]
+            assert static["fused"] == {}, static
+            (why,) = static["left"]
+            assert why.startswith(f"eps={eps} is not valid"), static
+    assert found[0] == found[1]
+
+
 def test_the_operators_cpu_kernel_runs_every_call_after_the_first_without_python() -> None:
     calls = 5
     found = values(run_ranks(ranks_compile.kernel_route, 2, calls, timeout=200))

@@ -12,8 +12,9 @@ group_name))``; the pattern matcher finds that pair, and the handler looks after
   with the quantisation: the fused call's ``quant_out`` replaces the fp8 tensor.
 
 Chains of other groups, other reductions, sums used elsewhere, norms ``find_norm`` does not
-know and weights computed after the chain starts are left as they are; each graph's count of
-what was replaced and what was not is logged once.
+know, an ``eps`` the fused call would refuse (``call_checks.fp32_number``) and weights
+computed after the chain starts are left as they are; each graph's count of what was
+replaced and what was not (and why) is logged once.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, Node
 
 from .. import log
+from ..call_checks import fp32_number
 from . import match, runtime
 
 _c10d = torch.ops._c10d_functional
@@ -115,6 +117,10 @@ class FusionPass(CustomGraphPass):
         if norm is None:
             seen.left["no RMSNorm after it"] += 1
             return
+        why = _eps_problem(norm.eps)
+        if why:  # the fused call would refuse it on every rank; the graph's own norm runs it
+            seen.left[why] += 1
+            return
         fp8 = match.find_fp8(norm.output)
         inputs = [norm.weight] + ([norm.eps] if isinstance(norm.eps, Node) else [])
         if fp8 is not None and seen.order.get(fp8.scale, len(seen.order)) > seen.order[h]:
@@ -146,6 +152,18 @@ class FusionPass(CustomGraphPass):
             return max(1, min(tokens, MAX_TOKENS))
         upper = _upper_bound(tokens)
         return DYNAMIC_TOKENS if upper is None else max(1, min(upper, MAX_TOKENS))
+
+
+def _eps_problem(eps: float | Node) -> str:
+    """Why the fused call would refuse the norm's ``eps`` (its call check's rule), or ``""``.
+    A graph input's number is known only when the graph runs: ``runtime`` checks it then."""
+    if isinstance(eps, Node):
+        return ""
+    try:
+        fp32_number(eps, "eps", positive=True)
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 def _residual_add(wait: Node) -> tuple[Node | None, Node]:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .. import log
+from ..call_checks import fp32_number
 from ..ops import FusedAllReduce
 from ..quant import FP8_MAX
 from . import match
@@ -102,7 +103,7 @@ class _Chains:
                  scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         self._calls += 1
         comm = self.comm
-        if comm is None:
+        if comm is None or not _eps_valid(eps):
             return self._unfused(x, residual, weight, eps, weight_bias, form, scale)
         shape = x.shape
         rows = len(shape) == 2
@@ -141,6 +142,19 @@ class _Chains:
         if self.comm is not None:
             self.comm.close()
             self.comm = None
+
+
+def _eps_valid(eps: float) -> bool:
+    """Whether the fused call takes ``eps`` (its call check's rule). A graph input's eps
+    (dynamic shapes) is known only here, the same on every rank: a refused one runs the
+    chain as the graph wrote it."""
+    try:
+        fp32_number(eps, "eps", positive=True)
+    except ValueError as e:
+        log.once(logging.INFO, ("compiled eps", eps),
+                 "arfuse compile: a chain runs unfused: %s", e)
+        return False
+    return True
 
 
 def eager_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, weight_bias: float,
