@@ -937,3 +937,14 @@ def test_peer_aborted_is_what_a_waiting_rank_sees() -> None:
     contexts[1].channel.abort("cuMemCreate: out of memory")
     with pytest.raises(PeerAborted, match="out of memory"):
         contexts[0].channel.all_gather("fi/0", "x", 5.0)
+
+
+def test_unknown_quant_is_refused_not_claimed_fused() -> None:
+    spec = Spec(max_tokens=8, hidden=64)
+    topo = Topology(device="cuda", world_size=8, sm=100, multicast=True, nvlink_all_pairs=True,
+                    flashinfer=NEW)
+    pattern = Pattern("rmsnorm", "fp8")
+    object.__setattr__(pattern, "quant", "int4")
+    for name in ("mnnvl", "trtllm"):
+        with pytest.raises(ValueError, match=r"quant='int4'.*fp8"):
+            catalog.get(name).fuses(topo, spec, pattern)

@@ -5,7 +5,9 @@ The segment layout, the call signature and the fp32 limits are ``constexpr`` lin
 there is one copy of each number (the pure-torch path, the policy and the call checks need
 them where no compiler exists). Only the simple form is read: ``constexpr <int64_t | int |
 double> kName = <expression of numbers and earlier names>;`` with ``+ - * / << |``,
-parentheses and ``int64_t(...)``; anything else in a header is ignored.
+parentheses and ``int64_t(...)``. A ``constexpr`` function (``constexpr T name(...)``) is C++'s
+alone; any other ``constexpr`` line not of the simple form raises, so a constant Python needs is
+never silently missing.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().parent / "backends" / "shm" / "csrc"
 _LINE = re.compile(r"^\s*(?:inline\s+)?constexpr\s+(?:u?int64_t|int|double)\s+(k\w+)\s*=\s*"
                    r"([^;]+);", re.MULTILINE)
+_CONSTEXPR = re.compile(r"^[^/]*\bconstexpr\b")  # code, not a comment, that says constexpr
+_FUNCTION = re.compile(r"^\s*(?:inline\s+)?constexpr\s+[\w:<>]+\s+\w+\s*\(")
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
               ast.LShift: operator.lshift, ast.BitOr: operator.or_}
 
@@ -43,12 +47,27 @@ def _evaluate(node: ast.AST, known: dict[str, int | float], where: str) -> int |
                      "constants and + - * / << | are read)")
 
 
+def _constants(path: Path) -> list[tuple[str, str]]:
+    """(name, expression) of each constant line; a constexpr line of another form raises."""
+    found: list[tuple[str, str]] = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not _CONSTEXPR.match(line) or _FUNCTION.match(line):
+            continue
+        match = _LINE.match(line)
+        if match is None:
+            raise ValueError(f"{path}:{number}: cannot read this constexpr line (only "
+                             "'constexpr <int64_t | uint64_t | int | double> kName = <expression>;'"
+                             f" on one line is read): {line.strip()!r}")
+        found.append((match.group(1), match.group(2)))
+    return found
+
+
 @functools.cache
 def header(name: str) -> dict[str, int | float]:
     """Every ``constexpr`` constant of ``csrc/<name>`` by its C++ name (``kCacheLine``...)."""
     path = CSRC / name
     known: dict[str, int | float] = {}
-    for constant, expression in _LINE.findall(path.read_text()):
+    for constant, expression in _constants(path):
         text = re.sub(r"\bint64_t\s*\(", "(", expression)
         text = re.sub(r"(?<=\d)(?:LL|ULL|ll|u|U)\b", "", text)
         tree = ast.parse(text.strip(), mode="eval")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ...catalog import BackendDescriptor, Footprint
 from ...pattern import Pattern
 from ...sizing import largest_fitting
-from ...spec import Spec
+from ...spec import QUANTS, Spec
 from ...topology import Topology
 from . import moe_rules
 from .sizes import (
@@ -120,7 +120,9 @@ def _fusable(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
         return (topology.sm or 0) >= 100 and spec.dtype != "fp32"
     if pattern.quant == "fp8_dynamic":
         return version_tuple(topology.flashinfer) >= FP8_DYNAMIC_FROM
-    return True
+    if pattern.quant == "fp8":
+        return True
+    raise ValueError(f"quant={pattern.quant!r} is not valid; use one of none, {', '.join(QUANTS)}")
 
 
 def mnnvl_fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:

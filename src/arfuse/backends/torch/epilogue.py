@@ -20,6 +20,7 @@ import torch
 from ... import quant as q
 from ...call_checks import CallArgs
 from ...result import FusedOutput, deliver
+from ...spec import QUANTS
 
 
 def rank_order_sum(parts: torch.Tensor) -> torch.Tensor:
@@ -58,6 +59,8 @@ def quantize(out: torch.Tensor, quant: str | None, scale: float | None,
         return None, None
     if quant == "fp8_dynamic":
         return q.fp8_dynamic_quantize(out)
+    if quant not in ("fp8", "nvfp4"):
+        raise ValueError(f"quant={quant!r} is not valid; use one of None, {', '.join(QUANTS)}")
     assert scale is not None
     if quant == "fp8":
         return q.fp8_quantize(out, scale), None
