@@ -54,14 +54,14 @@ def _quietly(cmd: list[str], env: dict[str, str]) -> None:
 
 
 def _bench(out: Path, runs: int, tokens: str, dtypes: str, env: dict[str, str],
-           pattern: str) -> list[Path]:
+           pattern: str, threads: int = 1) -> list[Path]:
     paths = []
     moe = ["--pattern", pattern, "--backends", "shm,torch,deepspeed"] \
         if pattern != "residual_rmsnorm" else ["--backends", "shm,deepspeed"]
     for i in range(runs):
         run_dir = out / f"run{i}"
         cmd = [sys.executable, "-m", "arfuse.cli", "bench", "--tokens", tokens, "--dtype",
-               dtypes, *moe, "--out", str(run_dir)]
+               dtypes, *moe, "--threads", str(threads), "--out", str(run_dir)]
         print(f"run {i + 1}/{runs}: {' '.join(cmd[1:])}", flush=True)
         _quietly(cmd, env)
         paths.append(run_dir / "bench.json")
@@ -79,10 +79,13 @@ def main() -> int:
     parser.add_argument("--dtype", default=",".join(DTYPES))
     parser.add_argument("--isa", default=None, choices=ISAS, help="ARFUSE_SHM_ISA for every run")
     parser.add_argument("--no-oversubscribed", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (1)")
     parser.add_argument("--out", default="benchmarks/results/targets-now")
     args = parser.parse_args()
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -91,7 +94,8 @@ def main() -> int:
     moe = args.pattern != "residual_rmsnorm"
     tokens_text = args.tokens or ",".join(map(str, MOE_TOKENS if moe else TOKENS))
     reports = [json.loads(p.read_text()) for p in _bench(out, args.runs, tokens_text,
-                                                         args.dtype, env, args.pattern)]
+                                                         args.dtype, env, args.pattern,
+                                                         args.threads)]
     tokens = tuple(int(t) for t in tokens_text.split(","))
     dtypes = tuple(args.dtype.split(","))
     one_core = None
@@ -107,6 +111,7 @@ def main() -> int:
     (out / "targets.txt").write_text(text + "\n")
     (out / "targets.json").write_text(json.dumps(
         {"machine": machine, "runs": args.runs, "isa_override": args.isa,
+         "threads_per_rank": args.threads,
          "pattern": args.pattern,
          "verdicts": [{**asdict(v), "median": v.median, "met": v.met, "runs_met": v.runs_met}
                       for v in found]}, indent=1))

@@ -158,17 +158,20 @@ def init_from_env(device: str, timeout_s: float = 120.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def pin_to_core(rank: int, world: int) -> bool:
-    """Pin the calling thread to one core per rank, when there are enough cores: spinning ranks
-    must not share one. Call it after the process group exists: threads started later inherit
-    the pin, and gloo's I/O threads confined to the rank's core made gloo's all_reduce 3-5x
-    slower at small sizes on a 2-core VM (a baseline that slow flatters every other row)."""
+def pin_to_core(rank: int, world: int, cores_per_rank: int = 1) -> bool:
+    """Pin the calling thread to ``cores_per_rank`` cores per rank (its intra-op threads), when
+    there are enough cores: spinning ranks must not share one. Call it after the process group
+    exists: threads started later inherit the pin, and gloo's I/O threads confined to the
+    rank's core made gloo's all_reduce 3-5x slower at small sizes on a 2-core VM (a baseline
+    that slow flatters every other row)."""
     if not hasattr(os, "sched_getaffinity"):
         return False
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < world:
+    if cores_per_rank < 1:
+        raise ValueError(f"cores_per_rank={cores_per_rank} is not valid; use 1 or more")
+    if len(cores) < world * cores_per_rank:
         return False
-    os.sched_setaffinity(0, {cores[rank]})
+    os.sched_setaffinity(0, set(cores[rank * cores_per_rank:(rank + 1) * cores_per_rank]))
     return True
 
 

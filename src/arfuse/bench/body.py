@@ -233,12 +233,13 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> dict[str, Any] | No
 
     from ..launch import init_from_env, pin_to_core
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(opts.threads)
     ds, ds_note = (None, "not requested")
     if "deepspeed" in opts.backends:
         ds, ds_note = deepspeed_setup(rank)
     init_from_env("cpu")
-    pinned = pin_to_core(rank, world)  # after init: gloo's threads stay free (see pin_to_core)
+    # after init: gloo's threads stay free (see pin_to_core)
+    pinned = pin_to_core(rank, world, opts.threads)
     progress = _progress(rank, opts)
     st = _Rank(opts=opts, world=world, ds=ds, ds_note=ds_note, tag=run_tag(),
                progress=progress, gen=torch.Generator().manual_seed(1234 + rank),
@@ -250,7 +251,7 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> dict[str, Any] | No
     dist.barrier()
     if rank != 0:
         return None
-    report = {"machine": machine_record(pinned, world), "options": asdict(opts),
+    report = {"machine": machine_record(pinned, world, opts.threads), "options": asdict(opts),
               "deepspeed": ds_note, "baseline": BASELINE, "results": st.results,
               "python_overhead": st.overhead, "negotiation": st.negotiation,
               "copy_modes": st.copy_modes}

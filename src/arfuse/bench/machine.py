@@ -23,7 +23,7 @@ def kernel_isa() -> str:
     return str(module.isa) if module is not None else f"none ({shm_build.why_not()})"
 
 
-def machine_record(pinned: bool, world: int) -> dict[str, Any]:
+def machine_record(pinned: bool, world: int, threads: int = 1) -> dict[str, Any]:
     """What the figures of a run depend on: CPU, ISA, software, pinning, ranks, date."""
     return {"cpu": cpu_model() or platform.processor(), "cores": os.cpu_count(),
             "isa": " ".join(f for f in ISA_FLAGS if f in cpu_flags()),
@@ -32,4 +32,4 @@ def machine_record(pinned: bool, world: int) -> dict[str, Any]:
             "platform": platform.platform(), "ranks_pinned": pinned,
             "pinning": "main thread, after init (library threads free)" if pinned else "none",
             "world_size": world,
-            "threads_per_rank": 1, "date": time.strftime("%Y-%m-%d")}
+            "threads_per_rank": threads, "date": time.strftime("%Y-%m-%d")}

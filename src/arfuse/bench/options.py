@@ -25,6 +25,7 @@ class BenchOptions:
     pattern: str = "residual_rmsnorm"  # or a MoE pattern: its expert step fused first
     top_k: int = 8
     experts: int = 64
+    threads: int = 1  # intra-op threads per rank (torch.set_num_threads), each on its own core
 
 
 BENCH_TOKENS_MOE = tuple(2**i for i in range(10))  # a MoE layer's decode and small prefills

@@ -38,6 +38,8 @@ def add_parser(sub: Any) -> None:
                    default="residual_rmsnorm",
                    help="the call timed: all-reduce + residual + RMSNorm (default), or a MoE "
                    "expert step fused before it, against torch's expert step before each row")
+    p.add_argument("--threads", type=cli_args.positive_int, default=1,
+                   help="intra-op threads per rank, each rank pinned to this many cores (1)")
     cli_args.add_moe_flags(p)
     p.set_defaults(func=run)
 
@@ -91,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     opts = BenchOptions(world_size=ranks.world, tokens=tuple(tokens),
                         hidden=args.hidden, dtypes=tuple(args.dtype), backends=backends,
                         out=args.out, min_seconds=args.min_seconds, pattern=args.pattern,
-                        top_k=args.top_k, experts=args.experts)
+                        top_k=args.top_k, experts=args.experts,
+                        threads=args.threads)
     if "deepspeed" in backends and not _prebuild_deepspeed() and backends == ("deepspeed",):
         raise ValueError("--backends deepspeed: DeepSpeed is unavailable here (see above); "
                          "nothing to measure")

@@ -116,7 +116,8 @@ def compile_flags(isa: str | None = None) -> list[str]:
     (``target_isa()`` by default) that the CPU has, and hidden symbols (only the module's entry
     point is exported, as pybind11 advises)."""
     isa = target_isa() if isa is None else isa
-    flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-fvisibility=hidden"]
+    flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-fvisibility=hidden",
+             "-fopenmp"]
     cpu = cpu_flags()
     flags.extend(_ISA_OPTIONS[flag] for flag in _ISA_USES.get(isa, ()) if flag in cpu)
     return flags
@@ -558,7 +559,8 @@ def _compile(cpp_extension: Any, name: str, directory: int,
     try:
         module = cpp_extension.load(
             name=name, sources=[str(p) for p in sources()],
-            extra_cflags=compile_flags(), extra_include_paths=[str(CSRC)],
+            extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)],
             build_directory=_fd_path(directory), verbose=False)
     except Exception as exc:  # a broken toolchain means the pure path, not a crash
         return None, f"building the kernel failed: {type(exc).__name__}: {str(exc)[-500:]}"

@@ -22,10 +22,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 #include "conversions.h"
 #include "layout.h"
 #include "memory_access.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace arfuse {
@@ -238,10 +240,10 @@ struct NothingBetween {
 // segment (RMSNorm) or row (plain all-reduce, one pass): other work that stores while these
 // rows load (two-shot: the copy of the next step into the slot).
 template <int D, class Between = NothingBetween>
-void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_row,
-                 int64_t row, int64_t n, const Call& c, typename Elem<D>::T* out,
-                 typename Elem<D>::T* residual_out, typename Elem<D>::T* sum_out = nullptr,
-                 Between&& between = Between{}) {
+void finish_rows_serial(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_row,
+                        int64_t row, int64_t n, const Call& c, typename Elem<D>::T* out,
+                        typename Elem<D>::T* residual_out, typename Elem<D>::T* sum_out = nullptr,
+                        Between&& between = Between{}) {
   using T = typename Elem<D>::T;
   const int64_t H = c.hidden;
   const bool norm = c.weight != nullptr;
@@ -294,6 +296,35 @@ void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in
     if (now) inv_before = row_inv(c, lanes);
   }
   if (c.stream_out || c.stream_residual_out) stream_fence();
+}
+
+// finish_rows_serial on the rank's threads when the rule (parallel.h) says so: contiguous
+// chunks of whole rows, one per thread. Streaming stores go through the one staging buffer,
+// so the parallel path stores plainly (the same bytes). between() runs its calls on the
+// calling thread first (two-shot: the whole copy of the next step, which reads rows this
+// step does not touch), then the rows go parallel with nothing between.
+template <int D, class Between = NothingBetween>
+void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_row,
+                 int64_t row, int64_t n, const Call& c, typename Elem<D>::T* out,
+                 typename Elem<D>::T* residual_out, typename Elem<D>::T* sum_out = nullptr,
+                 Between&& between = Between{}) {
+  using T = typename Elem<D>::T;
+  const int64_t H = c.hidden;
+  const int threads = call_threads(n * H * int64_t(sizeof(T)) * ranks, n);
+  if (threads <= 1) {
+    finish_rows_serial<D>(inputs, ranks, in_row, row, n, c, out, residual_out, sum_out,
+                          std::forward<Between>(between));
+    return;
+  }
+  for (int64_t k = between_calls(c, n); k > 0; --k) between();
+  Call plain = c;
+  plain.stream_out = plain.stream_residual_out = false;
+  plain.staging = nullptr;
+  parallel_chunks(n, threads, [&](int64_t b, int64_t e) {
+    finish_rows_serial<D>(inputs, ranks, in_row + b, row + b, e - b, plain, out + b * H,
+                          residual_out ? residual_out + b * H : nullptr,
+                          sum_out ? sum_out + b * H : nullptr);
+  });
 }
 
 }  // namespace arfuse
