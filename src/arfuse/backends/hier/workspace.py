@@ -132,8 +132,11 @@ class HierWorkspace(Workspace):
         except CallTimeout as error:
             silent = (None if error.silent is None else
                       [self.layout.ranks[h][self.local] for h in error.silent])
-            text = "" if silent is None else " on host(s) " + ", ".join(
-                f"{self.layout.host_of(r)} (rank {r})" for r in silent)
+            peers = silent if silent is not None else [
+                members[self.local] for h, members in enumerate(self.layout.ranks)
+                if h != self.host]
+            text = (" with " if silent is not None else " with one of ") + ", ".join(
+                f"rank {r} on host {self.layout.host_of(r)}" for r in peers)
             timeout = CallTimeout(phase, self.backend, silent, self.ctx.timeout_s,
                                   detail=f" (call {self._calls}, between hosts{text})")
             self._broken = str(timeout)
@@ -199,15 +202,18 @@ class HierWorkspace(Workspace):
                                        f"{hosts}" + (f": {why}" if why else "") + ")")
             self._broken = str(error)
             raise error
-        found = [(v[2], v[3]) for h, v in enumerate(verdicts) for _ in self.layout.ranks[h]]
+        found = self._by_rank(verdicts)
         mismatched = [self.layout.hosts[h] for h, v in enumerate(verdicts)
                       if v[0] == _HOST_MISMATCH]
-        if mismatched or any(pair != found[0] for pair in found):
-            text = signature.mismatch_message("hier", self._calls, self._by_rank(verdicts))
-            if mismatched:
-                text += (f"; the ranks of host(s) {', '.join(mismatched)} differ among "
-                         "themselves" + (f" ({why})" if why else ""))
-            raise MismatchedCall(text)
+        if mismatched:
+            raise MismatchedCall(
+                f"arfuse hier: the ranks of the group called with different arguments (call "
+                f"{self._calls}; every rank raises this before any rank reads a peer's data, "
+                f"so the workspace stays usable for calls that match): the ranks of host(s) "
+                f"{', '.join(mismatched)} differ among themselves"
+                + (f" ({why})" if why else "; the shm step of that host says how"))
+        if any(pair != found[0] for pair in found):
+            raise MismatchedCall(signature.mismatch_message("hier", self._calls, found))
 
     def _by_rank(self, verdicts: list[tuple[int, int, int, int]]) -> list[tuple[int, int]]:
         found: list[tuple[int, int]] = [(0, 0)] * self.ctx.world_size
