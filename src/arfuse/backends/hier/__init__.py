@@ -108,10 +108,11 @@ def partial_spec(spec: Spec) -> Spec:
 
 
 def footprint(world_size: int, spec: Spec, topology: Topology) -> Footprint:
-    """Each host's shm segment of fp32 rows, shared by that host's ranks."""
+    """Each host's shm segment of fp32 rows, shared by that host's ranks (one rank per host:
+    the fp32 partial of the largest call, made per call)."""
     local = host_layout(topology.hosts).local_size if topology.hosts else world_size
     if local < 2:
-        return Footprint(0, spec.max_tokens)
+        return Footprint(spec.max_tokens * spec.hidden * PARTIAL_BYTES, spec.max_tokens)
     total = ShmLayout(local, spec.max_tokens, spec.hidden, PARTIAL_BYTES).total_bytes
     return Footprint(ceil_div(total, local), spec.max_tokens)
 
