@@ -19,7 +19,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import test_two_hosts as hosts  # noqa: E402
 
-
 _ECHO = """
 import socket, statistics, sys, time
 s = socket.socket(); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
