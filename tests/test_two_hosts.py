@@ -4,7 +4,8 @@ Each host is a network + UTS + mount + IPC namespace of its own: its own hostnam
 /dev/shm (a tmpfs mounted in its private mount namespace), and one end of a veth pair with an
 address of a private /30 that exists only inside these two namespaces (no traffic leaves them).
 torchrun starts one or two ranks per host (a static rendezvous on host A's address), and the
-group must look like what it is: two nodes, which ``auto`` runs on ``hier``. Skips where namespaces are not allowed.
+group must look like what it is: two nodes, which ``auto`` runs on ``hier``. Skips where
+namespaces are not allowed.
 """
 
 from __future__ import annotations
