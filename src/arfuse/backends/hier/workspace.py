@@ -291,9 +291,11 @@ class HierBackend(Backend):
     name = "hier"
 
     def local_check(self, ctx: Any, spec: Spec) -> str:
-        """shm's checks for this rank's host segment (fp32 rows; sized for the whole group,
-        since the host layout is not known before the facts are gathered)."""
-        return ShmBackend().local_check(ctx, partial_spec(spec))
+        """shm's checks for this rank's host segment (fp32 rows), sized for the most ranks a
+        host can hold where hier is viable (half the group: the layout is not known before
+        the facts are gathered)."""
+        bound = replace(ctx, world_size=max(2, ctx.world_size // 2))
+        return ShmBackend().local_check(bound, partial_spec(spec))
 
     def create(self, ctx: Any, spec: Spec) -> Workspace | None:
         """Collective: the host layout from the group's facts, the subgroups (host and local
