@@ -68,6 +68,9 @@ def two_hosts(out_dir: str) -> None:
     marker = Path("/dev/shm") / f"two-hosts-marker-rank{rank}"
     marker.write_text(socket.gethostname())
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])] if world == 4 else []
+    # hier's gloo subgroups live as long as the process (DESIGN 4, hier): made here, by a
+    # first op, so that they are part of the baseline like the subgroups above
+    arfuse.FusedAllReduce(max_token_num=1, hidden_dim=64, dtype=torch.float32).close()
     dist.barrier()  # every connection, subgroups included, exists before the baseline
     report: dict[str, Any] = {"rank": rank, "world": world, "hostname": socket.gethostname(),
                               "dev_shm": sorted(os.listdir("/dev/shm"))}

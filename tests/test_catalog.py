@@ -88,7 +88,7 @@ def test_explain_lists_the_stub(stub: BackendDescriptor, capsys: pytest.CaptureF
     assert main(["explain", "--world-size", "2", "--hidden", "64", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["backend"] == "stub"
-    assert [c["backend"] for c in plan["candidates"]] == ["stub", "shm", "torch"]
+    assert [c["backend"] for c in plan["candidates"]] == ["stub", "shm", "hier", "torch"]
     assert main(["explain", "--backend", "stub", "--world-size", "2", "--hidden", "64"]) == 0
     assert "chosen: stub (fused)" in capsys.readouterr().out
 

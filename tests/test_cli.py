@@ -37,7 +37,7 @@ def explain_json(*args: str, env: dict[str, str] | None = None) -> dict:
     ("h100-2nodes-no-fabric.json", "torch", False, ["torch"]),
     ("gb200-2nodes-mnnvl-fabric.json", "mnnvl", False, ["mnnvl", "torch"]),
     ("cpu-host-2.json", "shm", False, ["shm", "torch"]),
-    ("cpu-2hosts.json", "torch", False, ["torch"]),
+    ("cpu-2hosts.json", "hier", False, ["hier", "torch"]),
 ])
 def test_explain_on_shipped_topologies(name: str, backend: str, fallback: bool,
                                        viable: list[str]) -> None:

@@ -139,7 +139,7 @@ def test_auto_trtllm_when_mnnvl_not_viable_on_one_node() -> None:
 def test_auto_on_cpu() -> None:
     cpu = Topology(device="cpu", world_size=2, hosts=("h", "h"))
     p = plan(cpu)
-    assert [c.backend for c in p.candidates] == ["shm", "torch"]
+    assert [c.backend for c in p.candidates] == ["shm", "hier", "torch"]
     assert p.backend == "shm" and p.fused and p.allow_fallback is False
 
 
@@ -264,3 +264,15 @@ def test_a_topology_file_of_another_group_size_is_refused() -> None:
     payloads = [{"file_topology": topo.to_dict(), "facts": None}] * 3
     with pytest.raises(ValueError, match="but the group has 3 ranks"):
         negotiate.topology_of(group_of_three, payloads)  # type: ignore[arg-type]
+
+
+def test_auto_on_cpu_hosts_picks_hier_with_its_layout() -> None:
+    two = Topology(device="cpu", world_size=4, hosts=("a", "a", "b", "b"))
+    p = plan(two)
+    assert p.backend == "hier" and "2 hosts x 2 ranks" in p.explain()
+    uneven = plan(Topology(device="cpu", world_size=3, hosts=("a", "a", "b")))
+    assert uneven.backend == "torch"
+    assert "different numbers of ranks" in {c.backend: c.reason
+                                            for c in uneven.candidates}["hier"]
+    one_each = plan(Topology(device="cpu", world_size=2, hosts=("a", "b")))
+    assert one_each.backend == "hier"

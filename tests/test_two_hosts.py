@@ -3,8 +3,9 @@
 Each host is a network + UTS + mount + IPC namespace of its own: its own hostname, its own
 /dev/shm (a tmpfs mounted in its private mount namespace), and one end of a veth pair with an
 address of a private /30 that exists only inside these two namespaces (no traffic leaves them).
-torchrun starts one rank per host (a static rendezvous on host A's address), and the group
-must look like what it is: two nodes. Skips where namespaces are not allowed.
+torchrun starts one or two ranks per host (a static rendezvous on host A's address), and the
+group must look like what it is: two nodes, which ``auto`` runs on ``hier``. Skips where
+namespaces are not allowed.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def test_two_hosts_one_rank_each(tmp_path: Path) -> None:
         assert r["dev_shm"] == [f"two-hosts-marker-rank{r['rank']}"], r["dev_shm"]
         auto = r["auto"]
         assert auto["node_count"] == 2 and auto["world_size"] == 2, auto
-        assert auto["backend"] == "torch" and auto["viable"] == ["torch"], auto
+        assert auto["backend"] == "hier" and auto["viable"] == ["hier", "torch"], auto
         assert "single node only" in auto["reasons"]["shm"], auto
         assert auto["max_ratio"] <= 1.0 and auto["calls"] == 20, auto
         forced = r["forced_shm"]
@@ -166,7 +167,7 @@ def test_two_hosts_two_ranks_each_node_local_groups(tmp_path: Path) -> None:
         reports = _run_job(pids, 2, tmp_path)
     assert [r["hostname"] for r in reports] == [HOSTNAMES[0]] * 2 + [HOSTNAMES[1]] * 2
     for r in reports:
-        assert r["auto"]["node_count"] == 2 and r["auto"]["backend"] == "torch", r["auto"]
+        assert r["auto"]["node_count"] == 2 and r["auto"]["backend"] == "hier", r["auto"]
         assert r["auto"]["max_ratio"] <= 1.0
         local = r["node_local_group"]
         assert local["node_count"] == 1 and local["world_size"] == 2, local
@@ -182,5 +183,5 @@ def test_arfuse_run_across_two_hosts() -> None:
         outputs = _torchrun(pids, 1, ["-m", "arfuse.cli", "run", "--tokens", "1,8,100",
                                       "--hidden", "64", "--dtype", "fp32", "--steps", "2"])
     report = outputs[0]  # rank 0 prints
-    assert "nodes=2" in report and "negotiated: torch" in report, report
+    assert "nodes=2" in report and "negotiated: hier" in report, report
     assert report.count(" ok\n") == 3 and "MISMATCH" not in report, report

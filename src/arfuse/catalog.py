@@ -28,6 +28,7 @@ UNLIMITED = 2**62
 UNFUSED = "torch"  # the backend every plan ends with, and every over-capacity call runs on
 BUILTIN_MODULES: tuple[str, ...] = (
     "arfuse.backends.flashinfer",
+    "arfuse.backends.hier",
     "arfuse.backends.shm",
     "arfuse.backends.torch",
 )

@@ -1,0 +1,356 @@
+"""The hierarchical workspace: the shm kernel on each host's ranks, gloo between hosts, the
+torch epilogue on the reduced rows (DESIGN 4, "hier").
+
+One call, on every rank (H hosts of L ranks; rank l of host h):
+
+1. host step: ``x`` in fp32 into this rank's shm input slot, a sum-only shm call on the host's
+   ranks: every rank of host h holds ``P_h``, the fp32 sum of its host's rows in local rank
+   order (the call's whole signature rides in the shm signature's op field, so ranks of a
+   host that disagree fail there, R11);
+2. between hosts, over the subgroup of local index l (one per index, so the L links run in
+   parallel): the signatures first (16 bytes: a host whose step failed says so, so every rank
+   of every host raises at the same call), then chunk l of ``P_h`` (1/L of its elements)
+   through ``all_gather_into_tensor``; chunk l of the sum is ``P_0 + P_1 + ...`` in host order,
+   in fp32;
+3. host step again: each rank writes its chunk of the sum into a slot of -0.0 (the additive
+   identity of IEEE addition, so the sum is exact, signed zeros and NaN included) and a
+   sum-only shm call gathers the chunks: every rank holds the same fp32 sum;
+4. the epilogue of the torch backend (``backends/torch/epilogue.apply``) on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import asdict, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ... import collective, group, moe, signature, topology
+from ...call_checks import CallArgs
+from ...dtypes import DTYPES
+from ...errors import (
+    CallTimeout,
+    CreationFailed,
+    MismatchedCall,
+    NegotiationTimeout,
+    WorkspaceBroken,
+)
+from ...pattern import Pattern
+from ...result import FusedOutput
+from ...spec import Spec
+from ..base import Backend, Workspace
+from ..shm.backend import ShmBackend
+from ..shm.workspace import ShmWorkspace
+from ..torch.epilogue import apply
+from . import HostLayout, footprint, host_layout, partial_spec
+
+# what a rank tells its peers on the other hosts beside its signature (word 0 of four)
+_OK, _HOST_MISMATCH, _HOST_FAILED = 0, 1, 2
+
+# Subgroups by their global ranks, made once per process and kept: a gloo group's name (and
+# so its keys in the store) is a hash of its ranks, so one destroyed and made again would meet
+# its predecessor's keys. Every workspace over the same ranks shares them, like the channel.
+_SUBGROUPS: dict[tuple[int, ...], Any] = {}
+_subgroups_lock = threading.Lock()
+
+
+def _subgroup(ranks: list[int]) -> Any:
+    """The gloo subgroup of these global ranks (collective over them only)."""
+    key = tuple(ranks)
+    with _subgroups_lock:
+        found = _SUBGROUPS.get(key)
+        if found is None:
+            found = _SUBGROUPS[key] = dist.new_group(
+                ranks, backend="gloo", use_local_synchronization=True,
+                timeout=timedelta(minutes=30))
+        return found
+
+
+def _op_word(words: tuple[int, int]) -> int:
+    """The call's whole signature folded into the shm signature's op field."""
+    digest = hashlib.blake2b(repr(words).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & signature.MAX_OP
+
+
+class HierWorkspace(Workspace):
+    backend = "hier"
+
+    def __init__(self, ctx: Any, spec: Spec, layout: HostLayout, inner: ShmWorkspace | None,
+                 cross_ctx: Any, nbytes: int):
+        super().__init__(ctx, spec, nbytes=nbytes, capacity=spec.max_tokens)
+        self.layout, self.inner, self.cross_ctx = layout, inner, cross_ctx
+        self.host, self.local = layout.where(ctx.rank)
+        self._calls = 0
+        self._broken = ""
+        self._poisoned = False
+        self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        return f"{super().describe()}, {self.layout.describe()}"
+
+    def takes(self, topology: Any, pattern: Pattern) -> bool:
+        """Always: the torch epilogue quantises, and the call's signature carries the
+        quantisation so that ranks which differ in it fail together (R11)."""
+        return True
+
+    def poison(self) -> None:
+        self._poisoned = True
+
+    # --- the steps ----------------------------------------------------------------------------
+
+    def _host_sum(self, rows: torch.Tensor, op: int) -> torch.Tensor:
+        """A sum-only shm call on this host's ranks of ``rows`` (any float dtype), which go
+        into this rank's slot as fp32: the fp32 sum in local rank order, on every rank."""
+        assert self.inner is not None
+        slot = self.inner.input_buffer(rows.shape[0])
+        slot.copy_(rows)
+        return self.inner.run(CallArgs(x=slot, op=op)).out
+
+    def _host_gather(self, tokens: int, start: int, chunk: torch.Tensor,
+                     op: int) -> torch.Tensor:
+        """Every rank's chunk of the sum, gathered through a sum-only shm call: each rank's
+        slot is -0.0 but for its own chunk, and ``-0.0 + v == v`` for every fp32 ``v``."""
+        assert self.inner is not None
+        slot = self.inner.input_buffer(tokens)
+        slot.fill_(-0.0)
+        slot.view(-1)[start:start + chunk.numel()].copy_(chunk)
+        return self.inner.run(CallArgs(x=slot, op=op)).out
+
+    def _chunk(self, n: int) -> tuple[int, int]:
+        """[start, end) of this rank's share of ``n`` elements (local index l of L)."""
+        parts = self.layout.local_size
+        return n * self.local // parts, n * (self.local + 1) // parts
+
+    def _cross(self, payload: torch.Tensor, phase: str) -> torch.Tensor:
+        """``[H, *payload.shape]`` of the ranks of this local index, host by host."""
+        try:
+            return collective.gather(payload, self.cross_ctx, phase, self.backend, self._calls)
+        except CallTimeout as error:
+            silent = (None if error.silent is None else
+                      [self.layout.ranks[h][self.local] for h in error.silent])
+            peers = silent if silent is not None else [
+                members[self.local] for h, members in enumerate(self.layout.ranks)
+                if h != self.host]
+            text = (" with " if silent is not None else " with one of ") + ", ".join(
+                f"rank {r} on host {self.layout.host_of(r)}" for r in peers)
+            timeout = CallTimeout(phase, self.backend, silent, self.ctx.timeout_s,
+                                  detail=f" (call {self._calls}, between hosts{text})")
+            self._broken = str(timeout)
+            raise timeout from None
+
+    def _exchange_verdicts(self, words: tuple[int, int], flag: int,
+                           detail: int) -> list[tuple[int, int, int, int]]:
+        mine = torch.tensor([flag, detail, *words], dtype=torch.int64)
+        every = self._cross(mine, "call-signature").tolist()
+        return [(int(a), int(b), int(c), int(d)) for a, b, c, d in every]
+
+    def run(self, call: CallArgs) -> FusedOutput:
+        with self._lock:
+            return self._run(call)
+
+    def _run(self, call: CallArgs) -> FusedOutput:
+        if self._broken:
+            raise WorkspaceBroken.after("arfuse hier", self._broken, group_out_of_step=True)
+        if call.moe is not None:
+            moe.local_rows(call.moe, call.x)  # the expert step: the reference (moe.py)
+        self._calls += 1
+        x = torch.zeros_like(call.x) if self._poisoned else call.x
+        words = signature.words(call.tokens, DTYPES[self.spec.dtype].code, call.x.shape[1],
+                                call.pattern.code, op=call.op, moe=call.moe_word)
+        op = _op_word(words)
+        partial, flag, detail, why = self._host_step(x, op)
+        verdicts = self._exchange_verdicts(words, flag, detail)
+        self._judge(verdicts, why)
+        assert partial is not None
+        flat = partial.reshape(-1)
+        start, end = self._chunk(flat.numel())
+        chunk = self._between_hosts(flat[start:end].contiguous())
+        total = (chunk if self.inner is None
+                 else self._host_gather(call.tokens, start, chunk, op))
+        return apply(total.view(call.tokens, call.x.shape[1]), call)
+
+    def _host_step(self, x: torch.Tensor,
+                   op: int) -> tuple[torch.Tensor | None, int, int, str]:
+        """Step 1; a failure is kept (flag, silent ranks as a mask, text) for the peers on the
+        other hosts, who must stop at this call too."""
+        if self.inner is None:
+            return x.float(), _OK, 0, ""
+        try:
+            return self._host_sum(x, op), _OK, 0, ""
+        except MismatchedCall as error:
+            return None, _HOST_MISMATCH, 0, str(error)
+        except (CallTimeout, WorkspaceBroken) as error:
+            silent = getattr(error, "silent", None) or ()
+            mask = sum(1 << s for s in silent if 0 <= s < self.layout.local_size)
+            self._broken = str(error)
+            return None, _HOST_FAILED, mask, str(error)
+
+    def _judge(self, verdicts: list[tuple[int, int, int, int]], why: str) -> None:
+        """Every rank reaches the same verdict: each host's ranks agreed among themselves
+        (else its flag says not) and with every other host's."""
+        failed = [h for h, v in enumerate(verdicts) if v[0] == _HOST_FAILED]
+        if failed:
+            silent = sorted(r for h in failed for i, r in enumerate(self.layout.ranks[h])
+                            if verdicts[h][1] >> i & 1)
+            hosts = ", ".join(self.layout.hosts[h] for h in failed)
+            error = CallTimeout("call", self.backend, silent or None, self.ctx.timeout_s,
+                                detail=f" (call {self._calls}; the host step failed on "
+                                       f"{hosts}" + (f": {why}" if why else "") + ")")
+            self._broken = str(error)
+            raise error
+        found = self._by_rank(verdicts)
+        mismatched = [self.layout.hosts[h] for h, v in enumerate(verdicts)
+                      if v[0] == _HOST_MISMATCH]
+        if mismatched:
+            raise MismatchedCall(
+                f"arfuse hier: the ranks of the group called with different arguments (call "
+                f"{self._calls}; every rank raises this before any rank reads a peer's data, "
+                f"so the workspace stays usable for calls that match): the ranks of host(s) "
+                f"{', '.join(mismatched)} differ among themselves"
+                + (f" ({why})" if why else "; the shm step of that host says how"))
+        if any(pair != found[0] for pair in found):
+            raise MismatchedCall(signature.mismatch_message("hier", self._calls, found))
+
+    def _by_rank(self, verdicts: list[tuple[int, int, int, int]]) -> list[tuple[int, int]]:
+        found: list[tuple[int, int]] = [(0, 0)] * self.ctx.world_size
+        for h, members in enumerate(self.layout.ranks):
+            for r in members:
+                found[r] = (verdicts[h][2], verdicts[h][3])
+        return found
+
+    def _between_hosts(self, chunk: torch.Tensor) -> torch.Tensor:
+        """Step 2: this chunk of every host's partial, summed in host order (fp32)."""
+        parts = self._cross(chunk, "call")
+        total = parts[0].clone()
+        for h in range(1, parts.shape[0]):
+            total.add_(parts[h])
+        return total
+
+    def announce(self, call: CallArgs) -> None:
+        """A call over capacity: the same meeting without data (host step with no rows, the
+        signature exchange), so peers whose call differs fail alike (R11)."""
+        with self._lock:
+            if self._broken:
+                raise WorkspaceBroken.after("arfuse hier", self._broken, group_out_of_step=True)
+            self._calls += 1
+            words = signature.words(call.tokens, DTYPES[self.spec.dtype].code,
+                                    call.x.shape[1], call.pattern.code, op=call.op,
+                                    moe=call.moe_word)
+            flag, detail, why = _OK, 0, ""
+            if self.inner is not None:
+                empty = torch.empty((0, self.spec.hidden), dtype=torch.float32)
+                try:
+                    self.inner.announce(CallArgs(x=empty, op=_op_word(words)))
+                except MismatchedCall as error:
+                    flag, why = _HOST_MISMATCH, str(error)
+                except (CallTimeout, WorkspaceBroken) as error:
+                    flag, why = _HOST_FAILED, str(error)
+                    self._broken = why
+            self._judge(self._exchange_verdicts(words, flag, detail), why)
+
+    # --- creation's check, and the end -------------------------------------------------------
+
+    def validate(self) -> None:
+        """The whole path once: every rank gives rank+1, every rank must read the group's sum
+        (R2); the shm step's own check first."""
+        if self.inner is not None:
+            self.inner.validate()
+        world = self.ctx.world_size
+        x = torch.full((1, self.spec.hidden), float(self.ctx.rank + 1),
+                       dtype=_torch_dtype(self.spec.dtype))
+        try:
+            got = self._run(CallArgs(x=x)).out
+        except (CallTimeout, MismatchedCall) as exc:
+            self._broken = ""
+            raise NegotiationTimeout("validate", self.backend, getattr(exc, "silent", None),
+                                     self.ctx.timeout_s) from None
+        expected = world * (world + 1) / 2
+        if not torch.all(got.float() == expected):
+            raise CreationFailed(f"functional check failed: the call gave "
+                                 f"{got.flatten()[0].item():g}, expected {expected:g}")
+
+    def _free(self) -> None:
+        """The host's shm workspace goes; the subgroups stay with the process (``_SUBGROUPS``),
+        and one that timed out is never freed (``collective.keep_for_the_process``)."""
+        if self.inner is not None:
+            self.inner.destroy()
+            self.inner = None
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    from ...torch_types import TORCH_DTYPES
+
+    return TORCH_DTYPES[name]
+
+
+class HierBackend(Backend):
+    name = "hier"
+
+    def local_check(self, ctx: Any, spec: Spec) -> str:
+        """shm's checks for this rank's host segment (fp32 rows), sized for the most ranks a
+        host can hold where hier is viable (half the group: the layout is not known before
+        the facts are gathered)."""
+        bound = replace(ctx, world_size=max(2, ctx.world_size // 2))
+        return ShmBackend().local_check(bound, partial_spec(spec))
+
+    def create(self, ctx: Any, spec: Spec) -> Workspace | None:
+        """Collective: the host layout from the group's facts, the subgroups (host and local
+        index), the host's shm workspace on the host subgroup. The injected fault runs after
+        everything is made, so a failing rank has taken part in every exchange."""
+        from ...negotiate import topology_of
+
+        settings = ctx.settings
+        payloads = ctx.all_gather("hier-hosts", {
+            "facts": asdict(topology.local_facts("cpu")),
+            "file_topology": (topology.load(settings.topology_path).to_dict()
+                              if settings.topology_path else None)}, self.name)
+        layout = host_layout(topology_of(ctx, payloads).hosts)
+        if layout.problem() or layout.host_count < 2:
+            raise CreationFailed(layout.problem() or "the group spans one host")
+        everyone = (dist.get_process_group_ranks(ctx.group) if ctx.group is not None
+                    else [0])
+        h, local = layout.where(ctx.rank)
+        host_ranks = [everyone[r] for r in layout.ranks[h]]
+        cross_ranks = [everyone[members[local]] for members in layout.ranks]
+        inner: ShmWorkspace | None = None
+        if layout.local_size > 1:
+            host_group = _subgroup(host_ranks)
+        cross_group = _subgroup(cross_ranks)
+        cross_ctx = _context(cross_group, ctx)
+        if layout.local_size > 1:
+            made = ShmBackend().create(_context(host_group, ctx), partial_spec(spec))
+            if made is None:
+                raise CreationFailed(f"the shm workspace of host {layout.hosts[h]} was not made")
+            assert isinstance(made, ShmWorkspace)
+            inner = made
+        workspace = HierWorkspace(ctx, spec, layout, inner, cross_ctx,
+                                  footprint(ctx.world_size, spec, _topo(layout)).bytes_per_rank)
+        try:
+            mode = ctx.fault(self.name, "create")
+        except BaseException:
+            workspace.destroy()
+            raise
+        if mode == "none":
+            workspace.destroy()
+            return None
+        if mode == "null":
+            workspace.poison()
+        return workspace
+
+
+def _topo(layout: HostLayout) -> topology.Topology:
+    hosts = [layout.hosts[h] for h, members in enumerate(layout.ranks) for _ in members]
+    return topology.Topology(device="cpu", world_size=len(hosts), hosts=tuple(hosts))
+
+
+def _context(subgroup: Any, ctx: Any) -> Any:
+    """A context on ``subgroup`` with ``ctx``'s settings and no injected faults (the faults
+    name ranks of the whole group; this backend injects its own), in a new epoch of the
+    subgroup's channel: every creation over it is one, counted alike by its ranks."""
+    made = replace(group.make_context(group.join(subgroup), "cpu", ctx.settings), faults=())
+    made.channel.next_epoch()
+    return made

@@ -1,0 +1,64 @@
+"""The hierarchical backend on one machine: four gloo ranks that a topology file places on two
+hosts (2 x 2), so ``auto`` picks ``hier`` and every step runs as across hosts (two shm
+segments, one per host, and the gloo subgroups between them). Real hosts: test_two_hosts.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import ranks_hier
+from harness import run_ranks, values
+
+TOPOLOGY = str(Path(__file__).resolve().parent.parent / "examples" / "topologies"
+               / "cpu-2hosts.json")
+ENV = {"ARFUSE_TOPOLOGY": TOPOLOGY, "ARFUSE_LOG": "warning"}
+
+
+def test_auto_picks_hier_every_pattern_within_tolerance_and_bit_identical() -> None:
+    got = values(run_ranks(ranks_hier.numerics, 4, ["fp32", "bf16"], [1, 3, 64, 200], 64,
+                           env=ENV, timeout=300))
+    assert {g["backend"] for g in got} == {"hier"}, got[0]["explain"]
+    assert "2 hosts x 2 ranks" in got[0]["explain"]
+    for g in got:
+        assert g["worst"] <= 1.0, g["worst"]
+        assert g["order_exact"], "out differs from the documented sum order's"
+        assert g["digests"] == got[0]["digests"]
+        assert g["stats"]["unfused_over_capacity"] == 0, g["stats"]
+
+
+def test_moe_patterns_through_hier() -> None:
+    got = values(run_ranks(ranks_hier.moe, 4, 64, env=ENV, timeout=200))
+    assert {g["backend"] for g in got} == {"hier"}
+    assert all(g["worst"] <= 1.0 for g in got), got
+    assert len({g["out"] for g in got}) == 1
+
+
+@pytest.mark.parametrize("kind", ["tokens", "pattern", "capacity"])
+def test_a_mismatched_call_raises_on_every_rank_of_both_hosts(kind: str) -> None:
+    got = values(run_ranks(ranks_hier.mismatched, 4, kind, env=ENV, timeout=200))
+    for rank, g in enumerate(got):
+        assert g["backend"] == "hier"
+        assert g["error"], (rank, kind)
+        assert g["after"] == 6.0  # 0 + 1 + 2 + 3: the workspace stays usable
+
+
+@pytest.mark.parametrize("victim", [1, 3])
+def test_a_killed_rank_makes_every_rank_on_both_hosts_raise(victim: int) -> None:
+    results = run_ranks(ranks_hier.killed, 4, victim, env=ENV, timeout=120, expect=3)
+    for r in results:
+        if r.rank == victim:
+            continue
+        assert r.ok, r.error
+        assert r.value["error"], r.value
+        assert r.value["seconds"] < 40, r.value  # within the timeout (10 s), with room
+
+
+def test_a_host_that_cannot_create_makes_every_rank_fall_back_together() -> None:
+    env = {**ENV, "ARFUSE_FAULTS": "hier.create@2,3=raise"}
+    got = values(run_ranks(ranks_hier.negotiated, 4, env=env, timeout=200))
+    for g in got:
+        assert g["backend"] == "torch", g
+        assert g["attempts"][0].startswith("hier: failed"), g
+        assert g["value"] == 10.0
