@@ -2,7 +2,9 @@
 group or others may write, is never loaded, nor one under a directory or symbolic link that
 another user could change (the kernel is built elsewhere, and the log says why); what was
 checked is what is loaded, however the path changes meanwhile; the cache directory is created
-with mode 0700; every source and header is in the key.
+with mode 0700; every source and header is in the key. A cached binary is loaded only when its
+record beside it gives its size and sha256; an entry without one, or not matching it, is removed
+and built again.
 
 The kernel's compiler never runs here: ``cpp_extension.load`` is replaced by a recorder, and so
 is ``_import`` except where a tiny shared object shows whose code ran."""
@@ -10,12 +12,14 @@ is ``_import`` except where a tiny shared object shows whose code ran."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +44,7 @@ class Recorder:
         self.import_paths: list[str] = []
         self.built_in: list[Path] = []
         self.build_paths: list[str] = []
+        self.found_there: list[list[str]] = []  # what each build directory held beforehand
         from torch.utils import cpp_extension
 
         if record_imports:
@@ -54,6 +59,10 @@ class Recorder:
     def _load(self, name: str, build_directory: str, **_: Any) -> ModuleType:
         self.build_paths.append(build_directory)
         self.built_in.append(Path(os.path.realpath(build_directory)))
+        self.found_there.append(sorted(os.listdir(build_directory)))
+        built = Path(build_directory) / f"{name}.so"
+        built.write_bytes(b"\x7fELF built here")
+        built.chmod(0o755)
         return ModuleType(name)
 
 
@@ -69,11 +78,22 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, 
     return root, entry, entry / f"arfuse_shm_{key}.so"
 
 
+def record_path(binary: Path) -> Path:
+    return binary.with_name(binary.name + shm_build.RECORD_SUFFIX)
+
+
+def write_record(binary: Path) -> None:
+    """The record a build writes beside ``binary``, for its bytes as they are now."""
+    data = binary.read_bytes()
+    record_path(binary).write_text(shm_build.record(len(data), hashlib.sha256(data).hexdigest()))
+
+
 def plant(root: Path, entry: Path, binary: Path) -> None:
     root.mkdir(mode=0o700)
     entry.mkdir(mode=0o700)
     binary.write_bytes(b"\x7fELF not really")
     binary.chmod(0o755)
+    write_record(binary)
 
 
 def refused(recorder: Recorder, binary: Path, caplog: pytest.LogCaptureFixture,
@@ -287,6 +307,7 @@ def planted_cache(base: Path, key: str, marker: Path) -> Path:
     entry.mkdir(parents=True, mode=0o700)
     base.chmod(0o700)
     marking_library(entry / f"arfuse_shm_{key}.so", marker)
+    write_record(entry / f"arfuse_shm_{key}.so")
     return base
 
 
@@ -463,8 +484,100 @@ def test_a_build_waits_for_a_live_builder_and_loads_what_it_built(
         assert waiter.is_alive() and recorder.built_in == [], "built beside a live builder"
         binary.write_bytes(b"\x7fELF not really")
         binary.chmod(0o755)
+        write_record(binary)
     finally:
         os.close(other_builder)
     waiter.join(60)
     assert result and result[0][0] is not None, result
     assert recorder.built_in == [] and recorder.imported == [binary]
+
+
+# --- a damaged cache entry --------------------------------------------------------------------
+# A link killed midway or a full disk can leave a binary cut short, which would kill the process
+# that loads it (SIGBUS); ninja would not relink it, its inputs being unchanged.
+
+STALE_BUILD_FILES = ("build.ninja", ".ninja_log", "bindings.o")
+
+
+def damaged_entry(cache: tuple[Path, Path, Path], how: str) -> Path:
+    """A planted entry whose binary its record no longer vouches for (``how``), beside the
+    files of the build that made it."""
+    root, entry, binary = cache
+    plant(root, entry, binary)
+    for name in STALE_BUILD_FILES:
+        (entry / name).write_text("stale")
+    data = binary.read_bytes()
+    if how == "cut short":
+        binary.write_bytes(data[:len(data) // 2])
+    elif how == "same size, other bytes":
+        binary.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    else:
+        record_path(binary).unlink()
+    return binary
+
+
+@pytest.mark.parametrize("how", ["cut short", "same size, other bytes", "no record"])
+def test_a_damaged_cache_entry_is_removed_and_built_again(
+        cache: tuple[Path, Path, Path], how: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    binary = damaged_entry(cache, how)
+    entry = binary.parent
+    recorder = Recorder(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="arfuse"):
+        module, why = shm_build._build()
+    assert module is not None and why == ""
+    assert recorder.imported == [], "a binary its record does not vouch for was loaded"
+    assert recorder.built_in == [entry] and recorder.found_there == [[]], recorder.found_there
+    said = {"cut short": "its record says", "same size, other bytes": "sha256",
+            "no record": "no record"}[how]
+    assert any(str(binary) in r.getMessage() and "broken" in r.getMessage()
+               and said in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+    data = binary.read_bytes()  # the new binary, and its record
+    assert record_path(binary).read_text() == shm_build.record(
+        len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_a_rebuilt_entry_is_then_loaded(cache: tuple[Path, Path, Path],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    binary = damaged_entry(cache, "cut short")
+    Recorder(monkeypatch)
+    shm_build._build()
+    recorder = Recorder(monkeypatch)
+    module, why = shm_build._build()
+    assert module is not None and why == ""
+    assert recorder.imported == [binary] and recorder.built_in == []
+
+
+LOAD_IN_CHILD = """
+import logging
+logging.basicConfig(level=logging.WARNING)
+from arfuse.backends.shm import build
+module = build.load()
+print("kernel: " + module.__file__ if module else "no kernel: " + build.why_not())
+"""
+
+
+def test_a_kernel_cut_short_in_the_cache_is_built_again_not_loaded(tmp_path: Path) -> None:
+    """The real kernel's entry, its binary cut to half its size: loading it killed the process
+    with SIGBUS. It is rebuilt (a real build: about a minute) and loaded."""
+    module = shm_build.load()
+    if module is None or not module.__file__:
+        pytest.skip(f"no compiled kernel to damage: {shm_build.why_not()}")
+    built = Path(module.__file__)
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    entry = root / built.parent.name
+    shutil.copytree(built.parent, entry)  # with its object files: ninja finds nothing to do
+    binary = entry / built.name
+    size = binary.stat().st_size
+    os.truncate(binary, size // 2)
+    env = {**os.environ, "ARFUSE_CACHE_DIR": str(root)}
+    done = subprocess.run([sys.executable, "-c", LOAD_IN_CHILD], env=env, text=True,
+                          capture_output=True, timeout=900)
+    assert done.returncode == 0, f"the loader died ({done.returncode}):\n{done.stderr[-2000:]}"
+    assert done.stdout.strip() == f"kernel: {binary}", done.stdout + done.stderr[-2000:]
+    assert f"{binary} is broken" in done.stderr, done.stderr[-2000:]
+    data = binary.read_bytes()
+    assert record_path(binary).read_text() == shm_build.record(
+        len(data), hashlib.sha256(data).hexdigest())

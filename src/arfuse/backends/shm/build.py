@@ -23,6 +23,12 @@ path and why. What is checked is what is loaded: the path is opened one componen
 each relative to the one before and never through a symbolic link (one is resolved by reading
 it, itself checked), the opened descriptors are the ones checked, and the binary is loaded by
 its descriptor's name (``/proc/self/fd/N``), as is a fresh build's directory.
+
+A cache entry is loaded only when its record (``<binary>.record``, written beside the binary
+once it is built) gives the binary's size and sha256, both read from the descriptor that is
+loaded: a binary cut short (a killed link, a full disk) would kill the process with SIGBUS.
+An entry without a record, or not matching it, is logged, removed whole under the one-builder
+lock (ninja would not relink a damaged binary whose inputs are unchanged) and built again.
 """
 
 from __future__ import annotations
@@ -131,10 +137,16 @@ def cache_root() -> Path:
     return Path(base) / "arfuse"
 
 
+ENTRY_FORMAT = "2"
+"""What a cache entry holds, in the build key: an entry of format 1 had no record."""
+RECORD_SUFFIX = ".record"
+
+
 def build_key() -> str:
     import torch
 
     digest = hashlib.sha256()
+    digest.update(f"entry format {ENTRY_FORMAT}\0".encode())
     for path in kernel_files():  # a header edit must rebuild as much as a source edit
         digest.update(path.name.encode() + b"\0")
         digest.update(path.read_bytes())
@@ -486,26 +498,113 @@ def _build() -> tuple[ModuleType | None, str]:
         with _build_dir(key) as (directory, binary):
             where = os.path.join(os.path.realpath(_fd_path(directory)), f"{name}.so")
             if binary is not None:  # cached: import it directly (ninja's check costs ~0.3 s)
-                found = _cached_module(name, binary, where)
+                found, _problem = _cached_module(directory, name, binary, where)
                 if found is not None:
                     return found, ""
             with _one_builder(directory):
-                binary = _binary_if_built(directory, name, where)  # by whom we waited for
-                found = None if binary is None else _cached_module(name, binary, where)
-                return (found, "") if found is not None else _compile(cpp_extension, name,
-                                                                       directory, where)
+                # built by whom we waited for, or the entry found broken above
+                binary = _binary_if_built(directory, name, where)
+                if binary is not None:
+                    found, problem = _cached_module(directory, name, binary, where)
+                    if found is not None:
+                        return found, ""
+                    log.logger.warning("arfuse shm: the cached kernel %s is broken (%s): "
+                                       "removing its cache entry and building it again",
+                                       where, problem)
+                    _clear_entry(directory)
+                return _compile(cpp_extension, name, directory, where)
     except (OSError, _Untrusted) as exc:
         return None, f"no safe build directory: {type(exc).__name__}: {exc}"
 
 
-def _cached_module(name: str, binary: int, where: str) -> ModuleType | None:
-    """The module of a cached binary, or ``None`` for a broken cache entry (rebuilt)."""
+def _cached_module(directory: int, name: str, binary: int,
+                   where: str) -> tuple[ModuleType | None, str]:
+    """The module of the cached ``binary`` when its record vouches for it, else ``None`` and
+    what is wrong with the entry (``binary`` is closed then)."""
     try:
-        module = _import_cached(name, binary)
-    except ImportError:
-        return None
-    module.__file__ = where  # not the descriptor's name, which means nothing later
-    return module
+        problem = _entry_problem(directory, name, binary, where)
+        if not problem:
+            module = _import_cached(name, binary)
+            module.__file__ = where  # not the descriptor's name, which means nothing later
+            return module, ""
+    except ImportError as exc:
+        problem = f"it does not import: {exc}"
+    except BaseException:
+        os.close(binary)
+        raise
+    os.close(binary)
+    return None, problem
+
+
+def record(size: int, sha256: str) -> str:
+    """The text of a binary's record: its size in bytes and the hex sha256 of its bytes."""
+    return f"size {size}\nsha256 {sha256}\n"
+
+
+def _digest(fd: int) -> str:
+    """The hex sha256 of the open file ``fd``, read through that descriptor (what is loaded)."""
+    digest = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+def _entry_problem(directory: int, name: str, binary: int, where: str) -> str:
+    """What is wrong with the open cached ``binary`` by its record ("" when it matches)."""
+    shown = Path(where + RECORD_SUFFIX)
+    try:
+        fd = _open_checked(directory, shown.name, _OPEN_FILE, shown, _unsafe_binary)
+    except FileNotFoundError:
+        return "it has no record of its size and sha256"
+    except _Untrusted as problem:
+        return f"its record {problem.reason}"
+    with os.fdopen(fd, "rb") as file:
+        text = file.read(4096).decode(errors="replace")
+    fields = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
+    size = os.fstat(binary).st_size
+    if fields.get("size") != str(size):
+        return f"it is {size} bytes, its record says {fields.get('size', 'nothing')}"
+    if fields.get("sha256") != _digest(binary):
+        return "its sha256 is not the one its record gives"
+    return ""
+
+
+def _write_record(directory: int, name: str, where: str) -> None:
+    """Record the freshly built binary's size and sha256 beside it (written whole, then
+    renamed into place, so a record is never seen half written)."""
+    binary = _open_checked(directory, f"{name}.so", _OPEN_FILE, Path(where), _unsafe_binary)
+    try:
+        text = record(os.fstat(binary).st_size, _digest(binary))
+    finally:
+        os.close(binary)
+    final = f"{name}.so{RECORD_SUFFIX}"
+    temporary = f"{final}.{os.getpid()}"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600, dir_fd=directory)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.replace(temporary, final, src_dir_fd=directory, dst_dir_fd=directory)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary, dir_fd=directory)
+        raise
+
+
+def _clear_entry(directory: int) -> None:
+    """Remove everything in the open build ``directory``, whose lock the caller holds."""
+    listing = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=directory)
+    try:
+        names = os.listdir(listing)
+    finally:
+        os.close(listing)
+    for name in names:
+        try:
+            os.unlink(name, dir_fd=directory)
+        except IsADirectoryError:  # not one that torch makes, but nothing of the entry stays
+            shutil.rmtree(os.path.join(_fd_path(directory), name))
 
 
 TORCH_BUILD_LOCK = "lock"
@@ -565,4 +664,9 @@ def _compile(cpp_extension: Any, name: str, directory: int,
     except Exception as exc:  # a broken toolchain means the pure path, not a crash
         return None, f"building the kernel failed: {type(exc).__name__}: {str(exc)[-500:]}"
     module.__file__ = where
+    try:
+        _write_record(directory, name, where)
+    except (OSError, _Untrusted) as exc:  # the kernel works; the next process builds it again
+        log.logger.warning("arfuse shm: cannot record the kernel built at %s (%s: %s); the "
+                           "next process builds it again", where, type(exc).__name__, exc)
     return module, ""
