@@ -12,7 +12,7 @@ os.environ.setdefault("ARFUSE_LOG", "warning")
 
 @pytest.fixture(scope="session", autouse=True)
 def shm_kernel_built() -> None:
-    """Build the shm kernel once, before any test starts ranks (about 40 s the first time on
+    """Build the shm kernel once, before any test starts ranks (about a minute the first time on
     a 2-core machine; cached per user afterwards)."""
     from arfuse.backends.shm import build as shm_build
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from arfuse import log
 from arfuse.backends.shm import build as shm_build
 
 OTHER_UID = 12345
@@ -490,6 +491,36 @@ def test_a_build_waits_for_a_live_builder_and_loads_what_it_built(
     waiter.join(60)
     assert result and result[0][0] is not None, result
     assert recorder.built_in == [] and recorder.imported == [binary]
+
+
+def compiling_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and "compiling the C++ kernel" in r.getMessage()]
+
+
+def test_a_cold_build_says_so_once_and_a_warm_load_does_not(
+        cache: tuple[Path, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The first use waits about a minute for the compiler: the log says so before it starts,
+    once per process, with where the kernel is cached."""
+    _root, entry, _binary = cache
+    monkeypatch.setattr(log, "_seen", set())  # as in a fresh process
+    Recorder(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="arfuse"):
+        shm_build._build()
+    said = compiling_messages(caplog)
+    assert len(said) == 1 and str(entry) in said[0] and "later runs reuse it" in said[0], said
+    caplog.clear()
+    monkeypatch.setenv("ARFUSE_CACHE_DIR", str(tmp_path / "another-cache"))
+    with caplog.at_level(logging.WARNING, logger="arfuse"):
+        shm_build._build()  # cold again, in the same process
+    assert compiling_messages(caplog) == []
+    monkeypatch.setattr(log, "_seen", set())
+    monkeypatch.setenv("ARFUSE_CACHE_DIR", str(entry.parent))
+    recorder = Recorder(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="arfuse"):
+        shm_build._build()
+    assert recorder.built_in == [] and compiling_messages(caplog) == []
 
 
 # --- a damaged cache entry --------------------------------------------------------------------

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
     if os.environ.get("ARFUSE_SHM_PURE_TORCH") != "1":
         from ..backends.shm import build as shm_build
 
-        shm_build.load()  # a first build (~40 s) must not count against a scenario's limit
+        shm_build.load()  # a first build (about a minute) must not count against a scenario's limit
     outcomes = []
     for path in files:
         outcome = run_one(path, args.limit_scale)

@@ -5,7 +5,8 @@ is keyed by a hash of every one of those files, the compiler flags, torch's vers
 extension suffix, the CPU's instruction-set flags and the instruction set built for, so an
 edit, an upgrade or another machine never loads a stale binary. No compiler (or a failed
 build) is not an error: the shm backend then runs its pure-torch path, which ``arfuse doctor``
-reports and the log says once.
+reports and the log says once. A build takes about a minute, so the log says so, once, before it
+starts (with where it is cached).
 
 Instruction sets (``csrc/vec.h`` picks the vector header from the compiler's target): the best
 this CPU has of ``avx512`` (AVX-512 F/BW/VL/DQ, with AVX512_BF16 when present), ``avx2`` (with
@@ -466,16 +467,18 @@ def _refuse(problem: _Untrusted) -> Path:
 
 
 @contextlib.contextmanager
-def _build_dir(key: str) -> Iterator[tuple[int, int | None]]:
+def _build_dir(key: str) -> Iterator[tuple[int, int | None, bool]]:
     """Descriptors of this key's build directory and of its cached binary (``None``: build
-    it), or of a fresh private temporary directory when the cache (or the entry) is not safe
-    to use. The directory's is closed after the block, the binary's is the caller's."""
+    it), and whether that directory is in the cache; or a fresh private temporary directory
+    when the cache (or the entry) is not safe to use. The directory's descriptor is closed
+    after the block, the binary's is the caller's."""
     try:
         directory, binary = _open_cache_entry(key)
+        cached = True
     except _Untrusted as problem:
-        directory, binary = _open_trusted_dir(_refuse(problem)), None
+        directory, binary, cached = _open_trusted_dir(_refuse(problem)), None, False
     try:
-        yield directory, binary
+        yield directory, binary, cached
     finally:
         os.close(directory)
 
@@ -495,7 +498,7 @@ def _build() -> tuple[ModuleType | None, str]:
     key = build_key()
     name = f"arfuse_shm_{key}"
     try:
-        with _build_dir(key) as (directory, binary):
+        with _build_dir(key) as (directory, binary, cached):
             where = os.path.join(os.path.realpath(_fd_path(directory)), f"{name}.so")
             if binary is not None:  # cached: import it directly (ninja's check costs ~0.3 s)
                 found, _problem = _cached_module(directory, name, binary, where)
@@ -512,9 +515,17 @@ def _build() -> tuple[ModuleType | None, str]:
                                        "removing its cache entry and building it again",
                                        where, problem)
                     _clear_entry(directory)
+                _say_building(where, cached)
                 return _compile(cpp_extension, name, directory, where)
     except (OSError, _Untrusted) as exc:
         return None, f"no safe build directory: {type(exc).__name__}: {exc}"
+
+
+def _say_building(where: str, cached: bool) -> None:
+    """Warn, once per process, that the first use waits for the compiler."""
+    log.once(logging.WARNING, "shm-compile", "arfuse shm: compiling the C++ kernel (about a "
+             "minute) into %s; %s", os.path.dirname(where),
+             "later runs reuse it" if cached else "not cached: each process compiles it again")
 
 
 def _cached_module(directory: int, name: str, binary: int,
