@@ -7,7 +7,7 @@ record beside it gives its size and sha256; an entry without one, or not matchin
 and built again.
 
 The kernel's compiler never runs here: ``cpp_extension.load`` is replaced by a recorder, and so
-is ``_import`` except where a tiny shared object shows whose code ran."""
+is ``import_extension`` except where a tiny shared object shows whose code ran."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import pytest
 
 from arfuse import log
 from arfuse.backends.shm import build as shm_build
+from arfuse.backends.shm import cache as shm_cache
 
 OTHER_UID = 12345
 NOBODY = 65534  # a real second user, for the processes that race the loader
@@ -49,7 +50,7 @@ class Recorder:
         from torch.utils import cpp_extension
 
         if record_imports:
-            monkeypatch.setattr(shm_build, "_import", self._import)
+            monkeypatch.setattr(shm_cache, "import_extension", self._import)
         monkeypatch.setattr(cpp_extension, "load", self._load)
 
     def _import(self, name: str, path: str) -> ModuleType:
@@ -80,13 +81,13 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, 
 
 
 def record_path(binary: Path) -> Path:
-    return binary.with_name(binary.name + shm_build.RECORD_SUFFIX)
+    return binary.with_name(binary.name + shm_cache.RECORD_SUFFIX)
 
 
 def write_record(binary: Path) -> None:
     """The record a build writes beside ``binary``, for its bytes as they are now."""
     data = binary.read_bytes()
-    record_path(binary).write_text(shm_build.record(len(data), hashlib.sha256(data).hexdigest()))
+    record_path(binary).write_text(shm_cache.record(len(data), hashlib.sha256(data).hexdigest()))
 
 
 def plant(root: Path, entry: Path, binary: Path) -> None:
@@ -372,7 +373,7 @@ def load_in_fresh_processes(times: int, until: Path | None = None) -> list[int]:
 @pytest.fixture
 def racing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """The build key, fixed; fallback build directories in ``tmp_path`` (the forked loaders
-    leave theirs behind); ``_import`` real, the build recorded."""
+    leave theirs behind); ``import_extension`` real, the build recorded."""
     monkeypatch.delenv("ARFUSE_SHM_PURE_TORCH", raising=False)
     key = shm_build.build_key()
     monkeypatch.setattr(shm_build, "build_key", lambda: key)
@@ -437,7 +438,7 @@ def test_torch_waits_on_the_lock_file_a_killed_build_leaves() -> None:
     from torch.utils import cpp_extension
 
     source = inspect.getsource(cpp_extension._jit_compile)
-    assert f"FileBaton(os.path.join(build_directory, '{shm_build.TORCH_BUILD_LOCK}'))" in source
+    assert f"FileBaton(os.path.join(build_directory, '{shm_cache.TORCH_BUILD_LOCK}'))" in source
 
 
 def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_build(
@@ -447,13 +448,13 @@ def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_build(
     root, entry, _binary = cache
     root.mkdir(mode=0o700)
     entry.mkdir(mode=0o700)
-    (entry / shm_build.TORCH_BUILD_LOCK).write_text("")
+    (entry / shm_cache.TORCH_BUILD_LOCK).write_text("")
     recorder = Recorder(monkeypatch)
     seen: list[bool] = []
     build = recorder._load
 
     def load(name: str, build_directory: str, **kwargs: Any) -> ModuleType:
-        seen.append(os.path.exists(os.path.join(build_directory, shm_build.TORCH_BUILD_LOCK)))
+        seen.append(os.path.exists(os.path.join(build_directory, shm_cache.TORCH_BUILD_LOCK)))
         return build(name, build_directory, **kwargs)
 
     from torch.utils import cpp_extension
@@ -565,7 +566,7 @@ def test_a_damaged_cache_entry_is_removed_and_built_again(
                and said in r.getMessage() for r in caplog.records), \
         [r.getMessage() for r in caplog.records]
     data = binary.read_bytes()  # the new binary, and its record
-    assert record_path(binary).read_text() == shm_build.record(
+    assert record_path(binary).read_text() == shm_cache.record(
         len(data), hashlib.sha256(data).hexdigest())
 
 
@@ -610,5 +611,5 @@ def test_a_kernel_cut_short_in_the_cache_is_built_again_not_loaded(tmp_path: Pat
     assert done.stdout.strip() == f"kernel: {binary}", done.stdout + done.stderr[-2000:]
     assert f"{binary} is broken" in done.stderr, done.stderr[-2000:]
     data = binary.read_bytes()
-    assert record_path(binary).read_text() == shm_build.record(
+    assert record_path(binary).read_text() == shm_cache.record(
         len(data), hashlib.sha256(data).hexdigest())

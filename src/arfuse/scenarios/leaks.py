@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..backends.shm import build as shm_build
+from ..backends.shm import cache as shm_cache
 
 NAMED_SEGMENT = re.compile(r"arfuse-\d+-\d+-[0-9a-f]+")
 UNNAMED_FILE = re.compile(r"#\d+")  # an O_TMPFILE file, as /proc shows it
@@ -99,7 +99,7 @@ class LeakBaseline:
         if maps:
             found.append(f"segments still mapped: {maps}")
         now = fd_targets()
-        kept = set(shm_build.held_descriptors())  # the kernel's binary, open for good
+        kept = set(shm_cache.held_descriptors())  # the kernel's binary, open for good
         extra = {fd: t for fd, t in now.items() if fd not in self.fds and fd not in kept}
         if extra:
             found.append(f"descriptors opened and not closed: {extra}")

@@ -14,54 +14,33 @@ F16C and FMA when present) and ``scalar`` (no vector code), or the one ``ARFUSE_
 (also ``avx512-nobf16``: AVX-512 without AVX512_BF16; tests build every path the machine has;
 one that it lacks is refused, not built). Every path gives the same bytes.
 
-The cache is private: its directory is created with mode 0700, and a cache directory, build
-directory or binary that another user owns, or that group or others may write, is never
-loaded (someone else could have put code there), nor one reached through a directory or
-symbolic link that a user other than root and this one owns, or through a directory that group
-or others may write without the sticky bit (whoever can change the path can swap the cache):
-the kernel is then built in a fresh private temporary directory instead, and the log names the
-path and why. What is checked is what is loaded: the path is opened one component at a time,
-each relative to the one before and never through a symbolic link (one is resolved by reading
-it, itself checked), the opened descriptors are the ones checked, and the binary is loaded by
-its descriptor's name (``/proc/self/fd/N``), as is a fresh build's directory.
-
-A cache entry is loaded only when its record (``<binary>.record``, written beside the binary
-once it is built) gives the binary's size and sha256, both read from the descriptor that is
-loaded: a binary cut short (a killed link, a full disk) would kill the process with SIGBUS.
-An entry without a record, or not matching it, is logged, removed whole under the one-builder
-lock (ninja would not relink a damaged binary whose inputs are unchanged) and built again.
+Where the kernel is cached, and how an entry is checked, verified and loaded: ``cache`` (the
+path's checks: ``trust``).
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import errno
-import fcntl
 import hashlib
 import logging
 import os
 import shutil
-import stat
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
-from collections import deque
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from ... import ctables, log
 from ...machine import cpu_flags
+from . import cache
+from .trust import Untrusted, fd_path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 _fake_registered: list[bool] = []
-_held: list[int] = []  # see held_descriptors
 
 
 # The torch operator's quantisation argument (and the kernel's run/call): its codes are the
@@ -130,24 +109,11 @@ def compile_flags(isa: str | None = None) -> list[str]:
     return flags
 
 
-def cache_root() -> Path:
-    env = os.environ.get("ARFUSE_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "arfuse"
-
-
-ENTRY_FORMAT = "2"
-"""What a cache entry holds, in the build key: an entry of format 1 had no record."""
-RECORD_SUFFIX = ".record"
-
-
 def build_key() -> str:
     import torch
 
     digest = hashlib.sha256()
-    digest.update(f"entry format {ENTRY_FORMAT}\0".encode())
+    digest.update(f"entry format {cache.ENTRY_FORMAT}\0".encode())
     for path in kernel_files():  # a header edit must rebuild as much as a source edit
         digest.update(path.name.encode() + b"\0")
         digest.update(path.read_bytes())
@@ -237,25 +203,11 @@ def _register_fake() -> None:
         log.logger.debug("arfuse shm: no fake for the torch operator: %s", exc)
 
 
-def _import(name: str, path: str) -> ModuleType:
-    """The extension module ``name`` (its ``PyInit_<name>``) from the shared object ``path``."""
-    import importlib.machinery
-    import importlib.util
-
-    loader = importlib.machinery.ExtensionFileLoader(name, path)
-    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
-    if spec is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
-
-
 def load_file(path: str) -> ModuleType:
     """The built kernel at ``path`` as a module of its own (named as the file: its
     ``PyInit_<name>``), beside any other build loaded into this process (each has its own
     ``ShmComm``): how two builds are compared in one process."""
-    return _import(Path(path).name.split(".")[0], path)
+    return cache.import_extension(Path(path).name.split(".")[0], path)
 
 
 def build_tree(tree: str) -> str:
@@ -273,216 +225,6 @@ def build_tree(tree: str) -> str:
     return out.rsplit("kernel: ", 1)[1].strip()
 
 
-# Who may change a path: its last component's owner, and whoever may write the directory
-# holding it (in a sticky directory, as /tmp, only the owners of the entry and of the directory
-# may rename or remove it). Root and this user are trusted; every other user is not.
-
-def unsafe_on_the_way(info: os.stat_result) -> str:
-    """Why a directory or symbolic link on the way to the cache is not trusted ("" when it is):
-    owned by a user other than root and this one, or a directory that group or others may
-    write without the sticky bit."""
-    if info.st_uid not in (0, os.geteuid()):
-        return f"is owned by uid {info.st_uid}, neither root nor this user (uid {os.geteuid()})"
-    if stat.S_ISDIR(info.st_mode) and info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
-        return ("is writable by group or others without the sticky bit "
-                f"(mode {stat.S_IMODE(info.st_mode):o})")
-    return ""
-
-
-def unsafe(info: os.stat_result) -> str:
-    """Why the cache directory, a build directory or a binary in it is not trusted ("" when it
-    is): owned by another user, or writable by group or others."""
-    if info.st_uid != os.geteuid():
-        return f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
-    if info.st_mode & 0o022:
-        return f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
-    return ""
-
-
-class _Untrusted(Exception):
-    """``path`` is not safe to load code from, for ``reason``."""
-
-    def __init__(self, path: Path, reason: str) -> None:
-        super().__init__(f"{path} {reason}")
-        self.path, self.reason = path, reason
-
-
-# every component is opened relative to the one before, never through a symbolic link: what
-# is checked (fstat of the descriptor) is what is used, whatever the path names meanwhile
-# (O_PATH: a directory this user may only search, as some parents are, opens all the same)
-_OPEN_DIR = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-_MAX_SYMLINKS = 40  # as the kernel's own path lookup
-
-
-def _fd_path(fd: int) -> str:
-    """A name for exactly the file or directory ``fd`` has open (Linux), whatever was renamed
-    or replaced since it was opened."""
-    return f"/proc/self/fd/{fd}"
-
-
-def _open_checked(dir_fd: int | None, name: str, flags: int, shown: Path,
-                  check: Callable[[os.stat_result], str]) -> int:
-    """``name`` in ``dir_fd`` opened (``flags``) and passed by ``check``, or ``_Untrusted``
-    (``shown``: its path, for the message)."""
-    try:
-        fd = os.open(name, flags, dir_fd=dir_fd)
-    except OSError as exc:  # O_NOFOLLOW refuses a symbolic link with ELOOP, or ENOTDIR
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(
-                os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-            raise _Untrusted(shown, "is a symbolic link") from exc
-        raise
-    reason = check(os.fstat(fd))
-    if reason:
-        os.close(fd)
-        raise _Untrusted(shown, reason)
-    return fd
-
-
-def _open_private_dir(dir_fd: int, name: str, shown: Path,
-                      check: Callable[[os.stat_result], str]) -> int:
-    """Directory ``name`` in ``dir_fd``, created with mode 0700 where missing, opened and passed
-    by ``check`` (``_open_checked``)."""
-    try:
-        return _open_checked(dir_fd, name, _OPEN_DIR, shown, check)
-    except FileNotFoundError:
-        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
-            os.mkdir(name, 0o700, dir_fd=dir_fd)
-        return _open_checked(dir_fd, name, _OPEN_DIR, shown, check)
-
-
-class _Walk:
-    """A directory descriptor moved one component at a time from ``/``, each directory and
-    symbolic link on the way trusted (``unsafe_on_the_way``), missing directories created with
-    mode 0700 (the caller closes ``fd``)."""
-
-    def __init__(self) -> None:
-        self.fd = _open_checked(None, "/", _OPEN_DIR, Path("/"), unsafe_on_the_way)
-        self.at = Path("/")
-        self.symlinks = 0
-
-    def enter(self, name: str) -> None:
-        """Into directory ``name`` (not a symbolic link), created where missing."""
-        shown = self.at.parent if name == ".." else self.at / name
-        fd = _open_private_dir(self.fd, name, shown, unsafe_on_the_way)
-        os.close(self.fd)
-        self.fd, self.at = fd, shown
-
-    def link_target(self, name: str) -> str | None:
-        """Where ``name`` points when it is a symbolic link (trusted), else ``None``."""
-        try:
-            info = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        if not stat.S_ISLNK(info.st_mode):
-            return None
-        reason = unsafe_on_the_way(info)
-        self.symlinks += 1
-        if not reason and self.symlinks > _MAX_SYMLINKS:
-            reason = "leads through too many symbolic links"
-        if reason:
-            raise _Untrusted(self.at / name, reason)
-        return os.readlink(name, dir_fd=self.fd)
-
-    def restart(self) -> None:
-        """Back at ``/``, for a symbolic link to an absolute path."""
-        fd = _open_checked(None, "/", _OPEN_DIR, Path("/"), unsafe_on_the_way)
-        os.close(self.fd)
-        self.fd, self.at = fd, Path("/")
-
-
-def _open_trusted_dir(path: Path) -> int:
-    """A descriptor of directory ``path`` (created private where missing), reached from ``/``
-    through trusted directories and symbolic links only, and itself private to this user;
-    ``_Untrusted`` names the first component that is not."""
-    walk = _Walk()
-    try:
-        names = deque(os.path.join(os.getcwd(), path).split("/"))
-        while names:
-            name = names.popleft()
-            if name in ("", "."):
-                continue
-            target = walk.link_target(name)
-            if target is None:
-                walk.enter(name)
-                continue
-            names.extendleft(reversed(target.split("/")))
-            if target.startswith("/"):
-                walk.restart()
-        reason = unsafe(os.fstat(walk.fd))
-        if reason:
-            raise _Untrusted(walk.at, reason)
-        return walk.fd
-    except BaseException:
-        os.close(walk.fd)
-        raise
-
-
-def _open_cache_entry(key: str) -> tuple[int, int | None]:
-    """Descriptors of this key's build directory in the cache (created private) and of its
-    binary when there is one, every component checked; ``_Untrusted`` when one is unsafe or
-    the cache cannot be used."""
-    root = cache_root()
-    try:
-        root_fd = _open_trusted_dir(root)
-        try:
-            return _open_entry(root_fd, root / f"shm-{key}", f"arfuse_shm_{key}.so")
-        finally:
-            os.close(root_fd)
-    except OSError as exc:
-        raise _Untrusted(root, f"cannot be used ({type(exc).__name__}: {exc})") from exc
-
-
-def _open_entry(root_fd: int, entry: Path, binary_name: str) -> tuple[int, int | None]:
-    """Build directory ``entry`` in the open cache directory (created private), and its binary
-    ``binary_name`` when there is one, both checked (``unsafe``)."""
-    entry_fd = _open_private_dir(root_fd, entry.name, entry, unsafe)
-    binary = entry / binary_name
-    try:
-        return entry_fd, _open_checked(entry_fd, binary.name, _OPEN_FILE, binary, _unsafe_binary)
-    except FileNotFoundError:
-        return entry_fd, None
-    except BaseException:
-        os.close(entry_fd)
-        raise
-
-
-def _unsafe_binary(info: os.stat_result) -> str:
-    return unsafe(info) or ("" if stat.S_ISREG(info.st_mode) else "is not a regular file")
-
-
-def _private_temp_dir() -> Path:
-    """A fresh directory only this user can enter, removed at exit."""
-    path = Path(tempfile.mkdtemp(prefix="arfuse-shm-"))
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-    return path
-
-
-def _refuse(problem: _Untrusted) -> Path:
-    fallback = _private_temp_dir()
-    log.logger.warning("arfuse shm: not using the kernel cache at %s: %s %s; building the "
-                       "kernel in %s instead (fix that path's owner and mode, or set "
-                       "ARFUSE_CACHE_DIR)", cache_root(), problem.path, problem.reason, fallback)
-    return fallback
-
-
-@contextlib.contextmanager
-def _build_dir(key: str) -> Iterator[tuple[int, int | None, bool]]:
-    """Descriptors of this key's build directory and of its cached binary (``None``: build
-    it), and whether that directory is in the cache; or a fresh private temporary directory
-    when the cache (or the entry) is not safe to use. The directory's descriptor is closed
-    after the block, the binary's is the caller's."""
-    try:
-        directory, binary = _open_cache_entry(key)
-        cached = True
-    except _Untrusted as problem:
-        directory, binary, cached = _open_trusted_dir(_refuse(problem)), None, False
-    try:
-        yield directory, binary, cached
-    finally:
-        os.close(directory)
-
-
 def _build() -> tuple[ModuleType | None, str]:
     if os.environ.get("ARFUSE_SHM_PURE_TORCH") == "1":
         return None, "ARFUSE_SHM_PURE_TORCH=1"
@@ -498,26 +240,26 @@ def _build() -> tuple[ModuleType | None, str]:
     key = build_key()
     name = f"arfuse_shm_{key}"
     try:
-        with _build_dir(key) as (directory, binary, cached):
-            where = os.path.join(os.path.realpath(_fd_path(directory)), f"{name}.so")
+        with cache.build_dir(key) as (directory, binary, cached):
+            where = os.path.join(os.path.realpath(fd_path(directory)), f"{name}.so")
             if binary is not None:  # cached: import it directly (ninja's check costs ~0.3 s)
-                found, _problem = _cached_module(directory, name, binary, where)
+                found, _problem = cache.cached_module(directory, name, binary, where)
                 if found is not None:
                     return found, ""
-            with _one_builder(directory):
+            with cache.one_builder(directory):
                 # built by whom we waited for, or the entry found broken above
-                binary = _binary_if_built(directory, name, where)
+                binary = cache.binary_if_built(directory, name, where)
                 if binary is not None:
-                    found, problem = _cached_module(directory, name, binary, where)
+                    found, problem = cache.cached_module(directory, name, binary, where)
                     if found is not None:
                         return found, ""
                     log.logger.warning("arfuse shm: the cached kernel %s is broken (%s): "
                                        "removing its cache entry and building it again",
                                        where, problem)
-                    _clear_entry(directory)
+                    cache.clear_entry(directory)
                 _say_building(where, cached)
                 return _compile(cpp_extension, name, directory, where)
-    except (OSError, _Untrusted) as exc:
+    except (OSError, Untrusted) as exc:
         return None, f"no safe build directory: {type(exc).__name__}: {exc}"
 
 
@@ -526,140 +268,6 @@ def _say_building(where: str, cached: bool) -> None:
     log.once(logging.WARNING, "shm-compile", "arfuse shm: compiling the C++ kernel (about a "
              "minute) into %s; %s", os.path.dirname(where),
              "later runs reuse it" if cached else "not cached: each process compiles it again")
-
-
-def _cached_module(directory: int, name: str, binary: int,
-                   where: str) -> tuple[ModuleType | None, str]:
-    """The module of the cached ``binary`` when its record vouches for it, else ``None`` and
-    what is wrong with the entry (``binary`` is closed then)."""
-    try:
-        problem = _entry_problem(directory, name, binary, where)
-        if not problem:
-            module = _import_cached(name, binary)
-            module.__file__ = where  # not the descriptor's name, which means nothing later
-            return module, ""
-    except ImportError as exc:
-        problem = f"it does not import: {exc}"
-    except BaseException:
-        os.close(binary)
-        raise
-    os.close(binary)
-    return None, problem
-
-
-def record(size: int, sha256: str) -> str:
-    """The text of a binary's record: its size in bytes and the hex sha256 of its bytes."""
-    return f"size {size}\nsha256 {sha256}\n"
-
-
-def _digest(fd: int) -> str:
-    """The hex sha256 of the open file ``fd``, read through that descriptor (what is loaded)."""
-    digest = hashlib.sha256()
-    offset = 0
-    while chunk := os.pread(fd, 1 << 20, offset):
-        digest.update(chunk)
-        offset += len(chunk)
-    return digest.hexdigest()
-
-
-def _entry_problem(directory: int, name: str, binary: int, where: str) -> str:
-    """What is wrong with the open cached ``binary`` by its record ("" when it matches)."""
-    shown = Path(where + RECORD_SUFFIX)
-    try:
-        fd = _open_checked(directory, shown.name, _OPEN_FILE, shown, _unsafe_binary)
-    except FileNotFoundError:
-        return "it has no record of its size and sha256"
-    except _Untrusted as problem:
-        return f"its record {problem.reason}"
-    with os.fdopen(fd, "rb") as file:
-        text = file.read(4096).decode(errors="replace")
-    fields = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
-    size = os.fstat(binary).st_size
-    if fields.get("size") != str(size):
-        return f"it is {size} bytes, its record says {fields.get('size', 'nothing')}"
-    if fields.get("sha256") != _digest(binary):
-        return "its sha256 is not the one its record gives"
-    return ""
-
-
-def _write_record(directory: int, name: str, where: str) -> None:
-    """Record the freshly built binary's size and sha256 beside it (written whole, then
-    renamed into place, so a record is never seen half written)."""
-    binary = _open_checked(directory, f"{name}.so", _OPEN_FILE, Path(where), _unsafe_binary)
-    try:
-        text = record(os.fstat(binary).st_size, _digest(binary))
-    finally:
-        os.close(binary)
-    final = f"{name}.so{RECORD_SUFFIX}"
-    temporary = f"{final}.{os.getpid()}"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600, dir_fd=directory)
-    try:
-        with os.fdopen(fd, "w") as file:
-            file.write(text)
-        os.replace(temporary, final, src_dir_fd=directory, dst_dir_fd=directory)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary, dir_fd=directory)
-        raise
-
-
-def _clear_entry(directory: int) -> None:
-    """Remove everything in the open build ``directory``, whose lock the caller holds."""
-    listing = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=directory)
-    try:
-        names = os.listdir(listing)
-    finally:
-        os.close(listing)
-    for name in names:
-        try:
-            os.unlink(name, dir_fd=directory)
-        except IsADirectoryError:  # not one that torch makes, but nothing of the entry stays
-            shutil.rmtree(os.path.join(_fd_path(directory), name))
-
-
-TORCH_BUILD_LOCK = "lock"
-"""The file torch's ``cpp_extension.load`` holds in its build directory while it builds, and
-waits on, for as long as it exists, before it builds there itself."""
-
-
-@contextlib.contextmanager
-def _one_builder(directory: int) -> Iterator[None]:
-    """One build at a time in the open build ``directory``, under a lock the kernel drops when
-    its holder dies. torch's own lock is a file: a build killed midway (Ctrl-C, a job's kill)
-    leaves it, and every later build of that key would wait for it for ever. Under this lock no
-    live build holds torch's, so one found is stale and goes."""
-    fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=directory)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(TORCH_BUILD_LOCK, dir_fd=directory)
-        yield
-    finally:
-        os.close(fd)  # and with it the lock
-
-
-def _binary_if_built(directory: int, name: str, where: str) -> int | None:
-    """The checked binary another process built while this one waited, if any."""
-    try:
-        return _open_checked(directory, f"{name}.so", _OPEN_FILE, Path(where), _unsafe_binary)
-    except FileNotFoundError:
-        return None
-
-
-def _import_cached(name: str, binary: int) -> ModuleType:
-    """The module from the open, checked ``binary``, which stays open for the life of the
-    process: the dynamic loader knows a library by the name it was opened under, and would
-    hand this one out again for another file opened later under the same descriptor number."""
-    module = _import(name, _fd_path(binary))
-    _held.append(binary)
-    return module
-
-
-def held_descriptors() -> tuple[int, ...]:
-    """Descriptors the loaded kernel keeps open for the life of the process (its binary), so
-    that leak checks do not count them."""
-    return tuple(_held)
 
 
 def _compile(cpp_extension: Any, name: str, directory: int,
@@ -671,13 +279,13 @@ def _compile(cpp_extension: Any, name: str, directory: int,
             name=name, sources=[str(p) for p in sources()],
             extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(CSRC)],
-            build_directory=_fd_path(directory), verbose=False)
+            build_directory=fd_path(directory), verbose=False)
     except Exception as exc:  # a broken toolchain means the pure path, not a crash
         return None, f"building the kernel failed: {type(exc).__name__}: {str(exc)[-500:]}"
     module.__file__ = where
     try:
-        _write_record(directory, name, where)
-    except (OSError, _Untrusted) as exc:  # the kernel works; the next process builds it again
+        cache.write_record(directory, name, where)
+    except (OSError, Untrusted) as exc:  # the kernel works; the next process builds it again
         log.logger.warning("arfuse shm: cannot record the kernel built at %s (%s: %s); the "
                            "next process builds it again", where, type(exc).__name__, exc)
     return module, ""
