@@ -106,6 +106,28 @@ def backend_registered_on_one_rank(rank: int, world: int) -> str:
                                                   dtype=torch.float32, timeout_s=30.0))
 
 
+def backend_registered_with_other_fields(rank: int, world: int, field: str) -> str:
+    """Every rank registers a backend of the same name whose ``field`` differs between the
+    ranks (``auto_rank``: auto would try it first on rank 0 only; ``unmet``: it could run on
+    rank 1 only, where auto tries it first), then every rank makes an op."""
+    import arfuse
+    from arfuse.catalog import Footprint
+
+    kinds: dict[str, Any] = {
+        "auto_rank": {"auto_rank": -1 if rank == 0 else None},
+        "unmet": {"unmet": (lambda topology, spec: "") if rank == 1 else
+                  (lambda topology, spec: "needs a part this host lacks"),
+                  "auto_rank": -1},
+    }
+    arfuse.register(arfuse.BackendDescriptor(
+        name="extra", fused=True, devices=("cpu",),
+        implementation="arfuse.backends.torch.workspace:TorchBackend",
+        fuses=lambda topology, spec, pattern: True,
+        footprint=lambda world, spec, topology: Footprint(0, spec.max_tokens), **kinds[field]))
+    return _outcome(lambda: arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64,
+                                                  dtype=torch.float32, timeout_s=15.0))
+
+
 def unfused_backend_blocked(rank: int, world: int) -> str:
     """``torch.probe@1=raise`` with ARFUSE_BACKEND=torch: the one backend asked for is blocked
     on rank 1."""

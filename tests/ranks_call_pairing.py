@@ -152,6 +152,26 @@ def call_then_report(rank: int, world: int, mode: str | None = None) -> dict[str
     return {"error": "", "seconds": time.monotonic() - started, "backend": comm.backend}
 
 
+def torch_peer_killed_mid_call(rank: int, world: int, timeout_s: float,
+                               victim: int) -> dict[str, Any]:
+    """Every rank but ``victim`` makes a second call on the torch backend; ``victim`` is
+    SIGKILLed while they wait in it (it never reports; rank 0 also hosts the store)."""
+    import os
+    import signal
+
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,
+                                 backend="torch", timeout_s=timeout_s)
+    comm(torch.ones(2, 64))
+    if rank == victim:
+        time.sleep(1.0)  # the others are in their second call by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    first = outcome(lambda: comm(torch.ones(2, 64)))
+    second = outcome(lambda: comm(torch.ones(2, 64)))
+    return {**first, "second": second}
+
+
 def torch_peer_never_calls(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
     """Rank 0 calls the torch backend; rank 1 never does (it only waits, alive)."""
     import arfuse

@@ -66,7 +66,8 @@ def moe_results(rank: int, world: int, backend: str, dtype: torch.dtype,
 
 
 def moe_disagreement(rank: int, world: int, backend: str, case: str) -> list[dict[str, Any]]:
-    """Rank 1 calls with another top_k (``top_k``) or a bad index (``index``); then every rank
+    """Rank 1 calls with another top_k (``top_k``), a bad index (``index``), a flat index
+    (``flat``) or a reduction's scales of the wrong shape (``reduce_scales``); then every rank
     makes a good call on the same op, which must still work (the group stays in step)."""
     import arfuse
 
@@ -77,11 +78,21 @@ def moe_disagreement(rank: int, world: int, backend: str, case: str) -> list[dic
     if rank == 1 and case == "index":
         index = index.clone()
         index[2, 5] = 40
+    if rank == 1 and case == "flat":
+        index = index.flatten()
     comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=HIDDEN, dtype=torch.float32,
                                  backend=backend, strict=backend != "torch", timeout_s=10)
-    first = outcome(lambda: comm.moe_finalize(data["expanded"], index, scales,
-                                              residual=data["residual"],
-                                              weight=data["weight"]))
+    if case == "reduce_scales":
+        scale_input = data["scale_input"]
+        if rank == 1:
+            scale_input = scale_input.t().contiguous()
+        first = outcome(lambda: comm.moe_reduce(data["active"], scale_input,
+                                                data["token_input"], residual=data["residual"],
+                                                weight=data["weight"]))
+    else:
+        first = outcome(lambda: comm.moe_finalize(data["expanded"], index, scales,
+                                                  residual=data["residual"],
+                                                  weight=data["weight"]))
     after = outcome(lambda: comm.moe_finalize(data["expanded"], data["index"],
                                               data["scales"]))
     comm.close()

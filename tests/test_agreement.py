@@ -78,6 +78,18 @@ def test_a_backend_registered_on_some_ranks_only_fails_on_every_rank_at_once() -
         assert "backend 'extra' is registered on ranks [0] but not on ranks [1]" in report
 
 
+@pytest.mark.parametrize("field", ["auto_rank", "unmet"])
+def test_a_backend_registered_with_different_fields_fails_on_every_rank_naming_the_field(
+        field: str) -> None:
+    """The same name on every rank is not enough: a descriptor whose fields differ would make
+    the ranks resolve different plans (and time out naming each other); every rank raises
+    ``NegotiationError`` naming the backend and the field instead."""
+    for report in values(run_ranks(ranks_agreement.backend_registered_with_other_fields, 2,
+                                   field, timeout=120)):
+        assert report.startswith("NegotiationError: ranks have different backends"), report
+        assert f"backend 'extra' differs in {field}: rank 0:" in report, report
+
+
 def test_the_unfused_backend_blocked_by_a_local_check_is_not_used() -> None:
     """What the plan lists as blocked is never used, the unfused backend included."""
     env = {"ARFUSE_BACKEND": "torch", "ARFUSE_FAULTS": "torch.probe@1=raise"}

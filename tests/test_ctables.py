@@ -33,6 +33,6 @@ def test_unreadable_constexpr_line_raises(tmp_path: Path, monkeypatch: pytest.Mo
         _read(tmp_path, monkeypatch, line + "\n")
 
 
-@pytest.mark.parametrize("name", ["signature.h", "layout.h", "call_limits.h"])
+@pytest.mark.parametrize("name", ["signature.h", "layout.h", "call_limits.h", "liveness.h"])
 def test_kernel_headers_read(name: str) -> None:
     assert ctables.header(name)

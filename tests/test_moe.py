@@ -306,6 +306,24 @@ def test_a_bad_index_on_one_rank_fails_it_by_name_and_its_peer_at_once() -> None
         assert [r[1]["type"] for r in results] == ["", ""], (backend, results)
 
 
+@pytest.mark.parametrize(("case", "message"), [
+    ("flat", "a flat index: pass it as .view(tokens, top_k)"),
+    ("reduce_scales", "scale_input must have shape (8, 4)")])
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_a_call_one_rank_refuses_by_its_checks_fails_its_peer_at_once(
+        backend: str, case: str, message: str) -> None:
+    """An argument of a MoE call that only one rank's checks refuse (a flat index, scales of
+    the wrong shape): that rank raises the ValueError, its peer MismatchedCall at once (not a
+    timeout), and the next good call works on both."""
+    results = values(run_ranks(moe_disagreement, 2, backend, case, timeout=90))
+    peer, refusing = results[0][0], results[1][0]
+    assert refusing["type"] == "ValueError" and message in refusing["error"], refusing
+    assert peer["type"] == "MismatchedCall", peer
+    assert "top_k=0" in peer["error"] or "experts=0" in peer["error"], peer
+    assert peer["seconds"] < 5, peer  # the call's timeout is 10 s
+    assert [r[1]["type"] for r in results] == ["", ""], (backend, results)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_the_kernels_fast_path_and_the_checked_path_agree(dtype: torch.dtype) -> None:
     """A rank on the kernel's fast path and one on the checked Python path meet with the same

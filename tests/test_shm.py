@@ -113,12 +113,17 @@ def _kill_mid_call(rank: int, world: int) -> dict[str, object]:
     return {"error": "", "seconds": time.monotonic() - started, "name": name}
 
 
-def test_rank_killed_mid_call_others_fail_clearly_and_nothing_is_left() -> None:
-    results = run_ranks(_kill_mid_call, 2, timeout=60)
+@pytest.mark.parametrize("env", [{}, {"ARFUSE_SHM_PURE_TORCH": "1"}], ids=["kernel", "pure-torch"])
+def test_rank_killed_mid_call_others_fail_clearly_and_nothing_is_left(
+        env: dict[str, str]) -> None:
+    """The kernel's wait and the pure-torch path's alike (one liveness rule, csrc/liveness.h):
+    the survivor names the dead rank well before the call's 8 s timeout."""
+    results = run_ranks(_kill_mid_call, 2, env=env, timeout=60)
     survivor = results[0]
     assert survivor.ok, survivor.error
     err = survivor.value["error"]
-    assert "rank 1" in err and ("died" in err or "timed out" in err), err
+    assert "arfuse shm: rank 1 (pid " in err and ") died during a call" in err, err
+    assert survivor.value["seconds"] < 4, survivor.value
     assert survivor.value["type"] == "CallTimeout" and survivor.value["silent"] == (1,), err
     assert results[1].exitcode == -9
     assert not (os.path.exists(f"/dev/shm/{survivor.value['name']}"))

@@ -6,7 +6,8 @@
   that ``call_checks`` accepts; its checked entry ``run`` refuses them too (``ValueError``);
 * ``torch.ops.arfuse.shm_fused_allreduce`` gives the fast path's bits, and traces under
   ``torch.compile``;
-* mismatch messages are the same text from C++ and from the pure-torch path.
+* mismatch messages are the same text from C++ and from the pure-torch path;
+* a peer's liveness (``csrc/liveness.h``) is judged alike by the kernel and by Python.
 
 One rank on private memory (a ``ShmComm`` of world 1), except the last test (real ranks)."""
 
@@ -545,3 +546,37 @@ def test_inputs_inside_the_segment_raise_instead_of_corrupting_rows(mode: str) -
             else:
                 assert error.startswith("ValueError:") and "shared segment" in error, (name,
                                                                                      error)
+
+
+def test_the_kernel_and_python_judge_a_peer_alive_by_the_same_rule() -> None:
+    """``process_alive`` (the kernel's wait) and ``segment.alive`` (the pure-torch path's)
+    on a live process, its reused-pid form (another start time), a zombie and a reaped one."""
+    import os
+    import subprocess
+    import time
+
+    from arfuse.backends.shm import segment
+
+    module = kernel()
+    pid, start = segment.process_identity()
+    cases = {"this process": (pid, start), "another start": (pid, start + 1),
+             "no such pid": (2**22 + 7, start)}
+    child = subprocess.Popen(["true"])
+    try:
+        child_start = segment.process_identity(child.pid)[1]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # exited, not reaped: a zombie
+            if os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG):
+                break
+            time.sleep(0.01)
+        cases["zombie"] = (child.pid, child_start)
+        judged = {name: (module.diagnostics.process_alive(*ids), segment.alive(*ids))
+                  for name, ids in cases.items()}
+    finally:
+        child.wait()
+    judged["reaped"] = (module.diagnostics.process_alive(child.pid, child_start),
+                        segment.alive(child.pid, child_start))
+    assert judged == {"this process": (True, True), "another start": (False, False),
+                      "no such pid": (False, False), "zombie": (False, False),
+                      "reaped": (False, False)}, judged
+    assert segment.LIVENESS_LOOK_S == ctables.float_constant("liveness.h", "kLookS") > 0

@@ -22,6 +22,24 @@ def test_torch_backend_keeps_the_timeout_and_names_the_silent_rank() -> None:
     assert "process group" in caller["second"]["error"], caller  # what it advises: a new group
 
 
+@pytest.mark.parametrize("victim", [1, 0])
+def test_torch_backend_names_a_killed_peer_at_once_not_a_timeout(victim: int) -> None:
+    """A peer SIGKILLed during a call: gloo sees its connection close; the survivor says so
+    (the peer died, named by rank), well before the op's 20 s, instead of 'timed out'. Rank 0
+    hosts the store (killed, it is named as the only peer)."""
+    results = run_ranks(ranks_call_pairing.torch_peer_killed_mid_call, 2, 20.0, victim,
+                        timeout=90, expect=1)
+    survivor = results[1 - victim].value
+    assert survivor is not None, results
+    assert survivor["type"] == "CallTimeout", survivor  # the class a dead peer raises on shm
+    assert "timed out" not in survivor["error"], survivor
+    assert f"connection to rank(s) {victim} was" in survivor["error"], survivor
+    assert "was closed or reset" in survivor["error"], survivor
+    assert "died" in survivor["error"] and "backend torch" in survivor["error"], survivor
+    assert survivor["seconds"] < 10, survivor
+    assert survivor["second"]["type"] == "WorkspaceBroken", survivor
+
+
 @pytest.mark.parametrize(("world", "tokens", "residual_on"), [
     (2, [1, 2], [False, False]), (2, [8, 1], [False, False]), (3, [3, 5, 3], [False] * 3),
     (2, [4, 4], [True, False])])

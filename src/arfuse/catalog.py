@@ -13,10 +13,13 @@ module name in ``BUILTIN_MODULES`` (or a ``register()`` call from your own code)
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
 import threading
+import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .pattern import ALL as ALL_PATTERNS
@@ -158,6 +161,58 @@ def fused_patterns(descriptor: BackendDescriptor, topology: Topology,
                    spec: Spec) -> tuple[Pattern, ...]:
     """The patterns ``descriptor``'s backend fuses for ``spec`` on ``topology``."""
     return tuple(p for p in ALL_PATTERNS if descriptor.fuses(topology, spec, p))
+
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _shape_of(value: Any, depth: int = 0) -> str:
+    """What ``value`` is, as text that is the same in every process running the same code:
+    plain data by value, a function by its name, its code, defaults and closure (a lambda that
+    returns another reason, a factory's other limit differ), anything else by its type (the
+    process's own addresses never enter it)."""
+    if depth > 8:
+        return "..."
+    if isinstance(value, _PLAIN):
+        return repr(value)
+    if isinstance(value, (tuple, list, frozenset, set)):
+        items = [_shape_of(v, depth + 1) for v in value]
+        return type(value).__name__ + "(" + ", ".join(
+            sorted(items) if isinstance(value, (set, frozenset)) else items) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_shape_of(k, depth + 1)}: {_shape_of(v, depth + 1)}"
+                               for k, v in value.items()) + "}"
+    if isinstance(value, types.CodeType):
+        return (value.co_code.hex() + repr(value.co_names)
+                + _shape_of(tuple(value.co_consts), depth + 1))
+    if isinstance(value, functools.partial):
+        return (f"partial({_shape_of(value.func, depth + 1)}, {_shape_of(value.args, depth + 1)}"
+                f", {_shape_of(value.keywords, depth + 1)})")
+    if isinstance(value, types.MethodType):
+        return f"{_shape_of(value.__func__, depth + 1)} of {type(value.__self__).__qualname__}"
+    if isinstance(value, types.FunctionType):
+        cells = tuple(c.cell_contents for c in value.__closure__ or ()
+                      if c.cell_contents is not value)
+        return (f"{value.__module__}.{value.__qualname__}:"
+                + _shape_of((value.__code__, value.__defaults__, value.__kwdefaults__, cells),
+                            depth + 1))
+    kind = type(value)
+    return f"<{kind.__module__}.{kind.__qualname__}>"
+
+
+def fingerprint(descriptor: BackendDescriptor) -> dict[str, str]:
+    """Each field of ``descriptor`` as ranks compare it (negotiation): plain fields by value,
+    callables by a digest of their name, code, defaults and closure. Ranks whose descriptors of
+    one name differ in any field would resolve different plans and wait for each other."""
+    shown: dict[str, str] = {}
+    for f in fields(descriptor):
+        value = getattr(descriptor, f.name)
+        text = _shape_of(value)
+        if callable(value):
+            name = getattr(value, "__qualname__", type(value).__qualname__)
+            text = f"{name} #{hashlib.blake2b(text.encode(), digest_size=6).hexdigest()}"
+        shown[f.name] = text
+    return shown
 
 
 def load(name: str) -> Any:

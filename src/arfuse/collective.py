@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import re
 import time
 from typing import Any
 
@@ -36,11 +37,32 @@ def wait_within_deadline(work: Any, ctx: Any, phase: str, backend: str, call: in
     except Exception as exc:
         if ctx.group is not None:
             keep_for_the_process(ctx.group)
+        silent = silent_ranks(ctx, phase, call)
+        reported = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if not isinstance(exc, TimeoutError) and PEER_GONE.search(str(exc)):
+            if silent is None and ctx.world_size == 2:  # the store went too; one peer it is
+                silent = [1 - ctx.rank]
+            raise CallTimeout(phase, backend, silent, ctx.timeout_s,
+                              message=peer_gone(phase, backend, silent, call, reported)) from None
         detail = f" (call {call})" + (
-            "" if isinstance(exc, TimeoutError) else
-            f"; the process group reported {type(exc).__name__}: {str(exc)[:200]}")
-        raise CallTimeout(phase, backend, silent_ranks(ctx, phase, call), ctx.timeout_s,
-                          detail=detail) from None
+            "" if isinstance(exc, TimeoutError) else f"; the process group reported {reported}")
+        raise CallTimeout(phase, backend, silent, ctx.timeout_s, detail=detail) from None
+
+
+# what gloo (and NCCL's socket layer) say when a peer's end of the connection went away
+PEER_GONE = re.compile(r"connection (?:closed|reset)|(?:closed|reset) by peer|broken pipe|"
+                       r"ECONNRESET|EPIPE", re.IGNORECASE)
+
+
+def peer_gone(phase: str, backend: str, silent: list[int] | None, call: int,
+              reported: str) -> str:
+    """The text of a call whose process group lost the connection to a peer: the peer died or
+    left (it says so at once; no deadline ran out), named where the store knows it."""
+    who = ("a peer (which rank is unknown)" if not silent else
+           f"rank(s) {', '.join(map(str, silent))}")
+    return (f"arfuse {backend}: the connection to {who} was closed or reset during a call "
+            f"(phase {phase!r}, backend {backend}, call {call}): the peer died or left the "
+            f"group; the process group reported {reported}")
 
 
 _kept: list[int] = []

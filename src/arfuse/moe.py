@@ -68,6 +68,17 @@ class ExpertStep:
         return tuple((name, t) for name, t in given if t is not None)
 
 
+def refusal(reduction: str, x: torch.Tensor) -> ExpertStep:
+    """The expert step of a call this rank refused before it could read its arguments (they
+    failed their checks): no rows, fan-in 0 in its signature, the tokens of ``x``."""
+    rows = x.new_empty((0, x.shape[1]))
+    if reduction == "moe_finalize":
+        index = torch.empty((x.shape[0], 0), dtype=torch.int32, device=x.device)
+        return ExpertStep(reduction, rows, index.float(), index, None, refused=True)
+    scales = torch.empty((0, x.shape[0]), dtype=torch.float32, device=x.device)
+    return ExpertStep(reduction, rows, scales, None, x, refused=True)
+
+
 def check_finalize(shape: OpShape, expanded: Any, index: Any, scales: Any, shared: Any,
                    routed: Any) -> ExpertStep:
     """Every rule of a finalize call's own arguments (the index's values: ``index_problem``)."""

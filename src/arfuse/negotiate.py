@@ -84,7 +84,7 @@ def _local_payload(ctx: GroupContext, spec: Spec) -> dict[str, Any]:
         "facts": asdict(facts),
         "file_topology": file_topology,
         "blocked": blocked,
-        "backends": {d.name: d.implementation for d in catalog.descriptors()},
+        "backends": {d.name: catalog.fingerprint(d) for d in catalog.descriptors()},
     }
 
 
@@ -146,23 +146,25 @@ def _blocked(payloads: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def _agree_on_backends(payloads: list[dict[str, Any]]) -> None:
-    """Every rank must have the same table of backends (``arfuse.register`` on some ranks
-    only would make them resolve different plans and wait for each other in vain)."""
+    """Every rank must have the same table of backends, each descriptor alike in every field
+    (``catalog.fingerprint``): ``arfuse.register`` on some ranks only, or of descriptors that
+    differ, would make them resolve different plans and wait for each other in vain."""
     tables = [p["backends"] for p in payloads]
     if all(table == tables[0] for table in tables):
         return
     problems = []
     for name in sorted({name for table in tables for name in table}):
         have = [r for r, table in enumerate(tables) if name in table]
-        kinds = {table[name] for table in tables if name in table}
         if len(have) < len(tables):
             lack = [r for r in range(len(tables)) if r not in have]
             problems.append(f"backend {name!r} is registered on ranks {have} but not on "
                             f"ranks {lack}")
-        elif len(kinds) > 1:
-            problems.append(f"backend {name!r} has different implementations: "
-                            + "; ".join(f"rank {r}: {table[name]}"
-                                        for r, table in enumerate(tables)))
+            continue
+        for key in tables[0][name]:
+            seen = [table[name].get(key) for table in tables]
+            if len(set(seen)) > 1:
+                problems.append(f"backend {name!r} differs in {key}: "
+                                + "; ".join(f"rank {r}: {v}" for r, v in enumerate(seen)))
     raise NegotiationError("ranks have different backends: " + "; ".join(problems)
                            + ". Register (arfuse.register) the same backends on every rank")
 

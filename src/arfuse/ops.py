@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -176,8 +176,8 @@ class FusedAllReduce:
             if result is not None:
                 self._fast_calls += 1
                 return result
-        return self._call(x, residual, weight, eps, weight_bias, quant, scale, layout, out,
-                          residual_out)
+        return self._run(self._check(x, residual, weight, eps, weight_bias, quant, scale,
+                                     layout, out, residual_out))
 
     def moe_finalize(self, expanded: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor,
                      expert_scales: torch.Tensor, *, residual: torch.Tensor | None = None,
@@ -203,10 +203,13 @@ class FusedAllReduce:
             if result is not None:
                 self._fast_calls += 1
                 return result
-        step = moe.check_finalize(self._shape, expanded, expanded_idx_to_permuted_idx,
-                                  expert_scales, shared_expert_output, routed_scaling_factor)
-        return self._call(self.input_buffer(step.tokens), residual, weight, eps, weight_bias,
-                          quant, scale, layout, out, residual_out, step)
+        with self._refused_on_error("moe_finalize"):
+            step = moe.check_finalize(self._shape, expanded, expanded_idx_to_permuted_idx,
+                                      expert_scales, shared_expert_output,
+                                      routed_scaling_factor)
+            call = self._check(self.input_buffer(step.tokens), residual, weight, eps,
+                               weight_bias, quant, scale, layout, out, residual_out, step)
+        return self._run(call)
 
     def moe_reduce(self, active_experts_token_input: torch.Tensor, scale_input: torch.Tensor,
                    token_input: torch.Tensor, *, residual: torch.Tensor | None = None,
@@ -227,10 +230,12 @@ class FusedAllReduce:
             if result is not None:
                 self._fast_calls += 1
                 return result
-        step = moe.check_reduce(self._shape, active_experts_token_input, scale_input,
-                                token_input)
-        return self._call(self.input_buffer(step.tokens), residual, weight, eps, weight_bias,
-                          quant, scale, layout, out, residual_out, step)
+        with self._refused_on_error("moe_reduce"):
+            step = moe.check_reduce(self._shape, active_experts_token_input, scale_input,
+                                    token_input)
+            call = self._check(self.input_buffer(step.tokens), residual, weight, eps,
+                               weight_bias, quant, scale, layout, out, residual_out, step)
+        return self._run(call)
 
     def _open(self) -> Workspace:
         ws = self._ws
@@ -243,10 +248,10 @@ class FusedAllReduce:
         return ArfuseError(f"this FusedAllReduce is closed (by {by}); make a new one, on "
                            "every rank of the group")
 
-    def _call(self, x: Any, residual: Any, weight: Any, eps: Any, weight_bias: Any,
-              quant: Any, scale: Any, layout: Any, out: Any, residual_out: Any,
-              experts: moe.ExpertStep | None = None) -> FusedOutput:
-        """Checked Python path: every error names its argument; over capacity runs unfused."""
+    def _check(self, x: Any, residual: Any, weight: Any, eps: Any, weight_bias: Any,
+               quant: Any, scale: Any, layout: Any, out: Any, residual_out: Any,
+               experts: moe.ExpertStep | None = None) -> CallArgs:
+        """The checked Python path's checks: every error names its argument."""
         ws = self._open()
         shared = ws.shared_span()
         slot = ws.input_slot_start() if shared is not None else None
@@ -255,6 +260,30 @@ class FusedAllReduce:
         if experts is not None:
             moe.check_not_shared(experts, shared)
             call = replace(call, moe=experts)
+        return call
+
+    @contextlib.contextmanager
+    def _refused_on_error(self, reduction: str) -> Iterator[None]:
+        """A MoE call whose arguments this rank's checks refuse: the peers may be in the call
+        already (their own arguments passed), so meet them with a refusal's signature (fan-in
+        0, which no valid call has) before raising; each of them raises ``MismatchedCall`` at
+        once and the group stays in step (every rank met once). The kernel's fast path
+        declines such a call, so it always comes here."""
+        try:
+            yield
+        except (ValueError, TypeError):
+            ws = self._ws
+            if ws is not None and not ws.destroyed and not self._broken:
+                empty = torch.empty((0, self._shape.hidden), dtype=self._shape.dtype,
+                                    device=self._shape.device)
+                with contextlib.suppress(MismatchedCall):
+                    ws.announce(CallArgs(x=empty, op=self._op,
+                                         moe=moe.refusal(reduction, empty)))
+            raise
+
+    def _run(self, call: CallArgs) -> FusedOutput:
+        """A checked call: the residual check and faults first; over capacity runs unfused."""
+        ws = self._open()
         if self._broken:
             raise WorkspaceBroken.after("arfuse", self._broken, group_out_of_step=True)
         if self._check_residual:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ... import log
+from ... import ctables, log
 from ...errors import CreationFailed
 from .layout import SEGMENT_ID_BYTES, SEGMENT_VERSION, SegmentId, ShmLayout
 
@@ -33,20 +33,35 @@ DEFAULT_SHM_DIR = Path("/dev/shm")
 PREFIX = "arfuse-"
 
 
-def process_identity(pid: int | None = None) -> tuple[int, int]:
-    """(pid, start time in clock ticks): a pid alone can be reused by another process."""
-    pid = os.getpid() if pid is None else pid
+# the rule by which a waiting rank tells a dead peer (csrc/liveness.h, the kernel's too)
+_LIVENESS = ctables.header("liveness.h")
+LIVENESS_LOOK_S = float(_LIVENESS["kLookS"])
+_STATE_FIELD = int(_LIVENESS["kStatStateField"])
+_START_FIELD = int(_LIVENESS["kStatStartField"])
+_DEAD_STATES = ("Z", "X")  # zombie, dead: the kernel's process_alive (protocol.cpp)
+
+
+def _stat(pid: int) -> tuple[str, int]:
+    """(state, start time in clock ticks) of ``pid`` from /proc; ("", -1) when unreadable."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return pid, -1
-    fields = text[text.rindex(")") + 2:].split()
-    return pid, int(fields[19])
+        return "", -1
+    fields = text[text.rindex(")") + 2:].split()  # from field 3 on
+    return fields[_STATE_FIELD - 3], int(fields[_START_FIELD - 3])
+
+
+def process_identity(pid: int | None = None) -> tuple[int, int]:
+    """(pid, start time in clock ticks): a pid alone can be reused by another process."""
+    pid = os.getpid() if pid is None else pid
+    return pid, _stat(pid)[1]
 
 
 def alive(pid: int, start: int) -> bool:
-    _got_pid, got_start = process_identity(pid)
-    return got_start >= 0 and got_start == start
+    """Whether the process that published (``pid``, ``start``) lives: the rule of
+    ``csrc/liveness.h``, as the kernel's ``process_alive`` applies it."""
+    state, found = _stat(pid)
+    return found >= 0 and found == start and state not in _DEAD_STATES
 
 
 def segment_dir() -> Path:

@@ -42,7 +42,7 @@ from .layout import (
     ShmLayout,
 )
 from .mapping import retire
-from .segment import alive, process_identity
+from .segment import LIVENESS_LOOK_S, alive, process_identity
 
 # One-shot (every rank reduces and finishes every row, block by block while it is in cache) up
 # to this many bytes per rank; two-shot (each rank sums a block of rows and finishes it in the
@@ -98,6 +98,8 @@ class ShmWorkspace(Workspace):
         self._comm: Any = None
         self._seq = 0
         self._broken = ""  # the pure-torch path's failure, once it had one
+        # every rank's (pid, start) and whether this rank can watch them (set by validate)
+        self._peers: tuple[list[int], list[int], bool] = ([], [], False)
         # the pure-torch path runs one call at a time, as the kernel does (comm.h: call_mutex_)
         self._call_lock = threading.Lock()
         _GROUP_WORKSPACES.setdefault(ctx.key, weakref.WeakSet()).add(self)
@@ -155,7 +157,7 @@ class ShmWorkspace(Workspace):
         if wrong:
             raise CreationFailed(f"shared memory check failed: rank {self.ctx.rank} cannot see "
                                  f"the token of rank(s) {wrong} (not one shared segment)")
-        pids, starts, visible = self.peers()
+        self._peers = pids, starts, visible = self.peers()
         if self._comm is not None:
             self._comm.set_peers(pids, starts, visible)
 
@@ -396,7 +398,11 @@ class ShmWorkspace(Workspace):
                                moe=call.moe_word)
 
     def _wait(self, flags: torch.Tensor, seq: int) -> None:
-        deadline = time.monotonic() + self.ctx.timeout_s
+        """The kernel's wait (``Waiter``) in Python: until every rank's flag reaches ``seq``;
+        between looks, the other workspaces of the group, the silent peers' lives (at most
+        every ``liveness.h`` ``kLookS``, by its rule) and the deadline."""
+        now = time.monotonic()
+        deadline, next_look = now + self.ctx.timeout_s, now + LIVENESS_LOOK_S
         spins = 0
         while True:
             silent = [r for r in range(self.ctx.world_size) if int(flags[r]) < seq]
@@ -407,10 +413,31 @@ class ShmWorkspace(Workspace):
                 time.sleep(0)
             if spins % 256 == 0:
                 self._look_elsewhere(silent, seq)
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now >= next_look:
+                    self._check_alive(silent, seq)
+                    next_look = now + LIVENESS_LOOK_S
+                if now > deadline:
                     error = CallTimeout("call", self.backend, silent, self.ctx.timeout_s)
                     self._broken = str(error)
                     raise error
+
+    def _check_alive(self, silent: list[int], seq: int) -> None:
+        """The kernel's ``check_alive``: a silent peer that died breaks the workspace, named
+        in the kernel's words."""
+        pids, starts, visible = self._peers
+        if not visible:
+            return
+        for r in silent:
+            if alive(pids[r], starts[r]):
+                continue
+            error = CallTimeout(
+                "call", self.backend, silent, self.ctx.timeout_s,
+                message=(f"arfuse shm: rank {r} (pid {pids[r]}) died during a call (phase "
+                         f"'call', backend shm, call {seq}); silent rank(s): "
+                         + ", ".join(map(str, silent))))
+            self._broken = str(error)
+            raise error
 
     def _arrivals(self) -> torch.Tensor:
         """Every rank's arrival flag (its last call number) on this rank's view."""

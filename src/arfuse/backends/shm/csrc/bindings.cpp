@@ -578,6 +578,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module_ diagnostics = m.def_submodule("diagnostics", "test and measurement hooks");
   diagnostics.def("nvfp4_quantize", &nvfp4_quantize);
   diagnostics.def("round_to", &round_to);
+  diagnostics.def("process_alive", &process_alive, py::arg("pid"), py::arg("start"));
   diagnostics.def("exchange_copy", &exchange_copy);
   diagnostics.def("moe_bits", [](int64_t fan_in, bool shared, int64_t rows, int64_t routed_bits) {
     return signature::moe_bits(fan_in, shared, rows, uint32_t(routed_bits));

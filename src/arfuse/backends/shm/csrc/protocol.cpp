@@ -115,15 +115,21 @@ long long proc_start_time(long long pid, char* state) {
   buf[n] = 0;
   char* p = std::strrchr(buf, ')');
   if (!p) return -1;
-  p += 2;
-  *state = *p;
+  p += 2;  // field 3 (after "pid (comm) ")
   long long value = -1;
-  for (int field = 3; field <= 22 && p; ++field) {
-    if (field == 22) { value = std::atoll(p); break; }
+  for (int field = 3; field <= liveness::kStatStartField && p; ++field) {
+    if (field == liveness::kStatStateField) *state = *p;
+    if (field == liveness::kStatStartField) { value = std::atoll(p); break; }
     p = std::strchr(p, ' ');
     if (p) ++p;
   }
   return value;
+}
+
+bool process_alive(long long pid, long long start) {
+  char state = '?';
+  const long long found = proc_start_time(pid, &state);
+  return found >= 0 && found == start && state != 'Z' && state != 'X';
 }
 
 // ---- Waiter ----------------------------------------------------------------------------------
@@ -161,13 +167,13 @@ void Waiter::wait_slow(int which, int j, int64_t target, int only) const {
 }
 
 // Sleep on rank j's flag until it reaches target, in slices of `slice`, between which the
-// deadline and (at most every kSliceS, when the ranks are visible) the peers' lives are
-// checked.
+// deadline and (at most every liveness::kLookS, when the ranks are visible) the peers' lives
+// are checked.
 void Waiter::sleep_on(int which, int j, int64_t target, int only, double deadline,
                       double slice) const {
   std::atomic<int64_t>* f = seg->flag(which, j);
   std::atomic<int32_t>* waiters = seg->waiters(which, j);
-  double next_look = mono_now() + kSliceS;
+  double next_look = mono_now() + liveness::kLookS;
   while (true) {
     waiters->fetch_add(1, std::memory_order_seq_cst);  // a full barrier: counted, then look
     const int64_t seen = f->load(std::memory_order_seq_cst);
@@ -182,7 +188,7 @@ void Waiter::sleep_on(int which, int j, int64_t target, int only, double deadlin
     if (now >= next_look) {  // a /proc read per slice, not per wake-up
       if (check_pids) check_alive(which, target, only);
       if (look_elsewhere) look_elsewhere(silent_ranks(which, target, only));
-      next_look = now + kSliceS;
+      next_look = now + liveness::kLookS;
     }
   }
 }
@@ -217,9 +223,7 @@ void Waiter::timed_out(int which, int64_t target, int only) const {
 
 void Waiter::check_alive(int which, int64_t target, int only) const {
   for (int j : silent_ranks(which, target, only)) {
-    char state = '?';
-    long long start = proc_start_time(pids[size_t(j)], &state);
-    if (start >= 0 && start == starts[size_t(j)] && state != 'Z' && state != 'X') continue;
+    if (process_alive(pids[size_t(j)], starts[size_t(j)])) continue;
     const std::vector<int> silent = silent_ranks(which, target, only);
     std::ostringstream ss;
     ss << "arfuse shm: rank " << j << " (pid " << pids[size_t(j)]

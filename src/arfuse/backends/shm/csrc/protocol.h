@@ -54,6 +54,7 @@
 #include "signature.h"
 #include "epilogue.h"
 #include "layout.h"
+#include "liveness.h"
 #include "memory_access.h"
 #include "vec.h"
 
@@ -240,6 +241,8 @@ inline void Segment::post(int which, int64_t value) const {
 
 // /proc/<pid>/stat: state (field 3) and start time (field 22). -1 when the process is gone.
 long long proc_start_time(long long pid, char* state);
+// Whether the process that published (pid, start) is alive, by the rule of liveness.h.
+bool process_alive(long long pid, long long start);
 
 class Waiter {
  public:
@@ -250,7 +253,7 @@ class Waiter {
   static constexpr double kSpinS = 1e-3;
   // Sleeps: after spinning for a peer on another CPU each is this long, so a missed wake-up
   // (see post_flag; it can happen at any sleep) costs at most that; kSliceS is the longest
-  // between deadline and liveness looks. For a peer on this CPU (which cannot miss a wake-up)
+  // between deadline looks (liveness looks: liveness::kLookS). For a peer on this CPU (which cannot miss a wake-up)
   // every sleep is kSliceS: a sleep that ends before the peer posts would take the CPU from it
   // (measured: two ranks on one core, 1-token calls 14 us instead of 10 with 0.5 ms sleeps).
   static constexpr double kFirstSliceS = 0.5e-3;
