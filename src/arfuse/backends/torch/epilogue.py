@@ -14,10 +14,11 @@ not depend on which path, and so which batch, it went through. From the fp32 ran
 * quantisation reads ``out`` after its rounding to ``T`` (``arfuse.quant``, the kernel's rules).
 
 Every step is one correctly rounded fp32 operation per element (add, multiply, divide, square
-root; no fused multiply-add, no reduction whose order torch leaves open). A NaN stays a NaN, but its
-payload is torch's (its conversions make NaNs canonical), not always the kernel's. The tests
-check it against the kernel bit for bit and against the float64 reference in
-``tests/reference.py``.
+root; no fused multiply-add, no reduction whose order torch leaves open), and every rounding to
+``T`` is the kernel's, a NaN's sign and payload included (``torch_types.round_to``). Where two
+NaNs of different payloads meet in one addition, which one survives is torch's choice, not
+always the kernel's; docs/design.md 3.6 lists that and the other exceptions. The tests check it
+against the kernel bit for bit and against the float64 reference in ``tests/reference.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ... import quant as q
 from ...call_checks import CallArgs
 from ...result import FusedOutput, deliver
 from ...spec import QUANTS
+from ...torch_types import round_to
 
 SUM_LANES = 32
 """The lanes of the sum of squares (the kernel's ``kSumLanes``, conversions.h)."""
@@ -82,18 +84,18 @@ def apply(acc: torch.Tensor, call: CallArgs) -> FusedOutput:
     """The epilogue on an fp32 sum (see the module docstring for the exact rules), delivered
     into ``call.out``/``call.residual_out`` when given."""
     x = call.x
-    summed = acc.to(x.dtype)
+    summed = round_to(acc, x.dtype)
     if call.weight is None:
         out, residual_out = summed, None
     else:
         pre = summed.float()
         if call.residual is not None:
             pre = pre + call.residual.float()
-        residual_out = pre.to(x.dtype)
+        residual_out = round_to(pre, x.dtype)
         r = residual_out.float()
         gain = torch.tensor(call.weight_bias, dtype=torch.float32,
                             device=r.device) + call.weight.float()
-        out = ((r * rms_factor(r, call.eps)) * gain).to(x.dtype)
+        out = round_to((r * rms_factor(r, call.eps)) * gain, x.dtype)
     quant_out, scale_out = quantize(out, call.quant, call.scale, call.layout)
     return deliver(FusedOutput(out, residual_out, quant_out, scale_out), call)
 
