@@ -17,17 +17,21 @@ def device_of(kind: str) -> torch.device:
     return torch.device("cpu")
 
 
-def round_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 ``values`` rounded to ``dtype`` (nearest even) as the shm kernel rounds them
-    (``csrc/conversions.h``): torch's conversion, except that on the CPU torch makes every NaN
-    the bf16 0xffff, where the kernel keeps a NaN's sign and the top of its payload (made
-    quiet); those are put right. Rows without a NaN cost one check. On a GPU, whose arithmetic
-    makes its own NaNs, torch's conversion alone (no check, so no synchronisation)."""
+def nans_differ(rounded: torch.Tensor) -> bool:
+    """Whether torch's rounding may have given a NaN of ``rounded`` other bytes than the shm
+    kernel's (``csrc/conversions.h``): on the CPU torch makes every NaN the bf16 0xffff, where
+    the kernel keeps a NaN's sign and the top of its payload (made quiet). On a GPU, whose
+    arithmetic makes its own NaNs, never (and no check, so no synchronisation)."""
+    return (rounded.dtype == torch.bfloat16 and rounded.device.type == "cpu"
+            and bool(rounded.isnan().any()))
+
+
+def round_to(values: torch.Tensor, dtype: torch.dtype, nans: bool = True) -> torch.Tensor:
+    """fp32 ``values`` rounded to ``dtype`` (nearest even) as the shm kernel rounds them:
+    torch's conversion, with its NaNs put right (``nans_differ``) unless ``nans`` is False
+    (for a caller that checks once for several roundings)."""
     rounded = values.to(dtype)
-    if dtype != torch.bfloat16 or values.device.type != "cpu":
-        return rounded
-    nan = rounded.isnan()
-    if not bool(nan.any()):
+    if not nans or not nans_differ(rounded):
         return rounded
     kept = ((values.view(torch.int32) >> 16) | 0x40).to(torch.int16)
-    return torch.where(nan, kept, rounded.view(torch.int16)).view(torch.bfloat16)
+    return torch.where(rounded.isnan(), kept, rounded.view(torch.int16)).view(torch.bfloat16)

@@ -29,7 +29,7 @@ from ... import quant as q
 from ...call_checks import CallArgs
 from ...result import FusedOutput, deliver
 from ...spec import QUANTS
-from ...torch_types import round_to
+from ...torch_types import nans_differ, round_to
 
 SUM_LANES = 32
 """The lanes of the sum of squares (the kernel's ``kSumLanes``, conversions.h)."""
@@ -83,21 +83,29 @@ def rms_factor(r: torch.Tensor, eps: float) -> torch.Tensor:
 def apply(acc: torch.Tensor, call: CallArgs) -> FusedOutput:
     """The epilogue on an fp32 sum (see the module docstring for the exact rules), delivered
     into ``call.out``/``call.residual_out`` when given."""
-    x = call.x
-    summed = round_to(acc, x.dtype)
-    if call.weight is None:
-        out, residual_out = summed, None
-    else:
-        pre = summed.float()
-        if call.residual is not None:
-            pre = pre + call.residual.float()
-        residual_out = round_to(pre, x.dtype)
-        r = residual_out.float()
-        gain = torch.tensor(call.weight_bias, dtype=torch.float32,
-                            device=r.device) + call.weight.float()
-        out = round_to((r * rms_factor(r, call.eps)) * gain, x.dtype)
+    out, residual_out = rows(acc, call, nans=False)
+    if nans_differ(out):  # a NaN in sum or residual_out makes its row of out all NaN
+        out, residual_out = rows(acc, call, nans=True)
     quant_out, scale_out = quantize(out, call.quant, call.scale, call.layout)
     return deliver(FusedOutput(out, residual_out, quant_out, scale_out), call)
+
+
+def rows(acc: torch.Tensor, call: CallArgs,
+         nans: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``out`` and ``residual_out`` (None without a weight), each rounding to ``T`` with
+    ``torch_types.round_to(..., nans=nans)``."""
+    dtype = call.x.dtype
+    summed = round_to(acc, dtype, nans)
+    if call.weight is None:
+        return summed, None
+    pre = summed.float()
+    if call.residual is not None:
+        pre = pre + call.residual.float()
+    residual_out = round_to(pre, dtype, nans)
+    r = residual_out.float()
+    gain = torch.tensor(call.weight_bias, dtype=torch.float32,
+                        device=r.device) + call.weight.float()
+    return round_to((r * rms_factor(r, call.eps)) * gain, dtype, nans), residual_out
 
 
 def quantize(out: torch.Tensor, quant: str | None, scale: float | None,
