@@ -68,11 +68,8 @@ def float64_rows(step: moe.ExpertStep) -> torch.Tensor:
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit, a NaN equal to any NaN (torch makes its NaNs canonical)."""
-    if not torch.equal(a.isnan(), b.isnan()):
-        return False
-    keep = ~a.isnan()
-    return torch.equal(a[keep].view(INT_VIEW[a.dtype]), b[keep].view(INT_VIEW[b.dtype]))
+    """Equal bit for bit, NaNs' signs and payloads included."""
+    return torch.equal(a.view(INT_VIEW[a.dtype]), b.view(INT_VIEW[b.dtype]))
 
 
 # --- the patterns and the signature --------------------------------------------------------------

@@ -23,6 +23,7 @@ import torch
 from . import signature
 from .call_checks import OpShape, Span, check_plain, fp32_number, overlap, span
 from .pattern import REDUCTION_SHIFT, REDUCTIONS
+from .torch_types import round_to
 
 
 class RefusedStep(ValueError):
@@ -166,7 +167,7 @@ def local_rows(step: ExpertStep, out: torch.Tensor) -> torch.Tensor:
             acc.add_(scales[e].unsqueeze(1) * step.rows[e].float())
     if step.add is not None:
         acc.add_(step.add.float())
-    return out.copy_(acc)
+    return out.copy_(round_to(acc, out.dtype))
 
 
 def _check_tensor(shape: OpShape, tensor: Any, name: str,
