@@ -102,6 +102,16 @@ HUGE = "99999999999999999999"  # beyond int64
     (["bench", "--tokens", "1", "--hidden", "2147483647", "--backends", "torch"], {},
      "GiB of memory"),
     (["explain", "--max-tokens", HUGE], {}, "--max-tokens"),
+    # each token's pick of its experts: tokens x experts, drawn on every rank
+    (["run", *RUN_SMALL, "--pattern", "moe_finalize", "--experts", "1000000000000"], {},
+     "--experts 1000000000000 --tokens 1, each token's pick of its experts needs at least "
+     "12,000,000,000,000 bytes"),
+    (["bench", "--tokens", "1", "--backends", "torch", "--pattern", "moe_finalize",
+      "--experts", "1000000000000"], {}, "--experts 1000000000000 --tokens 1, each token's"),
+    (["run", *RUN_SMALL, "--pattern", "moe_reduce", "--tokens", "2147483647"], {},
+     "--top-k 8 --tokens 2147483647 --hidden 64 (bf16), the expert rows"),
+    (["bench", "--tokens", "2147483647", "--hidden", "4096", "--backends", "torch",
+      "--pattern", "moe_reduce"], {}, "--top-k 8 --tokens 2147483647 --hidden 4096, the expert"),
     (["run", *RUN_SMALL, "--world-size", "3"],
      {"ARFUSE_TOPOLOGY": str(TOPOLOGIES / "cpu-host-2.json")},
      "ARFUSE_TOPOLOGY describes world_size=2 but the job has 3 ranks"),

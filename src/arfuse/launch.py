@@ -22,7 +22,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,16 +150,20 @@ def memory_bytes() -> int | None:
         return None
 
 
-def check_memory(per_rank: int, ranks: JobRanks, what: str) -> None:
-    """Refuse a job whose ranks on this host certainly do not fit in its memory: ``per_rank``
-    is a lower bound of what each rank allocates (``what`` says for what)."""
+def check_memory(needs: Mapping[str, int], ranks: JobRanks) -> None:
+    """Refuse a job whose ranks on this host certainly do not fit in its memory. ``needs``:
+    lower bounds of what each rank allocates at once, each keyed by the flags that size it;
+    the error names the largest."""
     total = memory_bytes()
+    per_rank = sum(needs.values())
     need = per_rank * ranks.local
     if total is not None and need > total:
         gib = 2**30
-        raise ValueError(f"{what}: at least {per_rank / gib:,.1f} GiB per rank "
-                         f"({ranks.local} ranks here: {need / gib:,.1f} GiB), and this machine "
-                         f"has {total / gib:,.1f} GiB of memory")
+        what, most = max(needs.items(), key=lambda item: item[1])
+        raise ValueError(f"{what} needs at least {most:,} bytes ({most / gib:,.1f} GiB) per "
+                         f"rank; the job at least {per_rank / gib:,.1f} GiB per rank, "
+                         f"{need / gib:,.1f} GiB for the {ranks.local} ranks here, and this "
+                         f"machine has {total / gib:,.1f} GiB of memory")
 
 
 def init_from_env(device: str, timeout_s: float | None = None) -> None:
