@@ -18,6 +18,10 @@ from ..bench.report import write_plot, write_table
 from ..moe_workload import MOE_PATTERNS, check_moe_sizes
 from . import args as cli_args
 
+DEFAULT_OUT = "out/bench"
+"""Under ``out/``, which git ignores: a run from a checkout leaves nothing to commit by mistake,
+and never writes over the recorded figures in benchmarks/results/."""
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="latency sweep: shm vs torch (gloo) vs deepspeed")
@@ -31,7 +35,8 @@ def add_parser(sub: Any) -> None:
                    help="dtypes (bf16,fp32)")
     p.add_argument("--backends", default=",".join(ROWS),
                    help="rows to measure (shm,torch,deepspeed)")
-    p.add_argument("--out", default="bench-out", help="folder for bench.json/.txt/.png")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help=f"folder for bench.json/.txt/.png ({DEFAULT_OUT})")
     p.add_argument("--min-seconds", type=cli_args.positive_seconds, default=0.3,
                    help="measure each row for about this long (0.3)")
     p.add_argument("--pattern", choices=("residual_rmsnorm", *MOE_PATTERNS),
