@@ -102,6 +102,16 @@ HUGE = "99999999999999999999"  # beyond int64
     (["bench", "--tokens", "1", "--hidden", "2147483647", "--backends", "torch"], {},
      "GiB of memory"),
     (["explain", "--max-tokens", HUGE], {}, "--max-tokens"),
+    # each token's pick of its experts: tokens x experts, drawn on every rank
+    (["run", *RUN_SMALL, "--pattern", "moe_finalize", "--experts", "1000000000000"], {},
+     "--experts 1000000000000 --tokens 1, each token's pick of its experts needs at least "
+     "12,000,000,000,000 bytes"),
+    (["bench", "--tokens", "1", "--backends", "torch", "--pattern", "moe_finalize",
+      "--experts", "1000000000000"], {}, "--experts 1000000000000 --tokens 1, each token's"),
+    (["run", *RUN_SMALL, "--pattern", "moe_reduce", "--tokens", "2147483647"], {},
+     "--top-k 8 --tokens 2147483647 --hidden 64 (bf16), the expert rows"),
+    (["bench", "--tokens", "2147483647", "--hidden", "4096", "--backends", "torch",
+      "--pattern", "moe_reduce"], {}, "--top-k 8 --tokens 2147483647 --hidden 4096, the expert"),
     (["run", *RUN_SMALL, "--world-size", "3"],
      {"ARFUSE_TOPOLOGY": str(TOPOLOGIES / "cpu-host-2.json")},
      "ARFUSE_TOPOLOGY describes world_size=2 but the job has 3 ranks"),
@@ -539,3 +549,33 @@ def test_a_closed_output_ends_the_job_quietly_with_every_rank() -> None:
             break
         time.sleep(0.05)
     assert not [p for p in started if os.path.exists(f"/proc/{p}")]
+
+
+def test_benchs_default_output_folder_is_one_git_ignores() -> None:
+    """``./bench-out`` was left in a checkout for anyone to commit by mistake."""
+    import shutil
+
+    from arfuse.cli import build_parser
+
+    out = build_parser().parse_args(["bench"]).out
+    assert not Path(out).is_absolute() and not out.startswith("benchmarks")
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "check-ignore", "-q", f"{out}/bench.json"], cwd=ROOT)
+    assert ignored.returncode == 0, f"{out}/bench.json is not ignored by git"
+
+
+def test_no_documented_command_writes_over_recorded_results() -> None:
+    """docs/reliability.md's soak command wrote straight over the recorded Xeon figures on
+    whatever machine ran it. Commands in the docs write under ``out/`` (ignored by git)."""
+    import re
+
+    written = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```(?:bash|sh)\n(.*?)```", doc.read_text(), re.S):
+            written += [(doc.name, path) for path in
+                        re.findall(r"--(?:out|json)[ =]([^\s\]]+)", block)
+                        if path not in ("DIR", "FILE")]  # placeholders of a synopsis
+    assert written, "no documented command writes a file: the check reads nothing"
+    for doc, path in written:
+        assert path.startswith("out/"), f"{doc}: a command writes to {path}, not under out/"

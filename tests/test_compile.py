@@ -161,3 +161,58 @@ def test_hf_tensor_parallel_plan_is_fused(tmp_path: Any) -> None:
     assert mine["left"] == {}
     assert mine["tokens"] == mine["reference"]
     _same_on_every_rank(found, "bits", "tokens")
+
+
+COMPILE_ONE_CHAIN = """
+import logging, os, socket, sys
+sys.path.insert(0, {tests!r})
+import torch, torch.distributed as dist, torch.nn.functional as F
+import tp_models as tm
+from arfuse.compile.graph_pass import FusionPass
+
+if {user_config!r}:
+    logging.basicConfig(format="mine: %(message)s", level=logging.INFO)
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+
+def chain(x, r, w):
+    y = x * 2
+    dist.all_reduce(y)
+    h = y + r
+    return F.rms_norm(h, (32,), w, 1e-5), h
+
+# one process (a group of one gets no pass from make_pass): the pass itself, unfused runtime
+fusion = FusionPass(str(dist.distributed_c10d._get_default_group().group_name))
+compiled = torch.compile(chain, backend=tm.post_grad_backend(fusion), fullgraph=True)
+with torch.no_grad():
+    compiled(torch.ones(4, 32), torch.ones(4, 32), torch.ones(32))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize(("user_config", "env", "line"), [
+    (False, {}, "[arfuse INFO] arfuse compile: graph 1: 1 of 1 all-reduces fused"),
+    (False, {"ARFUSE_LOG": "warning"}, None),
+    (True, {}, "mine: arfuse compile: graph 1: 1 of 1 all-reduces fused"),
+])
+def test_the_pass_logs_its_count_by_default_on_stderr(
+        user_config: bool, env: dict[str, str], line: str | None) -> None:
+    """The pass logs before the op its graph makes exists, and only creating an op configured
+    the ``arfuse`` logger: the count never showed by default. It shows now as the op's lines
+    do (ARFUSE_LOG, default info); an application's own logging config gets it through its
+    handler, and no second handler of arfuse's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    script = COMPILE_ONE_CHAIN.format(tests=str(tests), user_config=user_config)
+    base = {k: v for k, v in os.environ.items() if k != "ARFUSE_LOG"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300, cwd=tests.parent, env={**base, **env})
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = [ln for ln in result.stderr.splitlines() if "all-reduces fused" in ln]
+    assert counts == ([line + " (1 residual + RMSNorm)"] if line else []), result.stderr[-3000:]

@@ -183,6 +183,24 @@ def test_a_bad_limit_scale_is_one_line(value: str, capsys: pytest.CaptureFixture
     assert len(err.strip().splitlines()) == 1 and "--limit-scale" in err and "> 0" in err, err
 
 
+def test_the_command_line_prints_only_what_it_ran(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Run on scenarios/, the command also printed docs/reliability.md's recorded figures
+    (two hosts, soak, fuzzing) after the live ones, as if this run had measured them."""
+    def passed(path: Path, scale: float = 1.0) -> scenarios.Outcome:
+        return scenarios.Outcome(scenarios.load_scenario(path), "pass", 0.1, "", [])
+
+    monkeypatch.setattr(scenario_cli, "run_one", passed)
+    monkeypatch.setenv("ARFUSE_SHM_PURE_TORCH", "1")  # no build either
+    assert main(["scenario", "run", str(ROOT / "scenarios")]) == 0
+    out = capsys.readouterr().out
+    outcomes = [passed(path) for path in SCENARIOS]
+    assert out.splitlines() == [
+        *(f"PASS  {o.scenario.name} (0.1 s)" for o in outcomes), "",
+        *runner.format_table(outcomes).splitlines(), "",
+        *runner.coverage(outcomes).splitlines()], out
+
+
 @pytest.mark.parametrize("where", ["missing/x.json", "."])
 def test_a_bad_json_path_fails_before_any_scenario(where: str, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch,

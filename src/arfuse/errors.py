@@ -5,7 +5,9 @@
   votes, and moves on; a user sees it only inside a ``NegotiationError``).
 * ``CollectiveTimeout``: a collective step or a call saw silent ranks; it names the phase, the
   backend and the ranks. ``NegotiationTimeout`` (phases of negotiation) and ``CallTimeout``
-  (phase ``call``, raised alike by the Python paths and the C++ kernel) are its two kinds.
+  (phase ``call``, raised alike by the Python paths and the C++ kernel) are two of its kinds;
+  ``RendezvousTimeout`` (phase ``rendezvous``: the ranks of a CLI job meeting at
+  ``MASTER_ADDR:MASTER_PORT``) the third.
 * ``MismatchedCall``: the ranks of one call passed different tokens, dtype, hidden size or
   pattern (R11); raised on every rank, naming the ranks and the values.
 * ``PeerAborted``: a rank failed locally and said so; nobody waits for it.
@@ -111,3 +113,30 @@ class CallTimeout(CollectiveTimeout):
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.phase, self.backend, self.silent, self.timeout_s, "",
                              self._message or str(self)))
+
+
+class RendezvousTimeout(CollectiveTimeout):
+    """The ranks of a job did not all meet at its store (``MASTER_ADDR:MASTER_PORT``) in time.
+
+    ``missing``: the ranks that never arrived, or ``None`` when this rank could not reach the
+    store at all (then who arrived is unknown)."""
+
+    def __init__(self, address: str, world_size: int, missing: Sequence[int] | None,
+                 timeout_s: float, backend: str = "-"):
+        self.phase, self.backend, self.timeout_s = "rendezvous", backend, timeout_s
+        self.address, self.world_size = address, world_size
+        self.silent = None if missing is None else tuple(missing)
+        if missing is None:
+            who = (f"no store answered there, so how many of the {world_size} ranks arrived "
+                   "is unknown (rank 0 or the launcher hosts it)")
+        else:
+            who = (f"{world_size - len(missing)} of {world_size} ranks arrived, rank(s) "
+                   f"{', '.join(map(str, missing))} missing")
+        ArfuseError.__init__(
+            self, f"arfuse timed out after {timeout_s:g}s in phase 'rendezvous' at {address} "
+            f"(backend {backend}): {who}; start every rank of WORLD_SIZE={world_size} with this "
+            "MASTER_ADDR and MASTER_PORT, or raise ARFUSE_TIMEOUT_S if they are only slow")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.address, self.world_size, self.silent, self.timeout_s,
+                             self.backend))

@@ -22,7 +22,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +39,25 @@ OUTPUT_CLOSED = 141
 exit 0 (output cut short by its reader is not a failure of the job)."""
 
 
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What a launcher such as torchrun sets for each rank it starts (torch's ``env://``)."""
+
+
 def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    """Whether a launcher started this process as one rank of a job: ``RANK`` or
+    ``WORLD_SIZE`` set. Then every one of ``LAUNCHER_VARS`` must be (a ``ValueError``
+    names the missing ones): without them this process could neither join its peers nor,
+    silently, start ranks of its own instead."""
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        return False
+    missing = [v for v in LAUNCHER_VARS if not os.environ.get(v)]
+    if missing:
+        raise ValueError(
+            f"{' and '.join(v for v in ('RANK', 'WORLD_SIZE') if os.environ.get(v))} set (a "
+            f"launcher such as torchrun started this rank), but {', '.join(missing)} not: set "
+            f"all of {', '.join(LAUNCHER_VARS)}, or none of them to let arfuse start its "
+            "own ranks")
+    return True
 
 
 @dataclass(frozen=True)
@@ -133,29 +150,97 @@ def memory_bytes() -> int | None:
         return None
 
 
-def check_memory(per_rank: int, ranks: JobRanks, what: str) -> None:
-    """Refuse a job whose ranks on this host certainly do not fit in its memory: ``per_rank``
-    is a lower bound of what each rank allocates (``what`` says for what)."""
+def check_memory(needs: Mapping[str, int], ranks: JobRanks) -> None:
+    """Refuse a job whose ranks on this host certainly do not fit in its memory. ``needs``:
+    lower bounds of what each rank allocates at once, each keyed by the flags that size it;
+    the error names the largest."""
     total = memory_bytes()
+    per_rank = sum(needs.values())
     need = per_rank * ranks.local
     if total is not None and need > total:
         gib = 2**30
-        raise ValueError(f"{what}: at least {per_rank / gib:,.1f} GiB per rank "
-                         f"({ranks.local} ranks here: {need / gib:,.1f} GiB), and this machine "
-                         f"has {total / gib:,.1f} GiB of memory")
+        what, most = max(needs.items(), key=lambda item: item[1])
+        raise ValueError(f"{what} needs at least {most:,} bytes ({most / gib:,.1f} GiB) per "
+                         f"rank; the job at least {per_rank / gib:,.1f} GiB per rank, "
+                         f"{need / gib:,.1f} GiB for the {ranks.local} ranks here, and this "
+                         f"machine has {total / gib:,.1f} GiB of memory")
 
 
-def init_from_env(device: str, timeout_s: float = 120.0) -> None:
-    """``init_process_group`` for this job: gloo on CPU, NCCL on CUDA."""
+def init_from_env(device: str, timeout_s: float | None = None) -> None:
+    """``init_process_group`` for this job (gloo on CPU, NCCL on CUDA), once every rank has
+    met the others (`rendezvous`). ``timeout_s`` bounds that wait and is the group's timeout:
+    by default the settings' (``ARFUSE_TIMEOUT_S``), as for every wait of arfuse on peers."""
     import torch
     import torch.distributed as dist
 
+    from . import settings
+
     if dist.is_initialized():
         return
+    if timeout_s is None:
+        timeout_s = settings.load().timeout_s
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    store, rank, world = rendezvous(backend, timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _listening(addr: str, port: int, timeout_s: float) -> bool:
+    """Whether something accepts connections at ``addr:port`` within ``timeout_s``. Asked
+    before a store client is made: one that times out connecting logs a C++ stack trace."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=1.0):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+
+def rendezvous(backend: str, timeout_s: float) -> tuple[Any, int, int]:
+    """This rank's store of the job at ``MASTER_ADDR:MASTER_PORT`` (hosted by rank 0, or by
+    the launcher where ``TORCHELASTIC_USE_AGENT_STORE`` says so, as torch's ``env://``
+    rendezvous does), once every rank of ``WORLD_SIZE`` has arrived there: ``(store, rank,
+    world)``. Ranks that do not arrive within ``timeout_s`` are a ``RendezvousTimeout``
+    naming them."""
+    from torch._C._distributed_c10d import TCPStore
+    from torch.distributed import DistError
+
+    from .errors import ArfuseError, NegotiationTimeout, RendezvousTimeout
+    from .rendezvous import Channel
+
+    under_torchrun()  # every variable the rendezvous reads, or one line saying what is missing
+    rank, world = int(os.environ["RANK"]), _launcher_int("WORLD_SIZE")
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    where = f"{addr}:{port}"
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not hosts and not _listening(addr, port, timeout_s):
+        raise RendezvousTimeout(where, world, None, timeout_s, backend)
+    try:
+        store = TCPStore(addr, port, world, is_master=hosts, wait_for_workers=False,
+                         multi_tenant=hosts, timeout=timeout)
+    except DistError as exc:
+        if hosts:  # binding failed: nothing to wait for
+            raise ArfuseError(f"rank 0 cannot host the job's store at {where}: "
+                              f"{_first_line(exc)}") from None
+        raise RendezvousTimeout(where, world, None, timeout_s, backend) from None
+    # a restarted torchrun job meets again in the agent's store: its own keys
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    channel = Channel(store, f"arfuse/rendezvous/{attempt}", rank, world)
+    try:
+        channel.all_gather("arrive", None, timeout_s, backend, abortable=False)
+    except NegotiationTimeout as exc:
+        raise RendezvousTimeout(where, world, exc.silent, timeout_s, backend) from None
+    return store, rank, world
 
 
 def pin_to_core(rank: int, world: int, cores_per_rank: int = 1) -> bool:
@@ -315,9 +400,10 @@ def launch(body: JobBody, world: int, options: Any, env: dict[str, str] | None =
     close its ops and the process group (`_leave_group`).
     """
     if under_torchrun():
-        code = body(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), options)
-        _leave_group()
-        return code
+        try:
+            return body(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), options)
+        finally:
+            _leave_group()
     ctx = mp.get_context("spawn")
     store = job_store()  # held until the job ends: its port cannot go to anyone else
     output_closed = ctx.Value("i", -1)  # the rank that found the output closed

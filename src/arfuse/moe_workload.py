@@ -60,6 +60,17 @@ def check_moe_sizes(pattern: str, top_k: int, experts: int) -> None:
                          "top_k distinct experts")
 
 
+def expert_rows_bytes(pattern: str, tokens: int, hidden: int, top_k: int, experts: int,
+                      itemsize: int) -> dict[str, int]:
+    """A lower bound of what ``make_expert_rows`` allocates at once, by what sizes it: the
+    expert rows (drawn in float32, kept in the dtype) and, for a finalize, each token's draw
+    of ``top_k`` of its ``experts`` (a float32 score and an int64 order per expert)."""
+    parts = {"rows": top_k * tokens * hidden * (4 + itemsize)}
+    if pattern == "moe_finalize":
+        parts["picks"] = tokens * experts * (4 + 8)
+    return parts
+
+
 def make_expert_rows(pattern: str, tokens: int, hidden: int, top_k: int, experts: int,
                      dtype: torch.dtype, gen: torch.Generator, *, none_every: int = 0,
                      shared: bool = True, routed: float = 1.0) -> ExpertRows:

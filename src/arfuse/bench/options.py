@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..moe_workload import expert_rows_bytes
 from ..torch_types import TORCH_DTYPES
 
 EPS = 1e-6
@@ -31,9 +32,19 @@ class BenchOptions:
 BENCH_TOKENS_MOE = tuple(2**i for i in range(10))  # a MoE layer's decode and small prefills
 
 
-def bytes_per_rank(tokens: int, hidden: int, dtypes: tuple[str, ...], fan_in: int = 0) -> int:
-    """A lower bound of what one rank allocates at once: the largest size's input and
-    residual, of the widest dtype, and with ``fan_in`` (a MoE bench's top_k) its expert rows
-    and shared expert."""
-    return (2 + fan_in + (1 if fan_in else 0)) * tokens * hidden * max(
-        TORCH_DTYPES[d].itemsize for d in dtypes)
+def memory_needs(tokens: int, hidden: int, dtypes: tuple[str, ...], pattern: str = \
+                 "residual_rmsnorm", top_k: int = 0, experts: int = 0) -> dict[str, int]:
+    """Lower bounds of what one rank allocates at once, keyed by the flags that size each: the
+    largest size's input and residual, of the widest dtype, and for a MoE pattern its expert
+    rows and shared expert (``moe_workload.expert_rows_bytes``)."""
+    itemsize = max(TORCH_DTYPES[d].itemsize for d in dtypes)
+    sizes = f"--tokens {tokens} --hidden {hidden}"
+    needs = {f"{sizes}, the inputs and residuals": 2 * tokens * hidden * itemsize}
+    if pattern != "residual_rmsnorm":
+        moe = expert_rows_bytes(pattern, tokens, hidden, top_k, experts, itemsize)
+        needs[f"--top-k {top_k} {sizes}, the expert rows"] = \
+            moe["rows"] + tokens * hidden * itemsize
+        if "picks" in moe:
+            needs[f"--experts {experts} --tokens {tokens}, each token's pick of its experts"] = \
+                moe["picks"]
+    return needs

@@ -1,15 +1,18 @@
 """Command line: ``arfuse explain | run | bench | doctor``, one module per verb.
 
 User errors (bad settings, bad topology files, bad flags) exit 2 with one line on stderr, never
-a traceback.
+a traceback; arfuse's own failures in this process (``ArfuseError``: a rank torchrun started
+whose peers never arrived, say) exit 1, also with one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
+from ..errors import ArfuseError
 from . import args as cli_args
 from . import bench, doctor, explain, run, scenario
 
@@ -35,6 +38,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"arfuse: error: {exc}", file=sys.stderr)
         return 2
+    except ArfuseError as exc:
+        rank = os.environ.get("RANK")  # a rank a launcher started: say which
+        print(f"arfuse: {f'rank {rank}: ' if rank else ''}{type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("arfuse: interrupted", file=sys.stderr)
         return 130

@@ -13,10 +13,14 @@ from typing import Any
 
 from ..bench.baselines import prebuild_deepspeed
 from ..bench.body import bench_body
-from ..bench.options import BENCH_TOKENS, BENCH_TOKENS_MOE, ROWS, BenchOptions, bytes_per_rank
+from ..bench.options import BENCH_TOKENS, BENCH_TOKENS_MOE, ROWS, BenchOptions, memory_needs
 from ..bench.report import write_plot, write_table
 from ..moe_workload import MOE_PATTERNS, check_moe_sizes
 from . import args as cli_args
+
+DEFAULT_OUT = "out/bench"
+"""Under ``out/``, which git ignores: a run from a checkout leaves nothing to commit by mistake,
+and never writes over the recorded figures in benchmarks/results/."""
 
 
 def add_parser(sub: Any) -> None:
@@ -31,7 +35,8 @@ def add_parser(sub: Any) -> None:
                    help="dtypes (bf16,fp32)")
     p.add_argument("--backends", default=",".join(ROWS),
                    help="rows to measure (shm,torch,deepspeed)")
-    p.add_argument("--out", default="bench-out", help="folder for bench.json/.txt/.png")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help=f"folder for bench.json/.txt/.png ({DEFAULT_OUT})")
     p.add_argument("--min-seconds", type=cli_args.positive_seconds, default=0.3,
                    help="measure each row for about this long (0.3)")
     p.add_argument("--pattern", choices=("residual_rmsnorm", *MOE_PATTERNS),
@@ -86,10 +91,8 @@ def run(args: argparse.Namespace) -> int:
     for dtype in args.dtype:
         check_job("shm" if shm else None, True if shm else None, ranks, "cpu",
                   Spec(max_tokens=max(tokens), hidden=args.hidden, dtype=dtype))
-    check_memory(bytes_per_rank(max(tokens), args.hidden, tuple(args.dtype),
-                                args.top_k if moe else 0), ranks,
-                 f"--tokens {max(tokens)} --hidden {args.hidden} needs the inputs and "
-                 "residuals" + (" and the expert rows" if moe else ""))
+    check_memory(memory_needs(max(tokens), args.hidden, tuple(args.dtype), args.pattern,
+                              args.top_k, args.experts), ranks)
     opts = BenchOptions(world_size=ranks.world, tokens=tuple(tokens),
                         hidden=args.hidden, dtypes=tuple(args.dtype), backends=backends,
                         out=args.out, min_seconds=args.min_seconds, pattern=args.pattern,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..digest import digest
-from ..moe_workload import MOE_PATTERNS, check_moe_sizes
+from ..moe_workload import MOE_PATTERNS, check_moe_sizes, expert_rows_bytes
 from ..pattern import Pattern
 from ..reference import expected
 from ..torch_types import TORCH_DTYPES, device_of
@@ -305,15 +305,25 @@ def in_features(hidden: int, world: int) -> int:
     return 2 * hidden // world * world or world
 
 
-def bytes_per_rank(tokens: int, hidden: int, dtype: str, world: int, fan_in: int = 0) -> int:
-    """A lower bound of what one rank of the job allocates at once: the whole layer's weight
-    and the largest activation, each also in float64 for the reference; with ``fan_in`` (a MoE
-    job's top_k) its expert rows too, and every rank's float64 expert step."""
+def memory_needs(tokens: int, hidden: int, dtype: str, world: int, pattern: str = \
+                 "residual_rmsnorm", top_k: int = 0, experts: int = 0) -> dict[str, int]:
+    """Lower bounds of what one rank of the job allocates at once, keyed by the flags that
+    size each: the whole layer's weight and the largest activation, each also in float64 for
+    the reference; for a MoE pattern its expert rows (``moe_workload.expert_rows_bytes``) and
+    every rank's float64 expert step."""
     width = in_features(hidden, world)
     itemsize = TORCH_DTYPES[dtype].itemsize
-    return ((hidden + tokens) * width * (itemsize + 8)
-            + fan_in * tokens * hidden * (itemsize + 8) + (world * tokens * hidden * 8
-                                                           if fan_in else 0))
+    sizes = f"--tokens {tokens} --hidden {hidden} ({dtype})"
+    needs = {f"{sizes}, the layer's weight and activations with their float64 reference":
+             (hidden + tokens) * width * (itemsize + 8)}
+    if pattern != "residual_rmsnorm":
+        moe = expert_rows_bytes(pattern, tokens, hidden, top_k, experts, itemsize)
+        needs[f"--top-k {top_k} {sizes}, the expert rows and every rank's float64 expert "
+              "step"] = moe["rows"] + top_k * tokens * hidden * 8 + world * tokens * hidden * 8
+        if "picks" in moe:
+            needs[f"--experts {experts} --tokens {tokens}, each token's pick of its experts"] = \
+                moe["picks"]
+    return needs
 
 
 def run(args: argparse.Namespace) -> int:
@@ -328,11 +338,8 @@ def run(args: argparse.Namespace) -> int:
     check_job(args.backend, args.strict, ranks, device, spec)
     if args.pattern != "residual_rmsnorm":
         check_moe_sizes(args.pattern, args.top_k, args.experts)
-    fan_in = 0 if args.pattern == "residual_rmsnorm" else args.top_k
-    check_memory(bytes_per_rank(spec.max_tokens, spec.hidden, spec.dtype, ranks.world, fan_in),
-                 ranks,
-                 f"--tokens {spec.max_tokens} --hidden {spec.hidden} ({spec.dtype}) needs the "
-                 "layer's weight and activations, and their float64 reference")
+    check_memory(memory_needs(spec.max_tokens, spec.hidden, spec.dtype, ranks.world,
+                              args.pattern, args.top_k, args.experts), ranks)
     opts = RunOptions(world_size=ranks.world, tokens=tuple(args.tokens), hidden=args.hidden,
                       dtype=args.dtype, quant=args.quant, steps=args.steps,
                       backend=args.backend, device=device, strict=args.strict,

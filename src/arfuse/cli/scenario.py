@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..scenarios.language import scenario_files
-from ..scenarios.runner import coverage, format_table, recorded_figures, run_one
+from ..scenarios.runner import coverage, format_table, run_one
 
 MAX_LIMIT_SCALE = 100.0  # 600 s (the largest limit_s) times this still fits every timeout
 
@@ -74,10 +74,6 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
     if len(files) > 1:
         say("")
         say(coverage(outcomes))
-        recorded = recorded_figures(args.paths)
-        if recorded:
-            say("")
-            say(recorded)
     if args.json:
         text = json.dumps([
             {"scenario": o.scenario.name, "file": str(o.scenario.path), "rows": o.scenario.rows,

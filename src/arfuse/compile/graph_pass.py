@@ -81,6 +81,7 @@ class FusionPass(CustomGraphPass):
         if seen.replaced or seen.left:
             graph.eliminate_dead_code()
             self.graphs += 1
+            log.configure_once()  # before any op exists: ARFUSE_LOG's level and handler
             log.logger.info(
                 "arfuse compile: graph %d: %d of %d all-reduces fused (%s)%s", self.graphs,
                 sum(seen.replaced.values()), sum(seen.replaced.values()) + sum(

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,16 +191,3 @@ def coverage(outcomes: list[Outcome]) -> str:
             level = "decision" if o.scenario.level == "decision" else "real ranks"
             lines.append(f"| {case} | `{o.scenario.name}` | {level} | {o.status} |")
     return "\n".join(lines)
-
-
-def recorded_figures(paths: Iterable[str | os.PathLike[str]]) -> str:
-    """What docs/reliability.md records beyond the scenarios (two hosts, soak, fuzzing, leaks,
-    findings), found next to a scenarios directory: the command prints the whole report."""
-    for item in paths:
-        doc = Path(item).resolve().parent / "docs" / "reliability.md"
-        if Path(item).is_dir() and doc.is_file():
-            text = doc.read_text()
-            start = text.find("\n## Two hosts")
-            if start >= 0:
-                return f"(recorded in {doc})\n" + text[start + 1:].rstrip()
-    return ""
