@@ -95,12 +95,13 @@ def test_spec_mismatch_is_a_clear_error_not_a_hang() -> None:
         assert "NegotiationError" in err and "different specs" in err and "rank 1" in err
 
 
-def test_topology_file_of_two_hosts_means_no_shm(tmp_path) -> None:
+def test_topology_file_of_two_hosts_means_hier_not_shm(tmp_path) -> None:
+    """Two hosts of one rank each: shm cannot span them; auto picks hier (one rank per host)."""
     topo = tmp_path / "two-hosts.json"
     topo.write_text(json.dumps({"device": "cpu", "world_size": 2, "hosts": ["a", "b"]}))
     results = values(run_ranks(ranks_negotiation.fault_sequence, 2, [""],
                                env={"ARFUSE_TOPOLOGY": str(topo)}))
-    assert {r[0]["backend"] for r in results} == {"torch"}
+    assert {r[0]["backend"] for r in results} == {"hier"}
 
 
 @pytest.mark.parametrize("file_rank", [0, 1])
