@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..backends.hier import workspace as hier_workspace
 from ..backends.shm import cache as shm_cache
 
 NAMED_SEGMENT = re.compile(r"arfuse-\d+-\d+-[0-9a-f]+")
@@ -82,6 +83,8 @@ class LeakBaseline:
     threads: int = field(default_factory=threading.active_count)
     tasks: int = field(default_factory=task_count)
     children: frozenset[int] = field(default_factory=lambda: frozenset(child_pids()))
+    # the OS threads hier's process-lifetime subgroups held then (more may be made later)
+    lifetime_tasks: int = field(default_factory=lambda: hier_workspace.held_for_the_process()[1])
 
     def leaks(self) -> list[str]:
         """What is held now and was not before (segments, descriptors, threads, children),
@@ -99,14 +102,17 @@ class LeakBaseline:
         if maps:
             found.append(f"segments still mapped: {maps}")
         now = fd_targets()
-        kept = set(shm_cache.held_descriptors())  # the kernel's binary, open for good
+        # the kernel's binary and hier's subgroups between hosts, kept for the process
+        lifetime_fds, lifetime_tasks = hier_workspace.held_for_the_process()
+        kept = set(shm_cache.held_descriptors()) | lifetime_fds
         extra = {fd: t for fd, t in now.items() if fd not in self.fds and fd not in kept}
         if extra:
             found.append(f"descriptors opened and not closed: {extra}")
         if threading.active_count() > self.threads:
             found.append(f"threads: {threading.active_count()} > {self.threads} before")
-        if task_count() > self.tasks:
-            found.append(f"OS threads: {task_count()} > {self.tasks} before")
+        allowed = self.tasks + lifetime_tasks - self.lifetime_tasks
+        if task_count() > allowed:
+            found.append(f"OS threads: {task_count()} > {allowed} before")
         children = [pid for pid in child_pids() if pid not in self.children]
         if children:
             found.append(f"child processes: {children}")

@@ -20,8 +20,11 @@ One call, on every rank (H hosts of L ranks; rank l of host h):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 from datetime import timedelta
 from typing import Any
@@ -56,6 +59,30 @@ _OK, _HOST_MISMATCH, _HOST_FAILED = 0, 1, 2
 # its predecessor's keys. Every workspace over the same ranks shares them, like the channel.
 _SUBGROUPS: dict[tuple[int, ...], Any] = {}
 _subgroups_lock = threading.Lock()
+# What making them opened (their connections' descriptors and gloo's threads), so that a
+# check for what arfuse leaves behind after destroy_all can tell them from a leak.
+_held_descriptors: set[int] = set()
+_held_tasks = 0
+
+
+def _open_descriptors() -> set[tuple[int, str]]:
+    """(descriptor, what it points to): the listing's own descriptor, closed by the time it is
+    read, drops out, and a number reused for something else counts as new."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found.add((int(name), os.readlink(f"/proc/self/fd/{name}")))
+    return found
+
+
+def _task_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def held_for_the_process() -> tuple[frozenset[int], int]:
+    """The descriptors and OS threads the process-lifetime subgroups hold."""
+    with _subgroups_lock:
+        return frozenset(_held_descriptors), _held_tasks
 
 
 def _subgroup(ranks: list[int]) -> Any:
@@ -68,6 +95,19 @@ def _subgroup(ranks: list[int]) -> Any:
                 ranks, backend="gloo", use_local_synchronization=True,
                 timeout=timedelta(minutes=30))
         return found
+
+
+@contextlib.contextmanager
+def _kept_for_the_process() -> Iterator[None]:
+    """Counts what the block opens (subgroups, their channels) as held for the process."""
+    global _held_tasks
+    fds, tasks = _open_descriptors(), _task_count()
+    try:
+        yield
+    finally:
+        with _subgroups_lock:
+            _held_descriptors.update(fd for fd, _ in _open_descriptors() - fds)
+            _held_tasks += max(0, _task_count() - tasks)
 
 
 def _op_word(words: tuple[int, int]) -> int:
@@ -317,10 +357,11 @@ class HierBackend(Backend):
         host_ranks = [everyone[r] for r in layout.ranks[h]]
         cross_ranks = [everyone[members[local]] for members in layout.ranks]
         inner: ShmWorkspace | None = None
-        if layout.local_size > 1:
-            host_group = _subgroup(host_ranks)
-        cross_group = _subgroup(cross_ranks)
-        cross_ctx = _context(cross_group, ctx)
+        with _kept_for_the_process():
+            if layout.local_size > 1:
+                host_group = _subgroup(host_ranks)
+            cross_group = _subgroup(cross_ranks)
+            cross_ctx = _context(cross_group, ctx)
         if layout.local_size > 1:
             made = ShmBackend().create(_context(host_group, ctx), partial_spec(spec))
             if made is None:
