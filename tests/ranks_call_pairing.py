@@ -184,3 +184,29 @@ def torch_peer_never_calls(rank: int, world: int, timeout_s: float) -> dict[str,
     first = outcome(lambda: comm(torch.ones(2, 64)))
     second = outcome(lambda: comm(torch.ones(2, 64)))
     return {**first, "second": second}
+
+
+def one_rank_refuses_a_plain_call(rank: int, world: int, backend: str,
+                                  case: str) -> list[dict[str, Any]]:
+    """Rank 1 passes an argument its own checks refuse (``dtype``: x in float64; ``eps``: a
+    negative eps; ``out``: an ``out=`` of the wrong shape), the other ranks a good call; then
+    every rank makes a good call on the same op, which must still work."""
+    import arfuse
+
+    hidden = 64
+    comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=hidden, dtype=torch.float32,
+                                 backend=backend, strict=backend != "torch", timeout_s=10)
+    x = torch.full((4, hidden), float(rank + 1))
+    residual, weight = torch.ones(4, hidden), torch.ones(hidden)
+    kwargs: dict[str, Any] = {"residual": residual, "weight": weight}
+    if rank == 1 and case == "dtype":
+        x = x.double()
+    if rank == 1 and case == "eps":
+        kwargs["eps"] = -1.0
+    if rank == 1 and case == "out":
+        kwargs["out"] = torch.empty(3, hidden)
+    first = outcome(lambda: comm(x, **kwargs))
+    good = torch.full((4, hidden), float(rank + 1))
+    after = outcome(lambda: comm(good, residual=residual, weight=weight))
+    comm.close()
+    return [first, after]

@@ -93,3 +93,23 @@ def test_a_call_over_capacity_announced_meets_the_group(env: dict[str, str]) -> 
         assert report["after_same"] is True, report
         assert report["error"].startswith("MismatchedCall:"), (rank, report)
         assert "rank 0: tokens=4 " in report["error"] and "rank 1: tokens=20 " in report["error"]
+
+
+@pytest.mark.parametrize("case,message", [("dtype", "x has dtype torch.float64"),
+                                          ("eps", "eps"), ("out", "out")])
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_a_plain_call_one_rank_refuses_fails_its_peers_at_once(backend: str, case: str,
+                                                                message: str) -> None:
+    """An argument of a plain call that only one rank's checks refuse: that rank raises the
+    ValueError, its peers MismatchedCall at once (a refusal's signature, not a timeout), and
+    the next good call works on every rank."""
+    results = values(run_ranks(ranks_call_pairing.one_rank_refuses_a_plain_call, 3, backend,
+                               case, timeout=90))
+    refusing = results[1][0]
+    assert refusing["type"] in ("ValueError", "TypeError"), refusing
+    assert message in refusing["error"], refusing
+    for peer in (results[0][0], results[2][0]):
+        assert peer["type"] == "MismatchedCall", peer
+        assert "top_k=0" in peer["error"], peer  # the refusal's signature (fan-in 0)
+        assert peer["seconds"] < 5, peer  # the call's timeout is 10 s
+    assert [r[1]["type"] for r in results] == ["", "", ""], (backend, results)

@@ -176,8 +176,10 @@ class FusedAllReduce:
             if result is not None:
                 self._fast_calls += 1
                 return result
-        return self._run(self._check(x, residual, weight, eps, weight_bias, quant, scale,
-                                     layout, out, residual_out))
+        with self._refused_on_error(None):
+            call = self._check(x, residual, weight, eps, weight_bias, quant, scale, layout, out,
+                               residual_out)
+        return self._run(call)
 
     def moe_finalize(self, expanded: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor,
                      expert_scales: torch.Tensor, *, residual: torch.Tensor | None = None,
@@ -263,12 +265,13 @@ class FusedAllReduce:
         return call
 
     @contextlib.contextmanager
-    def _refused_on_error(self, reduction: str) -> Iterator[None]:
-        """A MoE call whose arguments this rank's checks refuse: the peers may be in the call
-        already (their own arguments passed), so meet them with a refusal's signature (fan-in
-        0, which no valid call has) before raising; each of them raises ``MismatchedCall`` at
-        once and the group stays in step (every rank met once). The kernel's fast path
-        declines such a call, so it always comes here."""
+    def _refused_on_error(self, reduction: str | None) -> Iterator[None]:
+        """A call whose arguments this rank's checks refuse: the peers may be in the call
+        already (their own arguments passed), so meet them with a refusal's signature (a MoE
+        step of fan-in 0, which no valid call has; ``moe_finalize``'s for a plain call) before
+        raising; each of them raises ``MismatchedCall`` at once and the group stays in step
+        (every rank met once). The kernel's fast path declines such a call, so it always comes
+        here. A backend whose calls cannot tell (FlashInfer) announces nothing."""
         try:
             yield
         except (ValueError, TypeError):
@@ -278,7 +281,7 @@ class FusedAllReduce:
                                     device=self._shape.device)
                 with contextlib.suppress(MismatchedCall):
                     ws.announce(CallArgs(x=empty, op=self._op,
-                                         moe=moe.refusal(reduction, empty)))
+                                         moe=moe.refusal(reduction or "moe_finalize", empty)))
             raise
 
     def _run(self, call: CallArgs) -> FusedOutput:
