@@ -133,3 +133,39 @@ def test_every_pattern_same_bytes_at_any_thread_count(mode: str) -> None:
     for key, d in by_threads[1].items():
         shape, pattern, _ = key.rsplit("/", 2)
         assert d == by_threads[1][f"{shape}/{pattern}/own"], key
+
+
+def pool_started_flushing(rank: int, world: int) -> bool:
+    """The intra-op pool started by a torch op under flush-to-zero / denormals-are-zero (a
+    model's ops after torch.set_flush_denormal(True)), then a one-token call whose columns go
+    to that pool: its bytes must be the serial path's (the kernel's environment on every
+    thread). Whether they are."""
+    import torch
+    from test_kernel_exact import kernel_on_private_memory
+
+    hidden = 16400
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, hidden, generator=gen) * 2.0**-130  # denormal sums and residual_out
+    residual = torch.randn(1, hidden, generator=gen) * 2.0**-131
+    weight = torch.rand(hidden, generator=gen) + 0.5
+    assert bool((x != 0).all())
+    torch.set_num_threads(4)
+    torch.set_flush_denormal(True)
+    torch.rand(1 << 22).sum()  # a parallel op: the pool's threads start flushing
+    kernel, _memory = kernel_on_private_memory(1, hidden, torch.float32)
+    comm: Any = kernel
+
+    def call() -> list[torch.Tensor]:
+        outs = comm.run(x.clone(), residual.clone(), weight, 1e-6, 0.0, 0, 0.0, True, None, None)
+        return [t.clone() for t in outs if t is not None]
+
+    parallel = call()
+    torch.set_num_threads(1)
+    serial = call()
+    torch.set_flush_denormal(False)
+    return all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+               for a, b in zip(parallel, serial, strict=True))
+
+
+def test_pool_threads_compute_in_the_kernels_float_environment() -> None:
+    assert values(run_ranks(pool_started_flushing, 1, init=False)) == [True]
