@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "conversions.h"
 #include "layout.h"
@@ -91,16 +92,38 @@ void nvfp4_block_scalar(const typename Elem<D>::T* v16, float gs, uint8_t* codes
   *sf = scale;
 }
 
-// Quantise row `row` of out (already rounded to T) into c.quant_out / c.scale_out.
+// Quantise columns [s, e) of row `row` of out (already rounded to T) into c.quant_out /
+// c.scale_out, for the formats whose codes depend on those columns only: FP8 with a static
+// scale (per element) and NVFP4 (per block of 16; s and e multiples of 16, or e = H).
 template <int D>
-void quantize_row(const typename Elem<D>::T* out, const Call& c, int64_t row) {
+void quantize_columns(const typename Elem<D>::T* out, const Call& c, int64_t row, int64_t s,
+                      int64_t e) {
   const int64_t H = c.hidden;
   if (c.quant == kFP8) {
     const float inv_scale = 1.0f / c.scale;
     uint8_t* dst = c.quant_out + row * H;
-    int64_t h = isa::fp8_row<D>(out, inv_scale, H, dst);
-    for (; h < H; ++h) dst[h] = f32_to_e4m3(Elem<D>::load(out[h]) * inv_scale);
-  } else if (c.quant == kFP8Dynamic) {
+    int64_t h = s + isa::fp8_row<D>(out + s, inv_scale, e - s, dst + s);
+    for (; h < e; ++h) dst[h] = f32_to_e4m3(Elem<D>::load(out[h]) * inv_scale);
+  } else if (c.quant == kNVFP4) {
+    const int64_t cols = H / 16;
+    uint8_t* dst = c.quant_out + row * (H / 2);
+    for (int64_t k = s / 16; k < e / 16; ++k) {
+      uint8_t* sf = c.scale_out + (c.swizzled ? swizzled_offset(row, k, cols) : row * cols + k);
+      if (!isa::nvfp4_block<D>(out + k * 16, c.scale, dst + k * 8, sf)) {
+        nvfp4_block_scalar<D>(out + k * 16, c.scale, dst + k * 8, sf);
+      }
+    }
+  }
+}
+
+// Whether quantize_columns covers the call's format (FP8 dynamic takes a whole row's amax).
+inline bool quantizes_by_columns(const Call& c) { return c.quant != kFP8Dynamic; }
+
+// Quantise row `row` of out (already rounded to T) into c.quant_out / c.scale_out.
+template <int D>
+void quantize_row(const typename Elem<D>::T* out, const Call& c, int64_t row) {
+  const int64_t H = c.hidden;
+  if (c.quant == kFP8Dynamic) {
     float amax = 0.0f;
     int64_t h = isa::amax_row<D>(out, H, &amax);
     for (; h < H; ++h) amax = std::fmax(amax, std::fabs(Elem<D>::load(out[h])));
@@ -109,15 +132,8 @@ void quantize_row(const typename Elem<D>::T* out, const Call& c, int64_t row) {
     uint8_t* dst = c.quant_out + row * H;
     h = isa::fp8_div_row<D>(out, scale, H, dst);
     for (; h < H; ++h) dst[h] = f32_to_e4m3(Elem<D>::load(out[h]) / scale);
-  } else if (c.quant == kNVFP4) {
-    const int64_t cols = H / 16;
-    uint8_t* dst = c.quant_out + row * (H / 2);
-    for (int64_t k = 0; k < cols; ++k) {
-      uint8_t* sf = c.scale_out + (c.swizzled ? swizzled_offset(row, k, cols) : row * cols + k);
-      if (!isa::nvfp4_block<D>(out + k * 16, c.scale, dst + k * 8, sf)) {
-        nvfp4_block_scalar<D>(out + k * 16, c.scale, dst + k * 8, sf);
-      }
-    }
+  } else {
+    quantize_columns<D>(out, c, row, 0, H);
   }
 }
 
@@ -298,11 +314,92 @@ void finish_rows_serial(const typename Elem<D>::T* const* inputs, int ranks, int
   if (c.stream_out || c.stream_residual_out) stream_fence();
 }
 
+// The lane sums of a row's squares from its residual_out (r in T, as pass 1 squares it:
+// r * r, added in 32 lanes, lane = h % 32, each in order of h): what pass 1 leaves in its lanes.
+// Plain adds (which the compiler can run several lanes at a time) give add_o's value whenever
+// no sum is NaN; a NaN lane (rare) takes the row again with add_o, for its NaN rule.
+template <int D>
+void square_lanes(const typename Elem<D>::T* r, int64_t H, float* lanes) {
+  using E = Elem<D>;
+  const int64_t whole = H / kSumLanes * kSumLanes;
+  for (int l = 0; l < kSumLanes; ++l) lanes[l] = 0.0f;
+  for (int64_t h = 0; h < whole; h += kSumLanes) {
+    for (int l = 0; l < kSumLanes; ++l) {
+      const float v = E::load(r[h + l]);
+      lanes[l] = lanes[l] + v * v;
+    }
+  }
+  for (int64_t h = whole; h < H; ++h) {
+    const float v = E::load(r[h]);
+    lanes[h % kSumLanes] = lanes[h % kSumLanes] + v * v;
+  }
+  bool nan = false;
+  for (int l = 0; l < kSumLanes; ++l) nan = nan || lanes[l] != lanes[l];
+  if (!nan) return;
+  for (int l = 0; l < kSumLanes; ++l) lanes[l] = 0.0f;
+  for (int64_t h = 0; h < H; ++h) {
+    const float v = E::load(r[h]);
+    lanes[h % kSumLanes] = add_o(lanes[h % kSumLanes], v * v);
+  }
+}
+
+static_assert(kColumnUnit % kSegment == 0, "a column range is whole segments of the serial path");
+
+// The rows of a call with fewer rows than threads, their columns split (plan.split is
+// Split::kColumns; c stores plainly). Plain: pass 1 and the quantisation by column ranges.
+// RMSNorm: pass 1 by column ranges (residual_out and sum_out, exactly what the serial pass
+// stores), then on the calling thread each row's sum of squares from its residual_out in the
+// serial lanes and order (square_lanes) and its factor, then pass 2 and the quantisation by
+// column ranges. FP8 dynamic quantises whole rows on the calling thread at the end.
+template <int D>
+void finish_columns(const Plan& plan, const typename Elem<D>::T* const* inputs, int ranks,
+                    int64_t in_row, int64_t row, int64_t n, const Call& c,
+                    typename Elem<D>::T* out, typename Elem<D>::T* residual_out,
+                    typename Elem<D>::T* sum_out) {
+  using T = typename Elem<D>::T;
+  const int64_t H = c.hidden;
+  const bool norm = c.weight != nullptr;
+  const bool by_columns = quantizes_by_columns(c);
+  const T* residual = c.residual ? static_cast<const T*>(c.residual) + row * H : nullptr;
+  for_each_part(plan, n, H, [&](int64_t, int64_t, int64_t s, int64_t e) {
+    const T* rows[layout::kMaxWorld];
+    for (int64_t i = 0; i < n; ++i) {
+      float lanes[kSumLanes] = {};  // not used: the calling thread sums the row in order
+      for (int j = 0; j < ranks; ++j) rows[j] = inputs[j] + (in_row + i) * H;
+      first_pass<D>(rows, ranks, norm && residual ? residual + i * H : nullptr, norm,
+                    out + i * H, norm ? residual_out + i * H : nullptr,
+                    sum_out ? sum_out + i * H : nullptr, lanes, s, e,
+                    c.slot_holds_residual_out);
+      if (!norm && by_columns) quantize_columns<D>(out + i * H, c, row + i, s, e);
+    }
+  });
+  if (norm) {
+    float inv_few[16];
+    std::vector<float> inv_many(n > 16 ? size_t(n) : 0);
+    float* inv = n > 16 ? inv_many.data() : inv_few;
+    for (int64_t i = 0; i < n; ++i) {
+      float lanes[kSumLanes];
+      square_lanes<D>(residual_out + i * H, H, lanes);
+      inv[i] = row_inv(c, lanes);
+    }
+    for_each_part(plan, n, H, [&](int64_t, int64_t, int64_t s, int64_t e) {
+      for (int64_t i = 0; i < n; ++i) {
+        second_pass<D>(c, inv[i], residual_out + i * H, out + i * H, s, e);
+        if (by_columns) quantize_columns<D>(out + i * H, c, row + i, s, e);
+      }
+    });
+  }
+  if (!by_columns) {
+    for (int64_t i = 0; i < n; ++i) quantize_row<D>(out + i * H, c, row + i);
+  }
+}
+
 // finish_rows_serial on the rank's threads when the rule (parallel.h) says so: contiguous
-// chunks of whole rows, one per thread. Streaming stores go through the one staging buffer,
-// so the parallel path stores plainly (the same bytes). between() runs its calls on the
-// calling thread first (two-shot: the whole copy of the next step, which reads rows this
-// step does not touch), then the rows go parallel with nothing between.
+// chunks of whole rows, one per thread, or with fewer rows than threads their columns
+// (finish_columns). Streaming stores go through the one staging buffer, so the parallel path
+// stores plainly (the same bytes). between() runs its calls on the calling thread first
+// (two-shot: the whole copy of the next step, which reads rows this step does not touch),
+// then the rows go parallel with nothing between.
 template <int D, class Between = NothingBetween>
 void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_row,
                  int64_t row, int64_t n, const Call& c, typename Elem<D>::T* out,
@@ -310,8 +407,8 @@ void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in
                  Between&& between = Between{}) {
   using T = typename Elem<D>::T;
   const int64_t H = c.hidden;
-  const int threads = call_threads(n * H * int64_t(sizeof(T)) * ranks, n);
-  if (threads <= 1) {
+  const Plan plan = call_plan(n * H * int64_t(sizeof(T)) * ranks, n, H);
+  if (plan.split == Split::kSerial) {
     finish_rows_serial<D>(inputs, ranks, in_row, row, n, c, out, residual_out, sum_out,
                           std::forward<Between>(between));
     return;
@@ -320,7 +417,11 @@ void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in
   Call plain = c;
   plain.stream_out = plain.stream_residual_out = false;
   plain.staging = nullptr;
-  parallel_chunks(n, threads, [&](int64_t b, int64_t e) {
+  if (plan.split == Split::kColumns) {
+    finish_columns<D>(plan, inputs, ranks, in_row, row, n, plain, out, residual_out, sum_out);
+    return;
+  }
+  for_each_part(plan, n, H, [&](int64_t b, int64_t e, int64_t, int64_t) {
     finish_rows_serial<D>(inputs, ranks, in_row + b, row + b, e - b, plain, out + b * H,
                           residual_out ? residual_out + b * H : nullptr,
                           sum_out ? sum_out + b * H : nullptr);

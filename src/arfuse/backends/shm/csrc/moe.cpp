@@ -12,9 +12,9 @@
 
 #include <optional>
 #include <string>
-#include <vector>
 
 #include "float_env.h"
+#include "parallel.h"
 
 namespace arfuse {
 namespace {
@@ -42,23 +42,30 @@ const float* scales_f32(const at::Tensor& scales, at::Tensor* keep) {
   return keep->data_ptr<float>();
 }
 
+// Every element of dst depends on its own column only, so the rows (or, with fewer rows than
+// threads, column ranges of whole vector steps: parallel.h) go to the rank's threads by the
+// same rule as the epilogue's, with the same bytes; `bytes` is what the call reads.
 template <int D>
 void finalize_rows(char* dst, const char* expanded, const int32_t* index, const float* scales,
                    const char* shared, float routed, int64_t tokens, int fan_in,
                    int64_t hidden) {
   using T = typename Elem<D>::T;
   const int64_t row_bytes = hidden * int64_t(sizeof(T));
-  std::vector<const void*> rows(fan_in);
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int k = 0; k < fan_in; ++k) {
-      const int32_t i = index[t * fan_in + k];
-      rows[k] = i < 0 ? nullptr : expanded + i * row_bytes;
+  const Plan plan = call_plan(tokens * row_bytes * fan_in, tokens, hidden);
+  for_each_part(plan, tokens, hidden, [&](int64_t t0, int64_t t1, int64_t h0, int64_t h1) {
+    const int64_t at = h0 * int64_t(sizeof(T));
+    const void* rows[signature::kMaxMoeFanIn];
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int k = 0; k < fan_in; ++k) {
+        const int32_t i = index[t * fan_in + k];
+        rows[k] = i < 0 ? nullptr : expanded + i * row_bytes + at;
+      }
+      const ExpertRows e{rows, scales + t * fan_in, fan_in};
+      combine_row<D>(e, routed,
+                     shared ? reinterpret_cast<const T*>(shared + t * row_bytes + at) : nullptr,
+                     reinterpret_cast<T*>(dst + t * row_bytes + at), h1 - h0);
     }
-    const ExpertRows e{rows.data(), scales + t * fan_in, fan_in};
-    combine_row<D>(e, routed,
-                   shared ? reinterpret_cast<const T*>(shared + t * row_bytes) : nullptr,
-                   reinterpret_cast<T*>(dst + t * row_bytes), hidden);
-  }
+  });
 }
 
 template <int D>
@@ -66,17 +73,21 @@ void reduce_rows(char* dst, const char* active, const float* scales_et, const ch
                  int64_t tokens, int experts, int64_t hidden) {
   using T = typename Elem<D>::T;
   const int64_t row_bytes = hidden * int64_t(sizeof(T));
-  std::vector<const void*> rows(experts);
-  std::vector<float> scales(experts);
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int e = 0; e < experts; ++e) {  // expert-major: [E, T, H] and [E, T]
-      rows[e] = active + (e * tokens + t) * row_bytes;
-      scales[e] = scales_et[e * tokens + t];
+  const Plan plan = call_plan(tokens * row_bytes * experts, tokens, hidden);
+  for_each_part(plan, tokens, hidden, [&](int64_t t0, int64_t t1, int64_t h0, int64_t h1) {
+    const int64_t at = h0 * int64_t(sizeof(T));
+    const void* rows[signature::kMaxMoeFanIn];
+    float scales[signature::kMaxMoeFanIn];
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int e = 0; e < experts; ++e) {  // expert-major: [E, T, H] and [E, T]
+        rows[e] = active + (e * tokens + t) * row_bytes + at;
+        scales[e] = scales_et[e * tokens + t];
+      }
+      const ExpertRows rows_of_t{rows, scales, experts};
+      combine_row<D>(rows_of_t, 1.0f, reinterpret_cast<const T*>(token_input + t * row_bytes + at),
+                     reinterpret_cast<T*>(dst + t * row_bytes + at), h1 - h0);
     }
-    const ExpertRows rows_of_t{rows.data(), scales.data(), experts};
-    combine_row<D>(rows_of_t, 1.0f, reinterpret_cast<const T*>(token_input + t * row_bytes),
-                   reinterpret_cast<T*>(dst + t * row_bytes), hidden);
-  }
+  });
 }
 
 template <typename F>
