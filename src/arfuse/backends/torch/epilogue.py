@@ -23,6 +23,8 @@ against the kernel bit for bit and against the float64 reference in ``tests/refe
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ... import quant as q
@@ -46,23 +48,49 @@ def rank_order_sum(parts: torch.Tensor) -> torch.Tensor:
 
 
 def sum_of_squares(r: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[T, H]`` -> ``[T, 1]``: the squares added up as the kernel does (module docstring):
-    one elementwise add per step of 32 along the row, then 5 for the halving. A zero square
-    appended to fill the last step changes no lane (a lane is >= +0 or a NaN)."""
+    """fp32 ``[T, H]`` -> ``[T, 1]``: the squares added up as the kernel does (module docstring),
+    each lane in order of h one addition at a time, then the 5 halvings.
+
+    On the CPU the lanes are one ``index_add_`` of every step of squares (laid out
+    ``[steps, T, 32]`` so that a step is one contiguous block) into the first step, a fixed
+    dozen torch calls whatever H rather than one per step: torch adds the indexed slices one
+    after another in index order, each as one elementwise fp32 addition (ATen's
+    ``index_add_cpu_``, at present by way of ``scatter_add_``), which is the kernel's
+    ``((+0 + s_0) + s_1) + ...`` (+0 + s_0 is s_0: a square is >= +0 or a quiet NaN). That
+    order is torch's implementation, not its contract, so tests/test_epilogue_lanes.py pins it
+    against the plain loop over many shapes, values and thread counts: a torch that adds
+    otherwise fails there. Elsewhere (a GPU's ``index_add_`` adds atomically, in no fixed
+    order) it is the plain loop, one elementwise add per step. Zero squares appended to fill
+    the last step change no lane."""
     tokens, hidden = r.shape
     steps = -(-hidden // SUM_LANES)
-    squares = r * r
-    if hidden % SUM_LANES:
-        squares = torch.nn.functional.pad(squares, (0, steps * SUM_LANES - hidden))
-    squares = squares.view(tokens, steps, SUM_LANES)
-    lanes = squares[:, 0].clone()  # +0 + s is s: the kernel's lanes start at +0
-    for step in range(1, steps):
-        lanes.add_(squares[:, step])
-    width = SUM_LANES // 2
-    while width >= 1:
-        lanes = lanes[:, :width] + lanes[:, width:2 * width]
-        width //= 2
+    whole = hidden // SUM_LANES
+    squares = torch.empty(steps, tokens, SUM_LANES, dtype=torch.float32, device=r.device)
+    if whole:
+        part = r[:, :whole * SUM_LANES].view(tokens, whole, SUM_LANES)
+        torch.mul(part, part, out=squares[:whole].transpose(0, 1))
+    if whole < steps:
+        part = r[:, whole * SUM_LANES:]
+        torch.mul(part, part, out=squares[whole, :, :part.shape[1]])
+        squares[whole, :, part.shape[1]:].zero_()
+    lanes = squares[0]
+    if r.device.type == "cpu":
+        lanes.unsqueeze(0).index_add_(0, step_index(steps - 1, r.device), squares[1:])
+    else:
+        for step in range(1, steps):
+            lanes.add_(squares[step])
+    half = SUM_LANES // 2
+    while half >= 1:  # lane i + lane i + half: a sum of 2 rows is that one addition
+        lanes = lanes.view(tokens, 2, half).sum(1)
+        half //= 2
     return lanes
+
+
+@functools.lru_cache(maxsize=64)
+def step_index(steps: int, device: torch.device) -> torch.Tensor:
+    """``steps`` zeros: ``index_add_``'s index that adds every step into the one row of lanes
+    (cached, read only)."""
+    return torch.zeros(steps, dtype=torch.long, device=device)
 
 
 def rms_factor(r: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,11 +101,8 @@ def rms_factor(r: torch.Tensor, eps: float) -> torch.Tensor:
     an ulp for about 1 value in 170), so the root is taken in fp64 and rounded to fp32: the
     exact root of an fp32 value lies at least 4 fp64 ulps from any fp32 rounding boundary,
     so any fp64 root within that rounds to the correctly rounded fp32 one."""
-    def f32(value: float) -> torch.Tensor:
-        return torch.tensor(value, dtype=torch.float32, device=r.device)
-
-    mean = sum_of_squares(r) / f32(r.shape[-1]) + f32(eps)
-    return f32(1.0) / torch.sqrt(mean.double()).float()
+    mean = sum_of_squares(r).div_(r.shape[-1]).add_(eps)  # Python scalars: rounded to fp32
+    return mean.double().sqrt_().float().reciprocal_()  # reciprocal: the fp32 division 1 / x
 
 
 def apply(acc: torch.Tensor, call: CallArgs) -> FusedOutput:
@@ -98,14 +123,19 @@ def rows(acc: torch.Tensor, call: CallArgs,
     summed = round_to(acc, dtype, nans)
     if call.weight is None:
         return summed, None
-    pre = summed.float()
-    if call.residual is not None:
-        pre = pre + call.residual.float()
-    residual_out = round_to(pre, dtype, nans)
+    if call.residual is None:
+        residual_out = summed
+    elif nans:
+        residual_out = round_to(torch.add(summed.float(), call.residual), dtype, nans)
+    else:  # torch adds two 16-bit tensors in fp32 and rounds once: the same value
+        residual_out = summed + call.residual
     r = residual_out.float()
-    gain = torch.tensor(call.weight_bias, dtype=torch.float32,
-                        device=r.device) + call.weight.float()
-    return round_to((r * rms_factor(r, call.eps)) * gain, dtype, nans), residual_out
+    gain = call.weight.float() + call.weight_bias
+    normed = r * rms_factor(r, call.eps)
+    if nans:
+        return round_to(normed.mul_(gain), dtype, nans), residual_out
+    # the product rounded to T as it is stored: torch's rounding, as round_to's without nans
+    return torch.mul(normed, gain, out=torch.empty_like(residual_out)), residual_out
 
 
 def quantize(out: torch.Tensor, quant: str | None, scale: float | None,
