@@ -83,31 +83,27 @@ Tensors tensors_of(const at::Tensor& x, const std::optional<at::Tensor>& residua
   return t;
 }
 
-Numbers numbers_of(double eps, double weight_bias, int64_t quant, double scale, bool swizzled) {
+Numbers numbers_of(double eps, double weight_bias, int64_t quant, double scale) {
   Numbers n;
   n.eps = eps;
   n.weight_bias = weight_bias;
-  n.quant = int(quant);
+  n.output = quant_output(quant) != nullptr ? int(quant) : -1;  // -1: refused by the checks
   n.scale = scale;
-  n.swizzled = swizzled;
-  if (quant != kNone && quant != kFP8 && quant != kNVFP4 && quant != kFP8Dynamic) {
-    n.quant = -1;  // refused
-  }
   return n;
 }
 
 // torch.ops.arfuse.shm_fused_allreduce: [out] (+ [residual_out] with weight) (+ [quant_out]
-// with quant) (+ [scale_out] with nvfp4 and fp8_dynamic); see ShmWorkspace.handle in
-// workspace.py.
+// and [scale_out] where the output's row of kQuantOutputs has them); `quant` is the output code
+// (signature.h); see ShmWorkspace.handle in workspace.py.
 std::vector<at::Tensor> op_fused_allreduce(
     int64_t handle, const at::Tensor& x, const std::optional<at::Tensor>& residual,
     const std::optional<at::Tensor>& weight, double eps, double weight_bias, int64_t quant,
-    double scale, bool swizzled, const std::optional<at::Tensor>& out,
+    double scale, const std::optional<at::Tensor>& out,
     const std::optional<at::Tensor>& residual_out) {
   const std::shared_ptr<ShmComm> comm = ShmComm::find(handle);
   TORCH_CHECK_VALUE(comm != nullptr, "arfuse shm: no live workspace has handle ", handle);
   const Tensors t = tensors_of(x, residual, weight, out, residual_out);
-  const Numbers n = numbers_of(eps, weight_bias, quant, scale, swizzled);
+  const Numbers n = numbers_of(eps, weight_bias, quant, scale);
   std::array<at::Tensor, 4> r;
   try {
     r = comm->run(t, n, Py_IsInitialized() && PyGILState_Check());
@@ -116,17 +112,18 @@ std::vector<at::Tensor> op_fused_allreduce(
   }
   std::vector<at::Tensor> list{r[0]};
   if (weight) list.push_back(r[1]);
-  if (quant != kNone) list.push_back(r[2]);
-  if (quant == kNVFP4 || quant == kFP8Dynamic) list.push_back(r[3]);
+  const QuantOutput& q = *quant_output(n.output);  // the checks refused any other
+  if (q.data_type != kQuantTypeNone) list.push_back(r[2]);
+  if (q.scale_type != kQuantTypeNone) list.push_back(r[3]);
   return list;
 }
 
 std::vector<at::Tensor> op_fused_allreduce_functional(
     int64_t handle, const at::Tensor& x, const std::optional<at::Tensor>& residual,
     const std::optional<at::Tensor>& weight, double eps, double weight_bias, int64_t quant,
-    double scale, bool swizzled) {
+    double scale) {
   return op_fused_allreduce(handle, x, residual, weight, eps, weight_bias, quant, scale,
-                            swizzled, std::nullopt, std::nullopt);
+                            std::nullopt, std::nullopt);
 }
 
 // Registered when the module loads rather than by a static TORCH_LIBRARY block: loading a
@@ -140,11 +137,11 @@ void register_torch_ops() {
   auto* def = new torch::Library(torch::Library::FRAGMENT, "arfuse", std::nullopt, __FILE__,
                                  __LINE__);  // never freed: the operator lives with the process
   def->def("shm_fused_allreduce(int handle, Tensor x, Tensor? residual, Tensor? weight, "
-           "float eps, float weight_bias, int quant, float scale, bool swizzled, "
+           "float eps, float weight_bias, int quant, float scale, "
            "Tensor(a!)? out, Tensor(b!)? residual_out) -> Tensor[]");
   def->def("shm_fused_allreduce_functional(int handle, Tensor x, Tensor? residual, "
-           "Tensor? weight, float eps, float weight_bias, int quant, float scale, "
-           "bool swizzled) -> Tensor[]");
+           "Tensor? weight, float eps, float weight_bias, int quant, float scale) "
+           "-> Tensor[]");
   auto* impl = new torch::Library(torch::Library::IMPL, "arfuse", c10::DispatchKey::CPU,
                                   __FILE__, __LINE__);
   impl->impl("shm_fused_allreduce", TORCH_FN(op_fused_allreduce));
@@ -230,7 +227,7 @@ bool run_routed(const at::Tensor& x, const std::optional<at::Tensor>& residual,
     if (!scale->is_cpu() || scale->numel() != 1 || scale->scalar_type() != at::kFloat) {
       return false;
     }
-    n.quant = kFP8;
+    n.output = kOutputFp8;
     n.scale = scale->item<double>();
   }
   // as runtime.py's Python path: [tokens, hidden] rows, eps from the graph's fp32 input
@@ -363,10 +360,6 @@ py::dict signature_constants() {
   d["kBF16"] = kBF16;
   d["kFP16"] = kFP16;
   d["kFP32"] = kFP32;
-  d["kNone"] = kNone;
-  d["kFP8"] = kFP8;
-  d["kNVFP4"] = kNVFP4;
-  d["kFP8Dynamic"] = kFP8Dynamic;
   d["kTokensShift"] = signature::kTokensShift;
   d["kPatternShift"] = signature::kPatternShift;
   d["kPatternBits"] = signature::kPatternBits;
@@ -391,15 +384,34 @@ py::dict signature_constants() {
   d["kEpilogueNone"] = signature::kEpilogueNone;
   d["kEpilogueRmsNorm"] = signature::kEpilogueRmsNorm;
   d["kEpilogueResidualRmsNorm"] = signature::kEpilogueResidualRmsNorm;
-  d["kOutputNone"] = signature::kOutputNone;
-  d["kOutputFp8"] = signature::kOutputFp8;
-  d["kOutputNvfp4Swizzled"] = signature::kOutputNvfp4Swizzled;
-  d["kOutputNvfp4Linear"] = signature::kOutputNvfp4Linear;
-  d["kOutputFp8Dynamic"] = signature::kOutputFp8Dynamic;
+  d["kOutputNone"] = kOutputNone;
+  d["kOutputFp8"] = kOutputFp8;
+  d["kOutputNvfp4Swizzled"] = kOutputNvfp4Swizzled;
+  d["kOutputNvfp4Linear"] = kOutputNvfp4Linear;
+  d["kOutputFp8Dynamic"] = kOutputFp8Dynamic;
+  d["kScaleInNone"] = kScaleInNone;
+  d["kScaleInDequant"] = kScaleInDequant;
+  d["kScaleInEncode"] = kScaleInEncode;
+  d["kQuantTypeNone"] = kQuantTypeNone;
+  d["kQuantTypeE4m3"] = kQuantTypeE4m3;
+  d["kQuantTypeUint8"] = kQuantTypeUint8;
+  d["kQuantTypeFloat32"] = kQuantTypeFloat32;
   d["kFp32Max"] = kFp32Max;
   d["kFp32Tiny"] = kFp32Tiny;
   d["kFp8ScaleMin"] = kFp8ScaleMin;
   return d;
+}
+
+// The table of quantised outputs as compiled, one tuple a row (the contract test compares it
+// with what arfuse/ctables.py reads).
+py::list quant_outputs() {
+  py::list rows;
+  for (const QuantOutput& o : kQuantOutputs) {
+    rows.append(py::make_tuple(o.quant, o.layout, o.code, o.scale_in, o.fp32, o.block,
+                               o.data_type, o.data_pack, o.scale_type, o.scale_row_align,
+                               o.scale_group, o.scale_col_align));
+  }
+  return rows;
 }
 
 py::dict slot_geometry(int64_t world, int64_t max_tokens, int64_t hidden, int64_t elem) {
@@ -505,18 +517,17 @@ void bind_comm(py::module_& m) {
            py::arg("op") = 0)
       .def("run", [](ShmComm& comm, const at::Tensor& x, const std::optional<at::Tensor>& residual,
                      const std::optional<at::Tensor>& weight, double eps, double weight_bias,
-                     int64_t quant, double scale, bool swizzled,
-                     const std::optional<at::Tensor>& out,
+                     int64_t quant, double scale, const std::optional<at::Tensor>& out,
                      const std::optional<at::Tensor>& residual_out, int64_t op, int64_t moe) {
-        Numbers n = numbers_of(eps, weight_bias, quant, scale, swizzled);
+        Numbers n = numbers_of(eps, weight_bias, quant, scale);
         n.op = op;
         n.moe = moe;
         std::array<at::Tensor, 4> r =
             comm.run(tensors_of(x, residual, weight, out, residual_out), n, true);
         return std::vector<at::Tensor>(r.begin(), r.end());
       }, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
-           py::arg("weight_bias"), py::arg("quant"), py::arg("scale"), py::arg("swizzled"),
-           py::arg("out"), py::arg("residual_out"), py::arg("op") = 0, py::arg("moe") = 0)
+           py::arg("weight_bias"), py::arg("quant"), py::arg("scale"), py::arg("out"),
+           py::arg("residual_out"), py::arg("op") = 0, py::arg("moe") = 0)
       .def("announce", &ShmComm::announce, py::arg("tokens"), py::arg("pattern"),
            py::arg("op") = 0, py::arg("moe") = 0)
       .def("set_group", &ShmComm::set_group)
@@ -559,6 +570,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_error_types", &set_error_types);
   m.def("layout_constants", &layout_constants);
   m.def("signature_constants", &signature_constants);
+  m.def("quant_outputs", &quant_outputs);
   m.def("slot_geometry", &slot_geometry);
   m.def("describe_signature", &describe_signature);
   m.def("mismatch_message", &mismatch_message);

@@ -33,6 +33,28 @@ Span span(const at::Tensor& t) {
 }
 bool overlap(Span a, Span b) { return a.begin < b.end && b.begin < a.end; }
 
+// What the torch operator's `quant` may be: the codes of kQuantOutputs (signature.h).
+const char* quant_codes_text() {
+  static const std::string text = [] {
+    std::string t = "quant must be the code of a quantised output:";
+    for (const QuantOutput& o : kQuantOutputs) {
+      t += std::string(o.code == kOutputNone ? " " : ", ") + std::to_string(o.code) + " (" +
+           o.quant + (o.layout[0] ? std::string(" ") + o.layout : std::string()) + ")";
+    }
+    return t;
+  }();
+  return text.c_str();
+}
+
+// The torch dtype of a kQuantType* (signature.h).
+at::ScalarType quant_type(int type) {
+  switch (type) {
+    case kQuantTypeE4m3: return at::kFloat8_e4m3fn;
+    case kQuantTypeFloat32: return at::kFloat;
+    default: return at::kByte;
+  }
+}
+
 // A float or int, not a bool (call_checks.real_number takes more; those go to Python).
 bool plain_number(py::handle obj, double* out) {
   PyObject* p = obj.ptr();
@@ -259,19 +281,20 @@ const char* ShmComm::numbers_problem(bool norm, const Numbers& n) const {
   if (norm && !(std::fabs(n.weight_bias) <= kFp32Max)) {
     return "weight_bias must be finite in float32 (|weight_bias| <= 3.4e38)";
   }
-  if (n.quant != kNone && n.quant != kFP8 && n.quant != kNVFP4 && n.quant != kFP8Dynamic) {
-    return "quant must be 0 (none), 1 (fp8), 2 (nvfp4) or 4 (fp8_dynamic)";
+  const QuantOutput* q = quant_output(n.output);
+  if (q == nullptr) return quant_codes_text();
+  if (q->scale_in == kScaleInDequant && !(n.scale >= kFp8ScaleMin && n.scale <= kFp32Max)) {
+    return "a dequantisation scale (fp8) must be in [2.9e-39, 3.4e38] (its float32 reciprocal "
+           "finite)";
   }
-  if (n.quant == kFP8 && !(n.scale >= kFp8ScaleMin && n.scale <= kFp32Max)) {
-    return "an fp8 scale must be in [2.9e-39, 3.4e38] (its float32 reciprocal finite)";
+  if (q->scale_in == kScaleInEncode && !(n.scale >= kFp32Tiny && n.scale <= kFp32Max)) {
+    return "an encode scale (nvfp4) must be in [1.4e-45, 3.4e38] (> 0 and finite in float32)";
   }
-  if (n.quant == kNVFP4) {
-    if (!(n.scale >= kFp32Tiny && n.scale <= kFp32Max)) {
-      return "an nvfp4 scale must be in [1.4e-45, 3.4e38] (> 0 and finite in float32)";
-    }
-    if (dtype_ == kFP32 || hidden_ % 16 != 0) {
-      return "nvfp4 needs dtype bf16 or fp16 and hidden a multiple of 16";
-    }
+  if ((dtype_ == kFP32 && !q->fp32) || hidden_ % q->block != 0) {
+    thread_local std::string why;
+    why = std::string(q->quant) + " needs " + (q->fp32 ? "" : "dtype bf16 or fp16 and ") +
+          "hidden a multiple of " + std::to_string(q->block);
+    return why.c_str();
   }
   return nullptr;
 }
@@ -341,22 +364,24 @@ bool ShmComm::take_numbers(bool norm, py::handle eps, py::handle weight_bias, py
   if (norm && (!plain_number(eps, &n->eps) || !plain_number(weight_bias, &n->weight_bias))) {
     return false;
   }
-  if (!quant.is_none()) {
+  // the row of kQuantOutputs that quant (and, where its rows differ in it, layout) names
+  const QuantOutput* q = nullptr;
+  if (quant.is_none()) {
+    q = quant_output(kOutputNone);
+  } else {
     if (!PyUnicode_Check(quant.ptr())) return false;
-    if (is_ascii(quant, "fp8")) n->quant = kFP8;
-    else if (is_ascii(quant, "nvfp4")) n->quant = kNVFP4;
-    else if (is_ascii(quant, "fp8_dynamic")) n->quant = kFP8Dynamic;
-    else if (!is_ascii(quant, "none")) return false;
+    for (const QuantOutput& o : kQuantOutputs) {
+      if (!is_ascii(quant, o.quant)) continue;
+      const bool any_layout = o.layout[0] == '\0';
+      if (!any_layout && (!PyUnicode_Check(layout.ptr()) || !is_ascii(layout, o.layout))) continue;
+      q = &o;
+      break;
+    }
   }
-  if (n->quant == kNone) return true;
-  if (n->quant == kFP8Dynamic) return scale.is_none();  // it computes its scales
-  if (!plain_number(scale, &n->scale)) return false;
-  if (n->quant == kNVFP4) {
-    if (!PyUnicode_Check(layout.ptr())) return false;
-    if (is_ascii(layout, "linear")) n->swizzled = false;
-    else if (!is_ascii(layout, "swizzled_128x4")) return false;
-  }
-  return true;
+  if (q == nullptr) return false;
+  n->output = q->code;
+  if (q->scale_in == kScaleInNone) return q->code == kOutputNone || scale.is_none();
+  return plain_number(scale, &n->scale);
 }
 
 // ---- the fast path -------------------------------------------------------------------------
@@ -588,7 +613,7 @@ void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t op, int64_t moe)
   const int64_t output = pattern & ((int64_t(1) << kEpilogueShift) - 1);
   TORCH_CHECK_VALUE(tokens >= 0 && pattern >= 0 && (pattern >> kReductionShift) == 0 &&
                         (pattern >> kEpilogueShift) <= kEpilogueResidualRmsNorm &&
-                        output <= kOutputFp8Dynamic && op >= 0 && op <= kMaxOp &&
+                        quant_output(output) != nullptr && op >= 0 && op <= kMaxOp &&
                         moe_bits_only(moe),
                     "arfuse shm: announce needs tokens >= 0, the code of an all-reduce pattern, "
                     "op 0..2147483647 and MoE bits of word 0 only");
@@ -646,9 +671,8 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
   c.weight = t.weight ? t.weight->data_ptr() : nullptr;
   c.eps = float(n.eps);
   c.weight_bias = float(n.weight_bias);
-  c.quant = n.quant;
+  c.output = n.output;
   c.scale = float(n.scale);
-  c.swizzled = n.swizzled;
   c.gain = scratch_.data();
   auto& [out, residual_out, quant_out, scale_out] = *r;
   out = t.out ? *t.out : output({tokens, hidden_}, x.options());
@@ -667,28 +691,23 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
   // pass's vector stores, which need rows of whole lines; without, through a staging row.
   const bool whole_lines = reinterpret_cast<uintptr_t>(c.out) % 64 == 0 &&
                            hidden_ * elem_ % 64 == 0;
-  c.stream_out = stream && own_out && n.quant == kNone && (whole_lines || !t.weight);
+  c.stream_out = stream && own_out && n.output == kOutputNone && (whole_lines || !t.weight);
   c.stream_residual_out = stream && own_residual_out;
   c.slot_holds_residual_out = replicated_residual_ && t.residual != nullptr;
-  if (n.quant == kFP8 || n.quant == kFP8Dynamic) {
-    quant_out = output({tokens, hidden_}, x.options().dtype(at::kFloat8_e4m3fn));
+  // quant_out and scale_out as the output's row of kQuantOutputs says (signature.h)
+  const QuantOutput& q = *quant_output(n.output);
+  if (q.data_type != kQuantTypeNone) {
+    quant_out =
+        output({tokens, hidden_ / q.data_pack}, x.options().dtype(quant_type(q.data_type)));
     c.quant_out = reinterpret_cast<uint8_t*>(quant_out.data_ptr());
-    if (n.quant == kFP8Dynamic) {
-      scale_out = output({tokens, 1}, x.options().dtype(at::kFloat));
-      c.scale_out = reinterpret_cast<uint8_t*>(scale_out.data_ptr());
-    }
-  } else if (n.quant == kNVFP4) {
-    const int64_t cols = hidden_ / 16;
-    quant_out = output({tokens, hidden_ / 2}, x.options().dtype(at::kByte));
-    if (n.swizzled) {
-      scale_out = output({(tokens + 127) / 128 * 128, (cols + 3) / 4 * 4},
-                         x.options().dtype(at::kByte));
-      scale_out.zero_();  // padding must read as zero
-    } else {
-      scale_out = output({tokens, cols}, x.options().dtype(at::kByte));
-    }
-    c.quant_out = quant_out.data_ptr<uint8_t>();
-    c.scale_out = scale_out.data_ptr<uint8_t>();
+  }
+  if (q.scale_type != kQuantTypeNone) {
+    const int64_t rows = layout::round_up(tokens, q.scale_row_align);
+    const int64_t used = q.scale_group == 0 ? 1 : hidden_ / q.scale_group;
+    const int64_t cols = layout::round_up(used, q.scale_col_align);
+    scale_out = output({rows, cols}, x.options().dtype(quant_type(q.scale_type)));
+    if (rows != tokens || cols != used) scale_out.zero_();  // padding must read as zero
+    c.scale_out = reinterpret_cast<uint8_t*>(scale_out.data_ptr());
   }
   return c;
 }

@@ -56,8 +56,7 @@ struct Tensors {  // the tensors of one call (nullptr: not given)
 
 struct Numbers {  // the scalars of one call
   double eps = 1e-6, weight_bias = 0.0, scale = 0.0;  // scale: unused by fp8_dynamic
-  int quant = kNone;  // kNone, kFP8, kNVFP4 or kFP8Dynamic
-  bool swizzled = true;
+  int output = kOutputNone;  // a code of kQuantOutputs (signature.h)
   int64_t op = 0;  // the op making the call: its signature names it (signature.h)
   int64_t moe = 0;  // a MoE call's word-0 bits: its reduction and fields (signature.h)
 };

@@ -152,7 +152,7 @@ inline int64_t pattern_code(const Call& c) {
                        : c.residual != nullptr ? signature::kEpilogueResidualRmsNorm
                                                : signature::kEpilogueRmsNorm;
   return signature::pattern_code(signature::kReductionAllReduce, epilogue,
-                                 signature::output_code(c.quant, c.swizzled));
+                                 c.output);
 }
 
 // "tokens=1 dtype=fp32 hidden=64 pattern=plain quant=none mode=oneshot op=3"
