@@ -26,6 +26,7 @@ from ...errors import (
 )
 from ...pattern import output_code
 from ...result import FusedOutput
+from ...settings import ResidualPromise
 from ...sizing import ceil_div
 from ...spec import Spec
 from ...torch_types import TORCH_DTYPES
@@ -109,7 +110,9 @@ class ShmWorkspace(Workspace):
                 layout.input_bytes, ctx.timeout_s, ONESHOT_MAX_BYTES)
             self._comm.set_result_type(FusedOutput)
             self._comm.set_group(_group_number(ctx.key))
-            self._comm.set_replicated_residual(ctx.settings.replicated_residual.promised)
+            promise = ctx.settings.replicated_residual
+            self._comm.set_replicated_residual(promise.promised)
+            self._comm.set_residual_checked(promise is ResidualPromise.CHECKED)
         if self._comm is None:
             self.use_pure_path()
 
@@ -254,7 +257,9 @@ class ShmWorkspace(Workspace):
         none). Returns ``[out]``, then ``residual_out`` when ``weight`` is given, then
         ``quant_out`` and ``scale_out`` where the output makes them (fp8: ``quant_out``;
         nvfp4 and fp8_dynamic: both, fp8_dynamic's scales float32 ``[tokens, 1]``). The
-        workspace's settings apply (``replicated_residual``). Bad
+        workspace's settings apply (``replicated_residual``; an op made with
+        ``replicated_residual="check"`` refuses the operator with ``ValueError``, since the
+        check across ranks is the op's: call the op). Bad
         arguments raise ``ValueError``; a failed call ``CallTimeout``, ``MismatchedCall`` or
         ``WorkspaceBroken``, as the op does. The operator has a fake (meta) implementation,
         so ``torch.compile`` traces it (backend ``eager``); backends that functionalize

@@ -102,6 +102,11 @@ std::vector<at::Tensor> op_fused_allreduce(
     const std::optional<at::Tensor>& residual_out) {
   const std::shared_ptr<ShmComm> comm = ShmComm::find(handle);
   TORCH_CHECK_VALUE(comm != nullptr, "arfuse shm: no live workspace has handle ", handle);
+  // checked before any rank meets its peers, so every rank refuses alike and none waits
+  TORCH_CHECK_VALUE(!comm->residual_checked(), "arfuse shm: handle ", handle,
+                    " belongs to an op made with replicated_residual='check', whose check "
+                    "across ranks the torch operator cannot do; call the op (FusedAllReduce) "
+                    "instead, or make it with replicated_residual=True");
   const Tensors t = tensors_of(x, residual, weight, out, residual_out);
   const Numbers n = numbers_of(eps, weight_bias, quant, scale);
   std::array<at::Tensor, 4> r;
@@ -538,6 +543,7 @@ void bind_comm(py::module_& m) {
       .def("set_copy_mode", &ShmComm::set_copy_mode)
       .def("set_output_stores", &ShmComm::set_output_stores)
       .def("set_replicated_residual", &ShmComm::set_replicated_residual)
+      .def("set_residual_checked", &ShmComm::set_residual_checked)
       .def("replicated_residual", &ShmComm::replicated_residual)
       .def("streams_outputs", &ShmComm::streams_outputs)
       .def("pooled_bytes", &ShmComm::pooled_bytes)

@@ -143,6 +143,14 @@ class ShmComm {
     replicated_residual_ = replicated;
   }
   bool replicated_residual() const { return replicated_residual_; }
+  // Whether the op checks that promise across ranks before every call
+  // (replicated_residual="check"). The check is the op's (arfuse.ops, collective), which the
+  // torch operator skips: it refuses this workspace's handle (bindings.cpp).
+  void set_residual_checked(bool checked) {
+    const std::lock_guard<std::mutex> one_call(call_mutex_);
+    residual_checked_ = checked;
+  }
+  bool residual_checked() const { return residual_checked_; }
   // Whether a call whose own outputs (out not x, residual_out not the residual) come to
   // `bytes` in all stores them with streaming stores (out only when it is not quantised, and
   // with RMSNorm where its rows are whole lines; see make_call). Auto: from the build's
@@ -201,6 +209,7 @@ class ShmComm {
   int copy_mode_ = kStoresAuto;
   int output_stores_ = kStoresAuto;
   bool replicated_residual_ = false;
+  bool residual_checked_ = false;
   double last_call_s_ = 0.0;
   bool timing_ = false;
   std::vector<float> scratch_;  // the gain of the current call
