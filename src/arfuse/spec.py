@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from .dtypes import DTYPES, parse_dtype
 from .pattern import QUANT_OUTPUTS, quant_output
 
-# the quantised outputs' names and scale layouts: the table's (arfuse/csrc/signature.h)
+# the quantised outputs' names: the table's (arfuse/csrc/signature.h)
 QUANTS: tuple[str, ...] = tuple(dict.fromkeys(o.quant for o in QUANT_OUTPUTS if o.quant))
-LAYOUTS: tuple[str, ...] = tuple(dict.fromkeys(o.layout for o in QUANT_OUTPUTS if o.layout))
 NVFP4_BLOCK = quant_output("nvfp4", "linear").block
 
 
@@ -32,12 +31,6 @@ def parse_quant(value: object, name: str = "quant") -> str | None:
     if text not in QUANTS:
         raise ValueError(f"{name}={value!r} is not valid; use one of {allowed}")
     return text
-
-
-def check_layout(layout: object) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not valid; use one of {', '.join(LAYOUTS)}")
-    return str(layout)
 
 
 def quant_problem(quant: str | None, dtype: str, hidden: int) -> str:
