@@ -3,7 +3,7 @@
 //         arfuse.call_checks; it returns None wherever those would raise, or for anything
 //         unusual) and runs;
 //   run   the checked entry for arguments already checked in Python, and for
-//         torch.ops.arfuse.shm_fused_allreduce (bindings.cpp): it raises ValueError for what
+//         torch.ops.arfuse.shm_fused_allreduce (operators.cpp): it raises ValueError for what
 //         call would decline.
 #pragma once
 
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "call_limits.h"
+#include "exchange.h"
 #include "protocol.h"
 
 namespace arfuse {
@@ -106,7 +107,7 @@ class ShmComm {
                       py::handle scale, py::handle layout, py::handle out,
                       py::handle residual_out, int64_t op);
   // call's checks and run, for arguments already unpacked (the compiled graphs' operator,
-  // bindings.cpp): false, with nothing run, wherever call returns None.
+  // operators.cpp): false, with nothing run, wherever call returns None.
   bool try_run(const Tensors& t, const Numbers& n, bool release_gil,
                std::array<at::Tensor, 4>* r);
   // (out, residual_out, quant_out, scale_out), the absent ones undefined (None in Python).
@@ -145,7 +146,7 @@ class ShmComm {
   bool replicated_residual() const { return replicated_residual_; }
   // Whether the op checks that promise across ranks before every call
   // (replicated_residual="check"). The check is the op's (arfuse.ops, collective), which the
-  // torch operator skips: it refuses this workspace's handle (bindings.cpp).
+  // torch operator skips: it refuses this workspace's handle (operators.cpp).
   void set_residual_checked(bool checked) {
     const std::lock_guard<std::mutex> one_call(call_mutex_);
     residual_checked_ = checked;
