@@ -126,20 +126,20 @@ def body(rank: int, world: int, opts: Options) -> int:
                             residual.copy_(r0)
                             t0 = time.perf_counter_ns()
                             if form == "inplace":
-                                comm.run(x, residual, weight, EPS, 0.0, 0, 0.0, False, x,
+                                comm.run(x, residual, weight, EPS, 0.0, 0, 0.0, x,
                                          residual)
                             elif form == "new":
-                                comm.run(x, residual, weight, EPS, 0.0, 0, 0.0, False, None,
+                                comm.run(x, residual, weight, EPS, 0.0, 0, 0.0, None,
                                          None)
                             elif form == "new-read":
-                                outs = comm.run(x, residual, weight, EPS, 0.0, 0, 0.0, False,
+                                outs = comm.run(x, residual, weight, EPS, 0.0, 0, 0.0,
                                                 None, None)
                                 for t in outs[:2]:
                                     t.view(torch.int64).sum()
                             elif form == "plain":
-                                comm.run(x, None, None, EPS, 0.0, 0, 0.0, False, x, None)
+                                comm.run(x, None, None, EPS, 0.0, 0, 0.0, x, None)
                             else:
-                                comm.run(x, None, None, EPS, 0.0, 0, 0.0, False, None, None)
+                                comm.run(x, None, None, EPS, 0.0, 0, 0.0, None, None)
                             took = (time.perf_counter_ns() - t0) / 1e3
                             if k >= 2 and round_ >= warm:
                                 times[i].append(took)

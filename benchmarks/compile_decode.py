@@ -100,11 +100,11 @@ class Model(nn.Module):
             # only reaches the step times zero)
             (met,) = torch.ops.arfuse.shm_fused_allreduce_functional(
                 self.sync, partial[:, :SYNC_FLOATS].float().contiguous(), None, None, EPS, 0.0,
-                0, 0.0, True)
+                0, 0.0)
             return torch.cat([met.to(partial.dtype), partial[:, SYNC_FLOATS:]], dim=-1), h
         if self.handle is not None:
             out, residual = torch.ops.arfuse.shm_fused_allreduce_functional(
-                self.handle, partial, h, weight, EPS, 0.0, 0, 0.0, True)
+                self.handle, partial, h, weight, EPS, 0.0, 0, 0.0)
             return out, residual
         dist.all_reduce(partial)
         h = h + partial

@@ -53,7 +53,7 @@ def measure(tokens: int, hidden: int, dtype_name: str, calls: int) -> dict[str, 
         x.copy_(x0)
         residual.copy_(r0)
         t0 = time.perf_counter_ns()
-        comm.run(x, residual, weight, 1e-6, 0.0, 0, 0.0, True, x, residual)
+        comm.run(x, residual, weight, 1e-6, 0.0, 0, 0.0, x, residual)
         return (time.perf_counter_ns() - t0) / 1e3
 
     def from_slot() -> float:
@@ -61,7 +61,7 @@ def measure(tokens: int, hidden: int, dtype_name: str, calls: int) -> dict[str, 
         s.copy_(x0)
         residual.copy_(r0)
         t0 = time.perf_counter_ns()
-        comm.run(s, residual, weight, 1e-6, 0.0, 0, 0.0, True, out, residual)
+        comm.run(s, residual, weight, 1e-6, 0.0, 0, 0.0, out, residual)
         return (time.perf_counter_ns() - t0) / 1e3
 
     ways = {"in_place_us": in_place, "input_in_slot_us": from_slot}

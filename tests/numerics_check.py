@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from arfuse.quant import nvfp4_scale_shape
+from arfuse.pattern import quant_output
 
 from reference import (
     FP8_SCALE,
@@ -65,7 +65,8 @@ def check_case(case: Case, per_rank: list[dict[str, Any]], backend: str) -> None
         assert mismatch <= 0.001, f"{case}: {mismatch:.4%} nvfp4 codes differ"
         got_sf = first["scale_out"]
         assert got_sf.dtype == torch.uint8
-        assert tuple(got_sf.shape) == nvfp4_scale_shape(case.tokens, case.hidden, case.layout)
+        assert tuple(got_sf.shape) == quant_output("nvfp4", case.layout).scale_shape(
+            case.tokens, case.hidden)
         flat = got_sf.flatten()
         cols = case.hidden // 16
         for m in range(case.tokens):

@@ -114,3 +114,30 @@ def residual_check_presence(rank: int, world: int, backend: str, silent: bool) -
         report["after"] = f"{type(exc).__name__}: {exc}"
     comm.close()
     return report
+
+
+def residual_check_through_the_operator(rank: int, world: int) -> dict[str, Any]:
+    """replicated_residual="check", residuals that differ on the last rank, called through
+    the workspace's torch operator (which skips the op's check); then a call through the op
+    (the group must still be in step)."""
+    import arfuse
+
+    tokens, hidden = 4, 64
+    comm = arfuse.FusedAllReduce(max_token_num=tokens, hidden_dim=hidden, dtype=torch.bfloat16,
+                                 backend="shm", strict=True, timeout_s=20.0,
+                                 replicated_residual="check")
+    residual = torch.full((tokens, hidden), 1.0 + (rank == world - 1), dtype=torch.bfloat16)
+    x = torch.full((tokens, hidden), float(rank + 1), dtype=torch.bfloat16)
+    weight = torch.ones(hidden, dtype=torch.bfloat16)
+    handle = comm.workspace.handle  # type: ignore[attr-defined]
+    report: dict[str, Any] = {"path": comm.workspace.path}  # type: ignore[attr-defined]
+    try:
+        outs = torch.ops.arfuse.shm_fused_allreduce(handle, x, residual, weight, 1e-6, 0.0, 0,
+                                                    0.0, None, None)
+        report["residual_out"] = outs[1][0, 0].item()
+    except ValueError as exc:
+        report["error"] = str(exc)
+    same = torch.ones(tokens, hidden, dtype=torch.bfloat16)
+    report["after"] = comm(x, residual=same, weight=weight, eps=1e-6).residual_out[0, 0].item()
+    comm.close()
+    return report

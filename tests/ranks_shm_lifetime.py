@@ -243,7 +243,7 @@ def release_during_operator_call(rank: int, world: int) -> dict[str, Any]:
 
     def operator() -> torch.Tensor:
         return torch.ops.arfuse.shm_fused_allreduce(handle, x, None, None, 1e-6, 0.0, 0, 0.0,
-                                                    False, None, None)[0]
+                                                    None, None)[0]
 
     if rank == 1:
         time.sleep(1.5)

@@ -113,7 +113,7 @@ def test_the_torch_operators_fake_names_x_for_a_0d_input() -> None:
         pytest.skip(f"no compiled kernel: {shm_build.why_not()}")
     x = torch.empty((), device="meta", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"x must be 2-D \[tokens, hidden\]"):
-        torch.ops.arfuse.shm_fused_allreduce(1, x, None, None, 1e-6, 0.0, 0, 0.0, True, None,
+        torch.ops.arfuse.shm_fused_allreduce(1, x, None, None, 1e-6, 0.0, 0, 0.0, None,
                                              None)
 
 

@@ -157,12 +157,12 @@ def test_shm_fast_path_takes_fp8_dynamic_without_a_scale() -> None:
     assert comm.call(x, None, w, 1e-6, 0.0, "fp8_dynamic", 1.0, "swizzled_128x4", None,
                      None) is None
     ops = torch.ops.arfuse.shm_fused_allreduce(int(comm.handle), x, None, w, 1e-6, 0.0, 4, 0.0,
-                                               True, None, None)
+                                               None, None)
     assert len(ops) == 4 and torch.equal(ops[3], scales)
     assert torch.equal(ops[2].view(torch.uint8), codes.view(torch.uint8))
     with pytest.raises(ValueError, match="fp8_dynamic"):
-        torch.ops.arfuse.shm_fused_allreduce(int(comm.handle), x, None, w, 1e-6, 0.0, 3, 0.0,
-                                             True, None, None)
+        torch.ops.arfuse.shm_fused_allreduce(int(comm.handle), x, None, w, 1e-6, 0.0, 5, 0.0,
+                                             None, None)
     words = [signature.words(tokens, 0, hidden, Pattern("rmsnorm", "fp8_dynamic").code),
              signature.words(tokens, 0, hidden, Pattern("rmsnorm", "fp8").code)]
     assert "quant=fp8_dynamic" in signature.describe(*words[0])

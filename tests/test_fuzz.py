@@ -649,9 +649,9 @@ KERNEL_FUZZ = textwrap.dedent('''
         entry = draw(st.sampled_from(["call", "run", "op"]))
         handle = 0
         if entry in ("run", "op"):
-            codes = {None: 0, "none": 0, "fp8": 1, "nvfp4": 2}
-            args[5] = draw(st.sampled_from([codes.get(args[5], 0), 0, 1, 2, 3, -1, 2**40]))
-            args[7] = draw(st.booleans())
+            codes = {None: 0, "none": 0, "fp8": 1, "nvfp4": 2}  # the output codes
+            args[5] = draw(st.sampled_from([codes.get(args[5], 0), 0, 1, 2, 3, 4, 5, -1, 2**40]))
+            del args[7]  # the output code names the layout too
         if entry == "op":
             handle = draw(st.sampled_from([getattr(comm, "handle", 0), 0, -1, 12345]))
         shown = [type(a).__name__ + (str(tuple(a.shape)) + str(a.dtype)

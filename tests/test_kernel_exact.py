@@ -21,6 +21,7 @@ import torch
 
 from arfuse.backends.shm import build as shm_build
 from arfuse.backends.shm import layout as shm_layout
+from arfuse.pattern import output_code
 
 DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -79,11 +80,11 @@ def test_out_is_the_documented_formula_bit_for_bit(dtype: torch.dtype, hidden: i
     if in_place:
         x_work, residual_in = x.clone(), residual.clone()
         out, residual_out, _, _ = comm.run(x_work, residual_in, weight, eps, weight_bias, 0,
-                                           0.0, True, x_work, residual_in)
+                                           0.0, x_work, residual_in)
         assert out.data_ptr() == x_work.data_ptr()
         assert residual_out.data_ptr() == residual_in.data_ptr()
     else:
-        out, residual_out, _, _ = comm.run(x, residual, weight, eps, weight_bias, 0, 0.0, True,
+        out, residual_out, _, _ = comm.run(x, residual, weight, eps, weight_bias, 0, 0.0,
                                            None, None)
     assert torch.equal(residual_out, (summed.float() + residual.float()).to(dtype))
     expected = documented_out(residual_out, weight, eps, weight_bias)
@@ -117,7 +118,7 @@ def test_two_builds_load_into_one_process_and_agree(monkeypatch: pytest.MonkeyPa
         comm = module.ShmComm(memory.data_ptr(), 1, 0, tokens, hidden, DTYPE_CODE[dtype],
                               shm_layout.HEADER_BYTES, layout.slot_bytes, layout.input_bytes,
                               10.0, 1 << 40)
-        results.append(comm.run(x, residual, weight, 1e-6, 0.0, 0, 0.0, True, None, None))
+        results.append(comm.run(x, residual, weight, 1e-6, 0.0, 0, 0.0, None, None))
     for got, want in zip(results[0][:2], results[1][:2], strict=True):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
@@ -141,7 +142,7 @@ def test_new_outputs_share_buffers_across_nearby_token_counts() -> None:
     comm, _memory = kernel_on_private_memory(tokens, hidden, dtype)
 
     def call(n: int) -> Any:
-        return comm.run(x[:n], residual[:n], weight, 1e-6, 0.0, 0, 0.0, True, None, None)
+        return comm.run(x[:n], residual[:n], weight, 1e-6, 0.0, 0, 0.0, None, None)
 
     first = call(33)
     pooled = {first[0].data_ptr(), first[1].data_ptr()}
@@ -150,7 +151,7 @@ def test_new_outputs_share_buffers_across_nearby_token_counts() -> None:
     assert {second[0].data_ptr(), second[1].data_ptr()} == pooled
     assert second[0].shape == (34, hidden) and second[1].shape == (34, hidden)
     out, residual_out = x[:34].clone(), residual[:34].clone()
-    comm.run(out, residual_out, weight, 1e-6, 0.0, 0, 0.0, True, out, residual_out)
+    comm.run(out, residual_out, weight, 1e-6, 0.0, 0, 0.0, out, residual_out)
     assert torch.equal(second[0], out) and torch.equal(second[1], residual_out)
     del second
     third = call(64)  # 512 KiB: another class
@@ -190,7 +191,7 @@ def test_the_callers_float_environment_changes_nothing_and_is_given_back(
 
     def call() -> list[torch.Tensor]:
         xw, rw = x.clone(), residual.clone()
-        outs = comm.run(xw, rw, weight, 1e-6, 0.0, 0, 0.0, True,
+        outs = comm.run(xw, rw, weight, 1e-6, 0.0, 0, 0.0,
                         xw if in_place else None, rw if in_place else None)
         return [int_bits(t).clone() for t in outs if t is not None]
 
@@ -235,7 +236,7 @@ def test_streaming_output_stores_give_the_same_bytes(dtype: torch.dtype, hidden:
     assert not comm.streams_outputs(2 * x.nbytes)  # auto: far below the threshold
 
     def call(out: Any = None, residual_out: Any = None, quant: int = 0) -> Any:
-        return comm.run(x, residual, weight, eps, 0.0, quant, 0.25, True, out, residual_out)
+        return comm.run(x, residual, weight, eps, 0.0, quant, 0.25, out, residual_out)
 
     cached = call()
     cached_fp8 = call(quant=1) if dtype != torch.float32 else None
@@ -253,7 +254,7 @@ def test_streaming_output_stores_give_the_same_bytes(dtype: torch.dtype, hidden:
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     given_out = torch.empty_like(x)
     for out in (None, given_out):
-        plain = comm.run(x, None, None, eps, 0.0, 0, 0.0, True, out, None)[0]
+        plain = comm.run(x, None, None, eps, 0.0, 0, 0.0, out, None)[0]
         assert torch.equal(int_bits(plain), int_bits(x))
 
 
@@ -276,14 +277,14 @@ def test_auto_mode_streams_outputs_from_the_builds_threshold() -> None:
     else:
         assert module.stream_output_min_bytes(2) == both  # type: ignore[union-attr]
         assert comm.streams_outputs(both) and not comm.streams_outputs(both - 1)
-    auto = comm.run(x, residual, weight, 1e-6, 0.0, 0, 0.0, True, None, None)
+    auto = comm.run(x, residual, weight, 1e-6, 0.0, 0, 0.0, None, None)
     comm.set_output_stores(1)
     assert not comm.streams_outputs(both)
-    cached = comm.run(x, residual, weight, 1e-6, 0.0, 0, 0.0, True, None, None)
+    cached = comm.run(x, residual, weight, 1e-6, 0.0, 0, 0.0, None, None)
     assert torch.equal(auto[0], cached[0]) and torch.equal(auto[1], cached[1])
     comm.set_output_stores(0)
     x_work, residual_work = x.clone(), residual.clone()
-    comm.run(x_work, residual_work, weight, 1e-6, 0.0, 0, 0.0, True, x_work, residual_work)
+    comm.run(x_work, residual_work, weight, 1e-6, 0.0, 0, 0.0, x_work, residual_work)
     assert torch.equal(x_work, cached[0]) and torch.equal(residual_work, cached[1])
 
 
@@ -297,9 +298,9 @@ def test_output_pool_holds_at_most_two_calls_at_capacity() -> None:
     cap = 4 * tokens * hidden * 2
     held = []
     for n in (64, 60, 50, 40, 33, 30, 25, 20, 17, 64, 12, 9, 64):
-        got = comm.run(x[:n], residual[:n], weight, 1e-6, 0.0, 0, 0.0, True, None, None)
+        got = comm.run(x[:n], residual[:n], weight, 1e-6, 0.0, 0, 0.0, None, None)
         assert torch.equal(got[0], comm.run(x[:n], residual[:n], weight, 1e-6, 0.0, 0, 0.0,
-                                            True, None, None)[0])
+                                            None, None)[0])
         del got
         held.append(comm.pooled_bytes())
         assert 0 < held[-1] <= cap, held
@@ -347,8 +348,8 @@ def test_nvfp4_nan_and_inf_follow_flashinfer_on_every_path(dtype: torch.dtype,
     x, codes, scales = nvfp4_special(dtype)
     tokens, hidden = x.shape
     comm, _memory = kernel_on_private_memory(tokens, hidden, dtype)
-    out, _, q, s = comm.run(x, None, None, 1e-6, 0.0, 2, 6.0, layout == "swizzled_128x4",
-                            None, None)
+    out, _, q, s = comm.run(x, None, None, 1e-6, 0.0, output_code("nvfp4", layout), 6.0, None,
+                            None)
     assert torch.equal(out.view(torch.int16), x.view(torch.int16))  # NaN stays NaN
     ref_q, ref_s = quant.nvfp4_quantize(x, 6.0, layout)
     assert torch.equal(q, ref_q) and torch.equal(s, ref_s)

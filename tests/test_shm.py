@@ -544,3 +544,16 @@ def test_replicated_residual_keyword_is_checked() -> None:
         arfuse.FusedAllReduce(max_token_num=4, hidden_dim=64,
                               replicated_residual=1)  # type: ignore[arg-type]
 
+
+
+def test_the_torch_operator_refuses_a_workspace_whose_op_checks_the_residual() -> None:
+    """The residual check across ranks is the op's: the torch operator, which skips it, refuses
+    the handle of a "check" op on every rank (instead of finishing rows with another rank's
+    residual, silently), and the group stays in step for the op's next call."""
+    for got in values(run_ranks(ranks_residual.residual_check_through_the_operator, 2,
+                                timeout=60)):
+        if got["path"] != "c++":
+            pytest.skip("no compiled kernel here")
+        assert "replicated_residual='check'" in got.get("error", ""), got
+        assert "call the op" in got["error"], got
+        assert got["after"] == 4.0, got  # 1 + 2 + the residual 1

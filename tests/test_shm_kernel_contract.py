@@ -24,7 +24,7 @@ from arfuse import ctables, signature
 from arfuse.backends.shm import build as shm_build
 from arfuse.backends.shm import layout as shm_layout
 from arfuse.call_checks import FP32_MAX, FP32_TINY, OpShape, check_call
-from arfuse.pattern import Pattern
+from arfuse.pattern import QUANT_OUTPUTS, Pattern, output_code
 from arfuse.result import FusedOutput
 
 import ranks_calls
@@ -32,7 +32,7 @@ from harness import run_ranks, values
 from ranks_calls import bad_tensor_calls
 
 DTYPE = {torch.bfloat16: (0, "bf16"), torch.float16: (1, "fp16"), torch.float32: (2, "fp32")}
-QUANT_CODE = {None: 0, "fp8": 1, "nvfp4": 2}
+QUANTS = (None, "fp8", "nvfp4")
 
 
 def kernel() -> Any:
@@ -163,6 +163,12 @@ def test_the_signature_numbers_python_reads_are_the_ones_the_kernel_compiled() -
     read = {**ctables.header("signature.h"), **ctables.header("call_limits.h")}
     assert compiled == {name: read[name] for name in compiled}
     assert set(compiled) == set(read), set(compiled) ^ set(read)
+
+
+def test_the_quantised_outputs_python_reads_are_the_ones_the_kernel_compiled() -> None:
+    compiled = [tuple(row) for row in kernel().quant_outputs()]
+    assert compiled == ctables.table("signature.h", "kQuantOutputs")
+    assert [o.code for o in QUANT_OUTPUTS] == [row[2] for row in compiled]
 
 
 def test_mismatch_messages_are_the_same_text_in_cpp_and_python() -> None:
@@ -359,11 +365,11 @@ def run_args(c: Comm, call: dict[str, Any]) -> list[Any] | None:
                0.0 if merged["scale"] is None else merged["scale"]]
     if any(isinstance(v, bool) or not isinstance(v, float | int) for v in numbers):
         return None
-    if merged["quant"] not in QUANT_CODE or merged["layout"] not in shm_layout_names():
+    if merged["quant"] not in QUANTS or merged["layout"] not in shm_layout_names():
         return None
     return [merged["x"], merged["residual"], merged["weight"], float(numbers[0]),
-            float(numbers[1]), QUANT_CODE[merged["quant"]], float(numbers[2]),
-            merged["layout"] == "swizzled_128x4", merged["out"], merged["residual_out"]]
+            float(numbers[1]), output_code(merged["quant"], merged["layout"]), float(numbers[2]),
+            merged["out"], merged["residual_out"]]
 
 
 def shm_layout_names() -> tuple[str, ...]:
@@ -451,8 +457,8 @@ def op_inputs(c: Comm, spec: dict[str, Any]) -> dict[str, Any]:
 def op_args(c: Comm, call: dict[str, Any]) -> list[Any]:
     merged = {**DEFAULTS, **call}
     return [int(c.comm.handle), merged["x"], merged["residual"], merged["weight"],
-            merged["eps"], merged["weight_bias"], QUANT_CODE[merged["quant"]],
-            merged["scale"] or 0.0, merged["layout"] == "swizzled_128x4"]
+            merged["eps"], merged["weight_bias"], output_code(merged["quant"], merged["layout"]),
+            merged["scale"] or 0.0]
 
 
 def expected_list(result: FusedOutput) -> list[torch.Tensor]:
@@ -490,37 +496,37 @@ def test_torch_op_refuses_bad_arguments_and_unknown_handles() -> None:
     x = c.x()
     with pytest.raises(ValueError, match="eps"):
         torch.ops.arfuse.shm_fused_allreduce(int(c.comm.handle), x, None, c.w(), 0.0, 0.0, 0,
-                                             0.0, True, None, None)
+                                             0.0, None, None)
     with pytest.raises(ValueError, match="input_buffer"):
         torch.ops.arfuse.shm_fused_allreduce(int(c.comm.handle), c.slot(c.tokens + 1)[1:],
-                                             None, None, 1e-6, 0.0, 0, 0.0, True, None, None)
+                                             None, None, 1e-6, 0.0, 0, 0.0, None, None)
     with pytest.raises(ValueError, match="handle"):
-        torch.ops.arfuse.shm_fused_allreduce(-5, x, None, None, 1e-6, 0.0, 0, 0.0, True, None,
+        torch.ops.arfuse.shm_fused_allreduce(-5, x, None, None, 1e-6, 0.0, 0, 0.0, None,
                                              None)
     from arfuse.errors import WorkspaceBroken
 
     c.comm.invalidate("destroyed in a test")
     with pytest.raises(WorkspaceBroken, match="destroyed in a test"):
         torch.ops.arfuse.shm_fused_allreduce(int(c.comm.handle), x, None, None, 1e-6, 0.0, 0,
-                                             0.0, True, None, None)
+                                             0.0, None, None)
 
 
 def test_torch_op_traces_under_torch_compile() -> None:
     c = private_comm(torch.bfloat16, hidden=64, tokens=5)
     call = op_inputs(c, OP_CASES[5][2])
     handle = int(c.comm.handle)
-    _h, x, residual, weight, eps, bias, quant, scale, swizzled = op_args(c, call)
+    _h, x, residual, weight, eps, bias, quant, scale = op_args(c, call)
 
     def mutable(x: torch.Tensor, residual: torch.Tensor,
                 weight: torch.Tensor) -> list[torch.Tensor]:
         outs = torch.ops.arfuse.shm_fused_allreduce(handle, x, residual, weight, eps, bias,
-                                                    quant, scale, swizzled, None, None)
+                                                    quant, scale, None, None)
         return [outs[0] * 2, *outs[1:]]
 
     def functional(x: torch.Tensor, residual: torch.Tensor,
                    weight: torch.Tensor) -> list[torch.Tensor]:
         outs = torch.ops.arfuse.shm_fused_allreduce_functional(handle, x, residual, weight, eps,
-                                                               bias, quant, scale, swizzled)
+                                                               bias, quant, scale)
         return [outs[0] * 2, *outs[1:]]
 
     expected = mutable(x, residual, weight)

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import ctables
-from .pattern import Pattern
-from .spec import check_layout, nvfp4_problem, parse_quant
+from .pattern import QUANT_OUTPUTS, Pattern, quant_output
+from .spec import parse_quant
 
 if TYPE_CHECKING:
     from .moe import ExpertStep
@@ -168,19 +168,20 @@ def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, wei
     quant_name = parse_quant(quant)
     scale_f: float | None = None
     layout_name = "swizzled_128x4"
-    if quant_name == "fp8_dynamic":
-        if scale is not None:
-            raise ValueError("quant='fp8_dynamic' computes a scale per token; pass scale=None")
-    elif quant_name is not None:
-        if scale is None:
-            raise ValueError(f"quant={quant_name!r} needs scale (fp8: the dequantisation scale; "
-                             "nvfp4: the global encode scale)")
-        scale_f = fp32_number(scale, "scale", positive=True, reciprocal=quant_name == "fp8")
-        if quant_name == "nvfp4":
-            problem = nvfp4_problem(shape.dtype_name, shape.hidden)
-            if problem:
-                raise ValueError(problem)
-            layout_name = check_layout(layout)
+    if quant_name is not None:  # as its rows of the quantised outputs say (arfuse.pattern)
+        made = next(o for o in QUANT_OUTPUTS if o.quant == quant_name)
+        if made.scale_in == "none" and scale is not None:
+            raise ValueError(f"quant={quant_name!r} computes its own scales; pass scale=None")
+        if made.scale_in != "none":
+            if scale is None:
+                raise ValueError(f"quant={quant_name!r} needs scale (fp8: the dequantisation "
+                                 "scale; nvfp4: the global encode scale)")
+            scale_f = fp32_number(scale, "scale", positive=True,
+                                  reciprocal=made.scale_in == "dequant")
+        problem = made.problem(shape.dtype_name, shape.hidden)
+        if problem:
+            raise ValueError(problem)
+        layout_name = quant_output(quant_name, layout).layout or layout_name
     _check_memory(x, residual, weight, out, residual_out, shared, slot_start)
     return CallArgs(x, residual, weight, eps_f, bias_f, quant_name, scale_f, layout_name, out,
                     residual_out, op)

@@ -1,13 +1,15 @@
-"""Constants the C++ kernel and Python both need, read from the kernel's own headers.
+"""Constants the C++ kernels and Python both need, read from the kernels' own headers.
 
-The segment layout, the call signature and the fp32 limits are ``constexpr`` lines in
-``backends/shm/csrc/*.h``; the kernel compiles them and Python reads the same lines here, so
-there is one copy of each number (the pure-torch path, the policy and the call checks need
-them where no compiler exists). Only the simple form is read: ``constexpr <int64_t | int |
-double> kName = <expression of numbers and earlier names>;`` with ``+ - * / << |``,
-parentheses and ``int64_t(...)``. A ``constexpr`` function (``constexpr T name(...)``) is C++'s
-alone; any other ``constexpr`` line not of the simple form raises, so a constant Python needs is
-never silently missing.
+The call signature, the table of quantised outputs and the fp32 limits are ``constexpr`` lines
+in the core's ``arfuse/csrc/*.h`` (a backend passes its own directory: the shm segment layout);
+the kernel compiles them and Python reads the same lines here, so there is one copy of each
+number (the pure-torch path, the policy and the call checks need them where no compiler
+exists). Two forms are read. A constant: ``constexpr <int64_t | int | double> kName =
+<expression of numbers and earlier names>;`` with ``+ - * / << |``, parentheses and
+``int64_t(...)``. A table: ``constexpr <Type> kName[] = {`` then one row a line, ``{cell,
+...},`` (cells: numbers, earlier constants, string literals, ``true``/``false``), then ``};``.
+A ``constexpr`` function (``constexpr T name(...)``) is C++'s alone; any other ``constexpr``
+line raises, so a constant Python needs is never silently missing.
 """
 
 from __future__ import annotations
@@ -18,11 +20,16 @@ import operator
 import re
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parent / "backends" / "shm" / "csrc"
+CSRC = Path(__file__).resolve().parent / "csrc"
+Cell = int | float | str | bool
 _LINE = re.compile(r"^\s*(?:inline\s+)?constexpr\s+(?:u?int64_t|int|double)\s+(k\w+)\s*=\s*"
                    r"([^;]+);", re.MULTILINE)
 _CONSTEXPR = re.compile(r"^[^/]*\bconstexpr\b")  # code, not a comment, that says constexpr
-_FUNCTION = re.compile(r"^\s*(?:inline\s+)?constexpr\s+[\w:<>]+\s+\w+\s*\(")
+_FUNCTION = re.compile(r"^\s*(?:inline\s+)?constexpr\s+[^=;{(]*\b\w+\s*\(")
+_TABLE = re.compile(r"^\s*(?:inline\s+)?constexpr\s+\w+\s+(k\w+)\[\]\s*=\s*\{\s*$")
+_ROW = re.compile(r"^\s*\{(.*)\},\s*(?://.*)?$")
+_TABLE_END = re.compile(r"^\s*\};\s*$")
+_CELL = re.compile(r'\s*("[^"]*"|[^,"]+)\s*(?:,|$)')
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
               ast.LShift: operator.lshift, ast.BitOr: operator.or_}
 
@@ -47,40 +54,95 @@ def _evaluate(node: ast.AST, known: dict[str, int | float], where: str) -> int |
                      "constants and + - * / << | are read)")
 
 
-def _constants(path: Path) -> list[tuple[str, str]]:
-    """(name, expression) of each constant line; a constexpr line of another form raises."""
-    found: list[tuple[str, str]] = []
+def _number(expression: str, known: dict[str, int | float], where: str) -> int | float:
+    text = re.sub(r"\bint64_t\s*\(", "(", expression)
+    text = re.sub(r"(?<=\d)(?:LL|ULL|ll|u|U)\b", "", text)
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"{where}: cannot read {expression.strip()!r}") from None
+    return _evaluate(tree.body, known, where)
+
+
+def _cell(text: str, known: dict[str, int | float], where: str) -> Cell:
+    text = text.strip()
+    if text.startswith('"'):
+        return text[1:-1]
+    if text in ("true", "false"):
+        return text == "true"
+    return _number(text, known, where)
+
+
+def _read(path: Path) -> tuple[dict[str, int | float], dict[str, list[tuple[Cell, ...]]]]:
+    """The constants and the tables of ``path``; a constexpr line of another form raises."""
+    known: dict[str, int | float] = {}
+    tables: dict[str, list[tuple[Cell, ...]]] = {}
+    table: list[tuple[Cell, ...]] | None = None
     for number, line in enumerate(path.read_text().splitlines(), start=1):
+        where = f"{path}:{number}"
+        if table is not None:
+            if _TABLE_END.match(line):
+                table = None
+                continue
+            row = _ROW.match(line)
+            if row is None or "{" in row.group(1) or "}" in row.group(1):
+                raise ValueError(f"{where}: cannot read this table line (one row a line, "
+                                 f"'{{cell, ...}},', then '}};'): {line.strip()!r}")
+            table.append(tuple(_cell(cell, known, where)
+                               for cell in _CELL.findall(row.group(1))))
+            continue
         if not _CONSTEXPR.match(line) or _FUNCTION.match(line):
+            continue
+        start = _TABLE.match(line)
+        if start is not None:
+            table = tables[start.group(1)] = []
             continue
         match = _LINE.match(line)
         if match is None:
-            raise ValueError(f"{path}:{number}: cannot read this constexpr line (only "
+            raise ValueError(f"{where}: cannot read this constexpr line (only "
                              "'constexpr <int64_t | uint64_t | int | double> kName = <expression>;'"
-                             f" on one line is read): {line.strip()!r}")
-        found.append((match.group(1), match.group(2)))
-    return found
+                             " on one line, or a table 'constexpr <Type> kName[] = {', is read): "
+                             f"{line.strip()!r}")
+        known[match.group(1)] = _number(match.group(2), known, f"{path.name}: {match.group(1)}")
+    if table is not None:
+        raise ValueError(f"{path}: a table does not end with '}};'")
+    return known, tables
 
 
 @functools.cache
-def header(name: str) -> dict[str, int | float]:
-    """Every ``constexpr`` constant of ``csrc/<name>`` by its C++ name (``kCacheLine``...)."""
-    path = CSRC / name
-    known: dict[str, int | float] = {}
-    for constant, expression in _constants(path):
-        text = re.sub(r"\bint64_t\s*\(", "(", expression)
-        text = re.sub(r"(?<=\d)(?:LL|ULL|ll|u|U)\b", "", text)
-        tree = ast.parse(text.strip(), mode="eval")
-        known[constant] = _evaluate(tree.body, known, f"{path.name}: {constant}")
-    return known
+def _header(path: Path) -> tuple[dict[str, int | float], dict[str, list[tuple[Cell, ...]]]]:
+    return _read(path)
 
 
-def int_constant(name: str, constant: str) -> int:
-    value = header(name)[constant]
+def _path(name: str, directory: Path | None) -> Path:
+    return (CSRC if directory is None else directory) / name
+
+
+def header(name: str, directory: Path | None = None) -> dict[str, int | float]:
+    """Every ``constexpr`` constant of ``<directory>/<name>`` (the core's ``arfuse/csrc`` by
+    default) by its C++ name (``kCacheLine``...)."""
+    return dict(_header(_path(name, directory))[0])
+
+
+def table(name: str, constant: str, directory: Path | None = None) -> list[tuple[Cell, ...]]:
+    """The rows of the table ``constant`` of ``<directory>/<name>``, each a tuple of cells."""
+    tables = _header(_path(name, directory))[1]
+    if constant not in tables:
+        raise ValueError(f"{name}: no table {constant} (tables: {', '.join(tables) or 'none'})")
+    return list(tables[constant])
+
+
+def cache_clear() -> None:
+    """Forget what was read (a test that edits a header)."""
+    _header.cache_clear()
+
+
+def int_constant(name: str, constant: str, directory: Path | None = None) -> int:
+    value = header(name, directory)[constant]
     if not isinstance(value, int):
         raise TypeError(f"{name}: {constant} is not an integer constant")
     return value
 
 
-def float_constant(name: str, constant: str) -> float:
-    return float(header(name)[constant])
+def float_constant(name: str, constant: str, directory: Path | None = None) -> float:
+    return float(header(name, directory)[constant])

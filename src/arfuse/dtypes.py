@@ -1,8 +1,8 @@
 """The one table of activation dtypes: canonical name, element size, torch's name, kernel code.
 
 Pure (no torch import): the spec and the policy use it as data; ``torch_types`` maps the names to
-``torch.dtype`` values; the code is the kernel's (``csrc/signature.h``), which call signatures
-carry.
+``torch.dtype`` values; the code is the kernels' (``arfuse/csrc/signature.h``), which call
+signatures carry.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ class DType:
     name: str          # canonical: bf16, fp16, fp32
     size: int          # bytes per element
     torch_name: str    # attribute of the torch module
-    code: int          # the kernel's code (csrc/signature.h)
+    code: int          # the kernel's code (arfuse/csrc/signature.h)
     aliases: tuple[str, ...] = ()
 
 

@@ -6,14 +6,17 @@ with the sum (nothing; RMSNorm; the residual added, then RMSNorm) and which quan
 makes (none, FP8 with the caller's scale, FP8 with a scale per token, NVFP4 with its scale
 layout). A call's pattern follows from its arguments (``Pattern.of_call``); each backend's
 descriptor says which patterns it fuses (``BackendDescriptor.fuses``); the call signature
-carries its code, whose numbers are the kernel's (``csrc/signature.h``, read by
-``arfuse.ctables``), so room for patterns to come is left in one place.
+carries its code, whose numbers are the kernels' (``arfuse/csrc/signature.h``, read by
+``arfuse.ctables``), so room for patterns to come is left in one place. The quantised outputs
+are that header's table ``kQuantOutputs`` (``QUANT_OUTPUTS`` here): a row names, numbers and
+shapes each one, for both languages.
 
 Pure: no torch, so the policy and ``explain`` can use it as data.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -27,14 +30,105 @@ REDUCTIONS: dict[str, int] = {"all_reduce": int(_S["kReductionAllReduce"]),
 EPILOGUES: dict[str, int] = {"none": int(_S["kEpilogueNone"]),
                              "rmsnorm": int(_S["kEpilogueRmsNorm"]),
                              "residual_rmsnorm": int(_S["kEpilogueResidualRmsNorm"])}
-# (quant, NVFP4 scale layout) -> output code
-OUTPUTS: dict[tuple[str | None, str | None], int] = {
-    (None, None): int(_S["kOutputNone"]),
-    ("fp8", None): int(_S["kOutputFp8"]),
-    ("fp8_dynamic", None): int(_S["kOutputFp8Dynamic"]),
-    ("nvfp4", "swizzled_128x4"): int(_S["kOutputNvfp4Swizzled"]),
-    ("nvfp4", "linear"): int(_S["kOutputNvfp4Linear"]),
-}
+_SCALE_IN = {int(_S["kScaleInNone"]): "none", int(_S["kScaleInDequant"]): "dequant",
+             int(_S["kScaleInEncode"]): "encode"}
+_QUANT_TYPES = {int(_S["kQuantTypeNone"]): None, int(_S["kQuantTypeE4m3"]): "float8_e4m3fn",
+                int(_S["kQuantTypeUint8"]): "uint8", int(_S["kQuantTypeFloat32"]): "float32"}
+
+
+def _round_up(value: int, to: int) -> int:
+    return (value + to - 1) // to * to
+
+
+@dataclass(frozen=True, slots=True)
+class QuantOutput:
+    """One row of ``kQuantOutputs`` (``arfuse/csrc/signature.h``, whose comments say what each
+    column means): a quantised output, or ``none``."""
+
+    quant: str | None     # the ``quant`` argument that names it (None: no quantised output)
+    layout: str | None    # the ``layout`` argument that picks it among its quant's rows
+    code: int             # the pattern's output bits, and the shm torch operator's ``quant``
+    scale_in: str         # the caller's scale: none, dequant (reciprocal taken), encode
+    fp32: bool            # whether fp32 rows can be quantised
+    block: int            # hidden must be a multiple of it
+    data_dtype: str | None   # quant_out's torch dtype name (None: not made)
+    data_pack: int           # values per element of quant_out
+    scale_dtype: str | None  # scale_out's torch dtype name (None: not made)
+    scale_row_align: int
+    scale_group: int      # 0: one scale per row
+    scale_col_align: int
+
+    @classmethod
+    def of_row(cls, row: tuple[ctables.Cell, ...]) -> QuantOutput:
+        (quant, layout, code, scale_in, fp32, block, data_type, data_pack, scale_type,
+         row_align, group, col_align) = row
+        return cls(None if quant == "none" else str(quant), str(layout) or None, int(code),
+                   _SCALE_IN[int(scale_in)], bool(fp32), int(block), _QUANT_TYPES[int(data_type)],
+                   int(data_pack), _QUANT_TYPES[int(scale_type)], int(row_align), int(group),
+                   int(col_align))
+
+    def data_shape(self, tokens: int, hidden: int) -> tuple[int, int] | None:
+        """quant_out's shape (``None``: not made)."""
+        return None if self.data_dtype is None else (tokens, hidden // self.data_pack)
+
+    def scale_shape(self, tokens: int, hidden: int) -> tuple[int, int] | None:
+        """scale_out's shape, padding included (``None``: not made)."""
+        if self.scale_dtype is None:
+            return None
+        cols = 1 if self.scale_group == 0 else _round_up(hidden // self.scale_group,
+                                                        self.scale_col_align)
+        return _round_up(tokens, self.scale_row_align), cols
+
+    def problem(self, dtype: str, hidden: int) -> str:
+        """Why rows of ``hidden`` elements of ``dtype`` cannot be quantised so ("" when they
+        can): the one copy of this rule, which the spec, the call checks and the kernels'
+        fast paths (tested against it) all apply."""
+        if dtype == "fp32" and not self.fp32:
+            return f"quant={self.quant!r} needs dtype bf16 or fp16, not fp32"
+        if hidden % self.block:
+            return (f"quant={self.quant!r} needs hidden a multiple of {self.block}, "
+                    f"got hidden={hidden}")
+        return ""
+
+
+QUANT_OUTPUTS: tuple[QuantOutput, ...] = tuple(
+    QuantOutput.of_row(row) for row in ctables.table("signature.h", "kQuantOutputs"))
+"""Every quantised output, ``none`` first."""
+OUTPUTS: dict[tuple[str | None, str | None], int] = {(o.quant, o.layout): o.code
+                                                     for o in QUANT_OUTPUTS}
+"""(quant, layout) -> output code."""
+
+
+def quant_output_of_code(code: object, name: str = "quant") -> QuantOutput:
+    """The row of output code ``code``; another value raises ``ValueError`` naming ``name``."""
+    for output in QUANT_OUTPUTS:
+        if code == output.code and not isinstance(code, bool):
+            return output
+    allowed = ", ".join(f"{o.code} ({o.quant or 'none'}{' ' + o.layout if o.layout else ''})"
+                        for o in QUANT_OUTPUTS)
+    raise ValueError(f"{name}={code!r} is not the code of a quantised output; use one of "
+                     f"{allowed}")
+
+
+@functools.cache
+def output_code(quant: str | None, layout: str | None) -> int:
+    """The code of the output ``quant`` names (with ``layout`` where its rows differ in it):
+    the one code the shm kernel takes."""
+    return quant_output(quant, layout).code
+
+
+def quant_output(quant: str | None, layout: str | None = None) -> QuantOutput:
+    """The row that ``quant`` names (with ``layout`` where its rows differ in it)."""
+    rows = [o for o in QUANT_OUTPUTS if o.quant == quant]
+    if not rows:
+        raise ValueError(f"quant={quant!r} is not valid; use one of "
+                         + ", ".join(dict.fromkeys(str(o.quant or "none")
+                                                   for o in QUANT_OUTPUTS)))
+    for output in rows:
+        if output.layout is None or output.layout == layout:
+            return output
+    raise ValueError(f"layout={layout!r} is not valid for quant={quant!r}; use one of "
+                     + ", ".join(str(o.layout) for o in rows))
 REDUCTION_SHIFT = int(_S["kReductionShift"])
 _EPILOGUE_SHIFT = int(_S["kEpilogueShift"])
 _EPILOGUE_TEXT = {"none": "", "rmsnorm": " + RMSNorm", "residual_rmsnorm": " + residual + RMSNorm"}
@@ -71,7 +165,7 @@ class Pattern:
         """The pattern of a call with (``norm``: a weight was given) and ``residual``,
         quantised as ``quant`` (NVFP4 with its scale ``layout``)."""
         epilogue = "none" if not norm else "residual_rmsnorm" if residual else "rmsnorm"
-        return cls(epilogue, quant, layout if quant == "nvfp4" else None, reduction)
+        return cls(epilogue, quant, quant_output(quant, layout).layout, reduction)
 
     @property
     def code(self) -> int:
@@ -90,6 +184,11 @@ class Pattern:
                        reduction=_key_of(REDUCTIONS, reduction))
         except KeyError:
             raise ValueError(f"{code} is not the code of a pattern") from None
+
+    @property
+    def output(self) -> QuantOutput:
+        """Its quantised output's row (``none`` when not quantised)."""
+        return quant_output(self.quant, self.layout)
 
     @property
     def quantised(self) -> bool:
@@ -117,9 +216,8 @@ class Pattern:
         parts = [] if self.reduction == "all_reduce" else [self.reduction]
         parts.append("allreduce" if self.epilogue == "none" else self.epilogue)
         if self.quant is not None:
-            parts.append(self.quant + ("" if self.layout is None else
-                                       "_swizzled" if self.layout == "swizzled_128x4"
-                                       else "_linear"))
+            parts.append(self.quant + ("" if self.layout is None
+                                       else "_" + self.layout.split("_")[0]))
         return "+".join(parts)
 
     def describe(self) -> str:

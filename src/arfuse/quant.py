@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from .pattern import quant_output
 from .sizing import round_up
-from .spec import NVFP4_BLOCK, check_layout
+from .spec import NVFP4_BLOCK
 
 FP8_MAX = 448.0
-E2M1_MAX = 6.0
 _SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()  # f32(1/6), as the kernels use
 # Magnitude code thresholds: code = number of thresholds passed. Ties go to the even code,
 # hence alternating strict (>) and non-strict (>=) comparisons.
@@ -81,7 +81,7 @@ def nvfp4_quantize(x: torch.Tensor, global_scale: float,
     an infinity saturates the block scale to 448; the e2m1 conversion
     (``cvt.rn.satfinite.e2m1x2.f32``) saturates +-inf to +-6 and turns NaN into +6 (code 7,
     sign dropped), since e2m1 has no NaN."""
-    check_layout(layout)
+    quant_output("nvfp4", layout)  # a layout of nvfp4's, or ValueError naming layout
     tokens, hidden = x.shape
     if hidden % NVFP4_BLOCK:
         raise ValueError(f"nvfp4 needs hidden a multiple of {NVFP4_BLOCK}, got {hidden}")
@@ -111,9 +111,3 @@ def swizzle_128x4(linear: torch.Tensor) -> torch.Tensor:
     tiles = padded.view(rows_p // 128, 4, 32, cols_p // 4, 4).permute(0, 3, 2, 1, 4)
     return tiles.contiguous().view(rows_p, cols_p)
 
-
-def nvfp4_scale_shape(tokens: int, hidden: int, layout: str) -> tuple[int, int]:
-    cols = hidden // NVFP4_BLOCK
-    if layout == "linear":
-        return tokens, cols
-    return round_up(tokens, 128), round_up(cols, 4)

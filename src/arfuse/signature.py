@@ -5,11 +5,11 @@ before any rank reads a peer's data.
 the MoE patterns their fan-in (top_k, or the experts of a reduction), whether a shared expert
 is given and a digest of the expanded rows and the routed scaling factor (``moe_bits``);
 ``word 1``: the hidden size and the op (the group's construction count, the same on every
-rank), so calls of two ops never pair. The numbers are the kernel's (``csrc/signature.h``,
-read by ``arfuse.ctables``). The shm kernel writes these words itself; the pure-torch shm path
-and the torch backend write them here, and all three describe a mismatch in the same text
-(this module's twin is ``describe_signature`` / ``mismatch_message`` in ``csrc/protocol.cpp``;
-a contract test compares them).
+rank), so calls of two ops never pair. The numbers are the kernels'
+(``arfuse/csrc/signature.h``, read by ``arfuse.ctables``). The shm kernel writes these words
+itself; the pure-torch shm path and the torch backend write them here, and all three describe
+a mismatch in the same text (this module's twin is ``describe_signature`` /
+``mismatch_message`` in the shm kernel's ``protocol.cpp``; a contract test compares them).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _fields(word0: int, word1: int) -> tuple[object, ...]:
             "?" if pattern is None else (_REDUCTION_PREFIX[pattern.reduction]
                                          + _EPILOGUE_NAMES[pattern.epilogue]),
             "?" if pattern is None else pattern.quant or "none",
-            int(pattern is not None and pattern.layout == "swizzled_128x4"),
+            "?" if pattern is None else pattern.layout or "",
             "twoshot" if (word0 >> MODE_SHIFT) & 1 else "oneshot",
             (word1 >> OP_SHIFT) & MAX_OP,
             (word0 >> MOE_FAN_IN_SHIFT) & MAX_MOE_FAN_IN,
@@ -100,8 +100,8 @@ def describe(word0: int, word1: int) -> str:
     tokens, dtype, hidden, pattern, quant, layout, mode, op, fan_in, shared, digest = \
         _fields(word0, word1)
     text = f"tokens={tokens} dtype={dtype} hidden={hidden} pattern={pattern} quant={quant}"
-    if quant == "nvfp4":
-        text += " layout=" + ("swizzled_128x4" if layout else "linear")
+    if layout and layout != "?":
+        text += f" layout={layout}"
     text += f" mode={mode} op={op}"
     if isinstance(pattern, str) and pattern.startswith("moe_"):
         text += (f" {'top_k' if pattern.startswith('moe_finalize') else 'experts'}={fan_in}"

@@ -1,5 +1,6 @@
 """What a fused all-reduce is asked to carry: the spec every rank must agree on, and the rules
-of its patterns (quantisation names, the NVFP4 preconditions, scale layouts).
+of its patterns (quantisation names, their preconditions, scale layouts: arfuse.pattern's
+table of quantised outputs).
 
 Kept free of torch so the policy can be reasoned about (and property-tested) as plain data;
 ``torch.dtype`` values are accepted and named by their canonical short names.
@@ -10,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dtypes import DTYPES, parse_dtype
+from .pattern import QUANT_OUTPUTS, quant_output
 
-QUANTS: tuple[str, ...] = ("fp8", "nvfp4", "fp8_dynamic")
-SCALED_QUANTS = ("fp8", "nvfp4")  # the caller gives the scale; fp8_dynamic computes its own
-NVFP4_BLOCK = 16
-LAYOUTS: tuple[str, ...] = ("swizzled_128x4", "linear")
+# the quantised outputs' names: the table's (arfuse/csrc/signature.h)
+QUANTS: tuple[str, ...] = tuple(dict.fromkeys(o.quant for o in QUANT_OUTPUTS if o.quant))
+NVFP4_BLOCK = quant_output("nvfp4", "linear").block
 
 
 def parse_quant(value: object, name: str = "quant") -> str | None:
@@ -32,22 +33,10 @@ def parse_quant(value: object, name: str = "quant") -> str | None:
     return text
 
 
-def check_layout(layout: object) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not valid; use one of {', '.join(LAYOUTS)}")
-    return str(layout)
-
-
-def nvfp4_problem(dtype: str, hidden: int) -> str:
-    """Why NVFP4 cannot quantise rows of ``hidden`` elements of ``dtype`` ("" when it can).
-
-    The one copy of this rule: the spec, the call checks and the kernel's fast path (which
-    mirrors it, tested against this) all refuse the same cases."""
-    if dtype == "fp32":
-        return "quant='nvfp4' needs dtype bf16 or fp16, not fp32"
-    if hidden % NVFP4_BLOCK:
-        return f"quant='nvfp4' needs hidden a multiple of {NVFP4_BLOCK}, got hidden={hidden}"
-    return ""
+def quant_problem(quant: str | None, dtype: str, hidden: int) -> str:
+    """Why ``quant`` cannot quantise rows of ``hidden`` elements of ``dtype`` ("" when it can;
+    the rule is the table's, ``QuantOutput.problem``)."""
+    return next(o for o in QUANT_OUTPUTS if o.quant == quant).problem(dtype, hidden)
 
 
 @dataclass(frozen=True)
@@ -68,10 +57,9 @@ class Spec:
                 raise ValueError(f"{field_name}={value} is not valid; it must be >= 1")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         object.__setattr__(self, "quant", parse_quant(self.quant))
-        if self.quant == "nvfp4":
-            problem = nvfp4_problem(self.dtype, self.hidden)
-            if problem:
-                raise ValueError(problem)
+        problem = quant_problem(self.quant, self.dtype, self.hidden)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def elem_size(self) -> int:

@@ -12,7 +12,7 @@ rank). When the group's plan is unfused the operator runs the chain the graph ha
 torch: the graph's own all-reduce op, the add, the norm in its ``form`` (``match``) and the
 quantisation.
 
-On CPU with the shm kernel the operators' CPU kernels are the kernel's own (bindings.cpp): once
+On CPU with the shm kernel the operators' CPU kernels are the kernel's own (operators.cpp): once
 the op of a key exists they run the calls straight from the graph, as the hand-written graph's
 ``shm_fused_allreduce_functional`` does, and hand everything else to the Python
 implementation here. Elsewhere the hot path is a dict look-up and ``FusedAllReduce.__call__``.
@@ -76,7 +76,7 @@ class _Chains:
             self._enter_route(x)
 
     def _enter_route(self, x: torch.Tensor) -> None:
-        """Let the operators' CPU kernels (the shm kernel's, bindings.cpp) run this op's calls
+        """Let the operators' CPU kernels (the shm kernel's, operators.cpp) run this op's calls
         without Python: it takes the calls this op's fast path takes and hands the rest to
         ``_run``. Nothing where the op has no such entry (another backend, call faults)."""
         assert self.comm is not None

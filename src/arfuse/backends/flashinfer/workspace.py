@@ -32,7 +32,7 @@ import torch
 from ... import catalog, log, moe
 from ...call_checks import CallArgs
 from ...errors import ArfuseError, CreationFailed, NegotiationTimeout
-from ...quant import nvfp4_scale_shape
+from ...pattern import quant_output
 from ...result import FusedOutput
 from ...sizing import largest_fitting
 from ...spec import Spec
@@ -286,7 +286,9 @@ class FlashInferWorkspace(Workspace):
                 pattern = K_OUT_FP4_QUANT
                 kwargs["layout_code"] = LAYOUT_CODE[call.layout]
                 quant_out = torch.empty((tokens, hidden // 2), dtype=torch.uint8, device=x.device)
-                rows, cols = nvfp4_scale_shape(tokens, hidden, call.layout)
+                shape = quant_output("nvfp4", call.layout).scale_shape(tokens, hidden)
+                assert shape is not None
+                rows, cols = shape
                 # zeroed: FlashInfer never writes the swizzle padding
                 scale_out = torch.zeros(rows * cols, dtype=torch.float8_e4m3fn, device=x.device)
                 scale_result = scale_out.view(torch.uint8).view(rows, cols)

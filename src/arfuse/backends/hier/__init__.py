@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ...catalog import BackendDescriptor, Footprint
 from ...pattern import Pattern
 from ...sizing import ceil_div
-from ...spec import Spec, nvfp4_problem
+from ...spec import Spec
 from ...topology import Topology
 from ..shm.layout import MAX_TOKENS, MAX_WORLD, ShmLayout
 
@@ -92,7 +92,7 @@ def unmet(topology: Topology, spec: Spec) -> str:
 
 def fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
     """Every pattern shm fuses: the epilogue and quantisation run once on the reduced rows."""
-    return pattern.quant != "nvfp4" or not nvfp4_problem(spec.dtype, spec.hidden)
+    return not pattern.output.problem(spec.dtype, spec.hidden)
 
 
 def notes(topology: Topology, spec: Spec) -> tuple[str, ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ...catalog import BackendDescriptor, Footprint
 from ...pattern import Pattern
 from ...sizing import ceil_div
-from ...spec import Spec, nvfp4_problem
+from ...spec import Spec
 from ...topology import Topology
 from .layout import MAX_TOKENS, MAX_WORLD, ShmLayout
 
@@ -29,7 +29,7 @@ def unmet(topology: Topology, spec: Spec) -> str:
 
 def fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
     """Every pattern, MoE ones included, on every ISA path (NVFP4 where its rows allow it)."""
-    return pattern.quant != "nvfp4" or not nvfp4_problem(spec.dtype, spec.hidden)
+    return not pattern.output.problem(spec.dtype, spec.hidden)
 
 
 def layout_of(world_size: int, spec: Spec) -> ShmLayout:

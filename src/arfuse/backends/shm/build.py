@@ -1,6 +1,7 @@
 """Build the shm kernel at first use with ``torch.utils.cpp_extension``, cached per user.
 
-The kernel is ``csrc/*.cpp`` plus the headers they include (``csrc/*.h``). The build directory
+The kernel is ``csrc/*.cpp`` plus the headers they include (``csrc/*.h`` and the core's
+``arfuse/csrc/*.h``, the constants every backend shares). The build directory
 is keyed by a hash of every one of those files, the compiler flags, torch's version, Python's
 extension suffix, the CPU's instruction-set flags and the instruction set built for, so an
 edit, an upgrade or another machine never loads a stale binary. No compiler (or a failed
@@ -43,22 +44,21 @@ _state: dict[str, object] = {}
 _fake_registered: list[bool] = []
 
 
-# The torch operator's quantisation argument (and the kernel's run/call): its codes are the
-# kernel's own (csrc/signature.h)
-QUANT_CODES: dict[str | None, int] = {
-    quant: ctables.int_constant("signature.h", name)
-    for quant, name in ((None, "kNone"), ("fp8", "kFP8"), ("nvfp4", "kNVFP4"),
-                        ("fp8_dynamic", "kFP8Dynamic"))}
-
-
 def sources() -> list[Path]:
     """The translation units, compiled together into one extension module."""
     return sorted(CSRC.glob("*.cpp"))
 
 
+def include_dirs() -> list[Path]:
+    """Where the kernel's headers are: its own, then the core's shared constants
+    (``arfuse/csrc``: the call signature, the quantised outputs, the call limits)."""
+    return [CSRC, ctables.CSRC]
+
+
 def kernel_files() -> list[Path]:
     """Every file the build reads: the sources and the headers they include."""
-    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
+    return sorted(p for directory in include_dirs() for p in directory.iterdir()
+                  if p.suffix in (".cpp", ".h"))
 
 
 # best first; avx512-nobf16 is avx512 without AVX512_BF16's conversion, as on CPUs that lack
@@ -168,9 +168,9 @@ def _register_fake() -> None:
     _fake_registered.append(True)
     import torch
 
-    from ...quant import nvfp4_scale_shape
+    from ...pattern import quant_output_of_code
 
-    def outputs(x: torch.Tensor, weight: torch.Tensor | None, quant: int, swizzled: bool,
+    def outputs(x: torch.Tensor, weight: torch.Tensor | None, quant: int,
                 out: torch.Tensor | None, residual_out: torch.Tensor | None) -> list[Any]:
         if x.dim() != 2:
             raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
@@ -179,22 +179,18 @@ def _register_fake() -> None:
         if weight is not None:
             result.append(residual_out if residual_out is not None
                           else x.new_empty((tokens, hidden)))
-        if quant in (QUANT_CODES["fp8"], QUANT_CODES["fp8_dynamic"]):
-            result.append(x.new_empty((tokens, hidden), dtype=torch.float8_e4m3fn))
-            if quant == QUANT_CODES["fp8_dynamic"]:  # a float32 scale per token
-                result.append(x.new_empty((tokens, 1), dtype=torch.float32))
-        elif quant == QUANT_CODES["nvfp4"]:
-            result.append(x.new_empty((tokens, hidden // 2), dtype=torch.uint8))
-            layout = "swizzled_128x4" if swizzled else "linear"
-            result.append(x.new_empty(nvfp4_scale_shape(tokens, hidden, layout),
-                                      dtype=torch.uint8))
+        made = quant_output_of_code(quant, "quant")  # quant_out, scale_out as its row says
+        for shape, dtype in ((made.data_shape(tokens, hidden), made.data_dtype),
+                             (made.scale_shape(tokens, hidden), made.scale_dtype)):
+            if shape is not None and dtype is not None:
+                result.append(x.new_empty(shape, dtype=getattr(torch, dtype)))
         return result
 
     def fake(handle: int, x: torch.Tensor, residual: torch.Tensor | None,
              weight: torch.Tensor | None, eps: float, weight_bias: float, quant: int,
-             scale: float, swizzled: bool, out: torch.Tensor | None = None,
+             scale: float, out: torch.Tensor | None = None,
              residual_out: torch.Tensor | None = None) -> list[Any]:
-        return outputs(x, weight, quant, swizzled, out, residual_out)
+        return outputs(x, weight, quant, out, residual_out)
 
     try:
         torch.library.register_fake("arfuse::shm_fused_allreduce")(fake)
@@ -278,7 +274,7 @@ def _compile(cpp_extension: Any, name: str, directory: int,
         module = cpp_extension.load(
             name=name, sources=[str(p) for p in sources()],
             extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(CSRC)],
+            extra_include_paths=[str(d) for d in include_dirs()],
             build_directory=fd_path(directory), verbose=False)
     except Exception as exc:  # a broken toolchain means the pure path, not a crash
         return None, f"building the kernel failed: {type(exc).__name__}: {str(exc)[-500:]}"

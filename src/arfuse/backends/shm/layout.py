@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from ... import ctables
@@ -24,7 +25,7 @@ from ...sizing import ceil_div, round_up
 
 
 def _constant(name: str) -> int:
-    return ctables.int_constant("layout.h", name)
+    return ctables.int_constant("layout.h", name, Path(__file__).resolve().parent / "csrc")
 
 
 CACHE_LINE = _constant("kCacheLine")

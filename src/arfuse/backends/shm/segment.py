@@ -34,7 +34,7 @@ PREFIX = "arfuse-"
 
 
 # the rule by which a waiting rank tells a dead peer (csrc/liveness.h, the kernel's too)
-_LIVENESS = ctables.header("liveness.h")
+_LIVENESS = ctables.header("liveness.h", Path(__file__).resolve().parent / "csrc")
 LIVENESS_LOOK_S = float(_LIVENESS["kLookS"])
 _STATE_FIELD = int(_LIVENESS["kStatStateField"])
 _START_FIELD = int(_LIVENESS["kStatStartField"])

@@ -24,7 +24,9 @@ from ...errors import (
     MismatchedCall,
     WorkspaceBroken,
 )
+from ...pattern import output_code
 from ...result import FusedOutput
+from ...settings import ResidualPromise
 from ...sizing import ceil_div
 from ...spec import Spec
 from ...torch_types import TORCH_DTYPES
@@ -110,7 +112,9 @@ class ShmWorkspace(Workspace):
                 layout.input_bytes, ctx.timeout_s, ONESHOT_MAX_BYTES)
             self._comm.set_result_type(FusedOutput)
             self._comm.set_group(_group_number(ctx.key))
-            self._comm.set_replicated_residual(ctx.settings.replicated_residual.promised)
+            promise = ctx.settings.replicated_residual
+            self._comm.set_replicated_residual(promise.promised)
+            self._comm.set_residual_checked(promise is ResidualPromise.CHECKED)
         if self._comm is None:
             self.use_pure_path()
 
@@ -246,16 +250,18 @@ class ShmWorkspace(Workspace):
         pure-torch path). Every rank of the group calls, alike (it is collective)::
 
             outs = torch.ops.arfuse.shm_fused_allreduce(
-                handle, x, residual, weight, eps, weight_bias, quant, scale, swizzled,
-                out, residual_out)
+                handle, x, residual, weight, eps, weight_bias, quant, scale, out, residual_out)
 
         ``residual``, ``weight``, ``out``, ``residual_out``: tensors or ``None``, with the
-        rules of ``FusedAllReduce.__call__``; ``quant``: 0 none, 1 fp8, 2 nvfp4, 4 fp8_dynamic
-        (``scale`` as there, any number without quant or with fp8_dynamic); ``swizzled``:
-        NVFP4 scales in the ``swizzled_128x4`` layout, else ``linear``. Returns ``[out]``, then
-        ``residual_out`` when ``weight`` is given, ``quant_out`` with quant, ``scale_out``
-        with nvfp4 and fp8_dynamic (float32 ``[tokens, 1]``). The workspace's settings
-        apply (``replicated_residual``). Bad
+        rules of ``FusedAllReduce.__call__``; ``quant``: the code of the quantised output,
+        ``arfuse.pattern.output_code(quant, layout)`` (0 none, 1 fp8, 2 nvfp4 swizzled_128x4,
+        3 nvfp4 linear, 4 fp8_dynamic; ``scale`` as there, any number where the output takes
+        none). Returns ``[out]``, then ``residual_out`` when ``weight`` is given, then
+        ``quant_out`` and ``scale_out`` where the output makes them (fp8: ``quant_out``;
+        nvfp4 and fp8_dynamic: both, fp8_dynamic's scales float32 ``[tokens, 1]``). The
+        workspace's settings apply (``replicated_residual``; an op made with
+        ``replicated_residual="check"`` refuses the operator with ``ValueError``, since the
+        check across ranks is the op's: call the op). Bad
         arguments raise ``ValueError``; a failed call ``CallTimeout``, ``MismatchedCall`` or
         ``WorkspaceBroken``, as the op does. The operator has a fake (meta) implementation,
         so ``torch.compile`` traces it (backend ``eager``); backends that functionalize
@@ -301,8 +307,9 @@ class ShmWorkspace(Workspace):
         if call.moe is not None:
             self._expert_step(call.moe, call.x)
         return FusedOutput(*self._comm.run(call.x, call.residual, call.weight, call.eps,
-                                           call.weight_bias, shm_build.QUANT_CODES[call.quant],
-                                           call.scale or 0.0, call.layout == "swizzled_128x4",
+                                           call.weight_bias,
+                                           output_code(call.quant, call.layout),
+                                           call.scale or 0.0,
                                            call.out, call.residual_out, call.op, call.moe_word))
 
     def _expert_step(self, step: moe.ExpertStep, x: torch.Tensor) -> None:

@@ -1,8 +1,5 @@
-// The Python module (pybind11) and the torch operator torch.ops.arfuse.shm_fused_allreduce.
-//
-// Errors: the kernel throws ShmError; here it becomes arfuse.errors.CallTimeout (timeout, dead
-// peer), MismatchedCall or WorkspaceBroken, the classes build.py hands over once through
-// set_error_types (RuntimeError before that).
+// The Python module (pybind11): ShmComm, the constants and tables as compiled, and the test and
+// measurement hooks (the torch operators and the error bridge: operators.cpp).
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
@@ -16,316 +13,10 @@
 
 #include "comm.h"
 #include "moe.h"
+#include "operators.h"
 
 namespace arfuse {
 namespace {
-
-PyObject* g_error_types[3] = {nullptr, nullptr, nullptr};  // by ShmError::Kind; never freed
-
-void set_error_types(py::object timeout, py::object mismatch, py::object broken) {
-  PyObject* given[3] = {timeout.ptr(), mismatch.ptr(), broken.ptr()};
-  for (int i = 0; i < 3; ++i) {
-    TORCH_CHECK(PyType_Check(given[i]) && PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(
-                                              given[i]), reinterpret_cast<PyTypeObject*>(
-                                              PyExc_Exception)),
-                "arfuse shm: error types must be exception classes");
-    Py_INCREF(given[i]);
-    Py_XDECREF(g_error_types[i]);
-    g_error_types[i] = given[i];
-  }
-}
-
-// Sets the Python error for e (the GIL held). CallTimeout takes its ready-made text as
-// message= and the silent ranks; the others take the text.
-void set_python_error(const ShmError& e) {
-  PyObject* type = g_error_types[e.kind];
-  if (type == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return;
-  }
-  try {
-    py::object cls = py::reinterpret_borrow<py::object>(type);
-    py::object error;
-    if (e.kind == ShmError::kTimeout) {
-      py::list silent;
-      for (int r : e.silent) silent.append(r);
-      error = cls(py::arg("phase") = "call", py::arg("backend") = "shm",
-                  py::arg("silent") = silent, py::arg("timeout_s") = e.timeout_s,
-                  py::arg("message") = e.what());
-    } else {
-      error = cls(e.what());
-    }
-    PyErr_SetObject(type, error.ptr());
-  } catch (py::error_already_set& failed) {  // the class refused its arguments: say so
-    failed.restore();
-  }
-}
-
-// For the torch operator: torch releases the GIL around operators, and maps only its own C++
-// errors to Python classes, so the Python error is made here and travels as
-// py::error_already_set, which torch's and pybind11's handlers restore as is.
-[[noreturn]] void raise_python(const ShmError& e) {
-  if (!Py_IsInitialized()) throw std::runtime_error(e.what());
-  py::gil_scoped_acquire gil;
-  set_python_error(e);
-  throw py::error_already_set();
-}
-
-Tensors tensors_of(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                   const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& out,
-                   const std::optional<at::Tensor>& residual_out) {
-  Tensors t;
-  t.x = &x;
-  t.residual = residual ? &*residual : nullptr;
-  t.weight = weight ? &*weight : nullptr;
-  t.out = out ? &*out : nullptr;
-  t.residual_out = residual_out ? &*residual_out : nullptr;
-  return t;
-}
-
-Numbers numbers_of(double eps, double weight_bias, int64_t quant, double scale, bool swizzled) {
-  Numbers n;
-  n.eps = eps;
-  n.weight_bias = weight_bias;
-  n.quant = int(quant);
-  n.scale = scale;
-  n.swizzled = swizzled;
-  if (quant != kNone && quant != kFP8 && quant != kNVFP4 && quant != kFP8Dynamic) {
-    n.quant = -1;  // refused
-  }
-  return n;
-}
-
-// torch.ops.arfuse.shm_fused_allreduce: [out] (+ [residual_out] with weight) (+ [quant_out]
-// with quant) (+ [scale_out] with nvfp4 and fp8_dynamic); see ShmWorkspace.handle in
-// workspace.py.
-std::vector<at::Tensor> op_fused_allreduce(
-    int64_t handle, const at::Tensor& x, const std::optional<at::Tensor>& residual,
-    const std::optional<at::Tensor>& weight, double eps, double weight_bias, int64_t quant,
-    double scale, bool swizzled, const std::optional<at::Tensor>& out,
-    const std::optional<at::Tensor>& residual_out) {
-  const std::shared_ptr<ShmComm> comm = ShmComm::find(handle);
-  TORCH_CHECK_VALUE(comm != nullptr, "arfuse shm: no live workspace has handle ", handle);
-  const Tensors t = tensors_of(x, residual, weight, out, residual_out);
-  const Numbers n = numbers_of(eps, weight_bias, quant, scale, swizzled);
-  std::array<at::Tensor, 4> r;
-  try {
-    r = comm->run(t, n, Py_IsInitialized() && PyGILState_Check());
-  } catch (const ShmError& e) {
-    raise_python(e);
-  }
-  std::vector<at::Tensor> list{r[0]};
-  if (weight) list.push_back(r[1]);
-  if (quant != kNone) list.push_back(r[2]);
-  if (quant == kNVFP4 || quant == kFP8Dynamic) list.push_back(r[3]);
-  return list;
-}
-
-std::vector<at::Tensor> op_fused_allreduce_functional(
-    int64_t handle, const at::Tensor& x, const std::optional<at::Tensor>& residual,
-    const std::optional<at::Tensor>& weight, double eps, double weight_bias, int64_t quant,
-    double scale, bool swizzled) {
-  return op_fused_allreduce(handle, x, residual, weight, eps, weight_bias, quant, scale,
-                            swizzled, std::nullopt, std::nullopt);
-}
-
-// Registered when the module loads rather than by a static TORCH_LIBRARY block: loading a
-// second build of this kernel in the same process (another cache entry) would then abort in
-// a static initializer; here the first build keeps the operator and the second skips it.
-void register_torch_ops() {
-  static bool done = false;
-  if (done) return;
-  done = true;
-  if (c10::Dispatcher::singleton().findSchema({"arfuse::shm_fused_allreduce", ""})) return;
-  auto* def = new torch::Library(torch::Library::FRAGMENT, "arfuse", std::nullopt, __FILE__,
-                                 __LINE__);  // never freed: the operator lives with the process
-  def->def("shm_fused_allreduce(int handle, Tensor x, Tensor? residual, Tensor? weight, "
-           "float eps, float weight_bias, int quant, float scale, bool swizzled, "
-           "Tensor(a!)? out, Tensor(b!)? residual_out) -> Tensor[]");
-  def->def("shm_fused_allreduce_functional(int handle, Tensor x, Tensor? residual, "
-           "Tensor? weight, float eps, float weight_bias, int quant, float scale, "
-           "bool swizzled) -> Tensor[]");
-  auto* impl = new torch::Library(torch::Library::IMPL, "arfuse", c10::DispatchKey::CPU,
-                                  __FILE__, __LINE__);
-  impl->impl("shm_fused_allreduce", TORCH_FN(op_fused_allreduce));
-  impl->impl("shm_fused_allreduce_functional", TORCH_FN(op_fused_allreduce_functional));
-}
-
-// ---- torch.ops.arfuse.compiled_fused_allreduce(_fp8) on CPU ----------------------------------
-//
-// The operators the torch.compile pass puts in a graph (arfuse/compile/runtime.py defines them
-// and their Python implementation). A graph calls one per chain every step, right after
-// matmuls that have evicted the caches, where a trip through Python's dispatch and arfuse's
-// Python code costs more than the kernel's own work. Here a route (the shm op runtime.py
-// negotiated for a group, dtype and hidden size, entered once it exists) leads straight to the
-// kernel with the fast path's checks; any other call (no route yet, a larger capacity,
-// anything the fast path declines) runs the Python implementation, which negotiates, enters
-// routes and falls back as the Python operator always did.
-
-struct CompiledRoute {
-  std::weak_ptr<ShmComm> comm;
-  int64_t handle = 0, op = 0, capacity = 0;
-  std::atomic<int64_t> calls{0};  // the calls this route ran (runtime.py counts the others)
-};
-
-using RouteKey = std::tuple<std::string, int, int64_t>;  // group name, dtype, hidden
-std::mutex g_routes_mutex;
-std::map<RouteKey, std::shared_ptr<CompiledRoute>> g_routes;
-PyObject* g_compiled_python = nullptr;  // runtime._run; never freed
-PyObject* g_compiled_python_fp8 = nullptr;  // runtime._run_fp8; never freed
-
-RouteKey route_key(c10::string_view group, at::ScalarType dtype, int64_t hidden) {
-  return {std::string(group.data(), group.size()), int(dtype), hidden};
-}
-
-std::shared_ptr<CompiledRoute> find_route(const RouteKey& key) {
-  const std::lock_guard<std::mutex> lock(g_routes_mutex);
-  auto it = g_routes.find(key);
-  return it == g_routes.end() ? nullptr : it->second;
-}
-
-void set_compiled_route(const std::string& group, at::ScalarType dtype, int64_t hidden,
-                        int64_t handle, int64_t op, int64_t capacity) {
-  std::shared_ptr<ShmComm> comm = ShmComm::find(handle);
-  TORCH_CHECK_VALUE(comm != nullptr, "arfuse shm: no live workspace has handle ", handle);
-  auto route = std::make_shared<CompiledRoute>();
-  route->comm = comm;
-  route->handle = handle;
-  route->op = op;
-  route->capacity = capacity;
-  const std::lock_guard<std::mutex> lock(g_routes_mutex);
-  g_routes[route_key(group, dtype, hidden)] = route;
-}
-
-// Removes the route if it still leads to `handle` (a later one of the key stays).
-void drop_compiled_route(const std::string& group, at::ScalarType dtype, int64_t hidden,
-                         int64_t handle) {
-  const std::lock_guard<std::mutex> lock(g_routes_mutex);
-  auto it = g_routes.find(route_key(group, dtype, hidden));
-  if (it != g_routes.end() && it->second->handle == handle) g_routes.erase(it);
-}
-
-int64_t compiled_route_calls(const std::string& group, at::ScalarType dtype, int64_t hidden) {
-  std::shared_ptr<CompiledRoute> route = find_route(route_key(group, dtype, hidden));
-  return route ? route->calls.load() : 0;
-}
-
-py::object optional_object(const std::optional<at::Tensor>& t) {
-  return t ? py::cast(*t) : py::none();
-}
-
-// A chain's call on its route: true with r's outputs shaped as x, or false (nothing run) when
-// the Python implementation must take it. scale: the FP8 operator's (else null).
-bool run_routed(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                const at::Tensor& weight, double eps, double weight_bias,
-                c10::string_view group_name, int64_t capacity,
-                const std::optional<at::Tensor>& eps_input, const at::Tensor* scale,
-                std::array<at::Tensor, 4>* r) {
-  std::shared_ptr<CompiledRoute> route =
-      x.dim() >= 1 ? find_route(route_key(group_name, x.scalar_type(), x.size(-1))) : nullptr;
-  std::shared_ptr<ShmComm> comm = route ? route->comm.lock() : nullptr;
-  if (!comm || route->capacity < capacity) return false;
-  Numbers n;
-  if (scale) {  // the pass matches a one-element fp32 scale; anything else: Python's checks
-    if (!scale->is_cpu() || scale->numel() != 1 || scale->scalar_type() != at::kFloat) {
-      return false;
-    }
-    n.quant = kFP8;
-    n.scale = scale->item<double>();
-  }
-  // as runtime.py's Python path: [tokens, hidden] rows, eps from the graph's fp32 input
-  const bool rows = x.dim() == 2;
-  const at::Tensor x2 = rows ? x.contiguous() : x.reshape({-1, x.size(-1)}).contiguous();
-  at::Tensor residual2;
-  if (residual) {
-    residual2 = rows ? residual->contiguous() : residual->reshape({-1, x.size(-1)}).contiguous();
-  }
-  n.eps = eps_input ? eps_input->to(at::kFloat).item<double>() : eps;
-  n.weight_bias = weight_bias;
-  n.op = route->op;
-  Tensors t;
-  t.x = &x2;
-  t.residual = residual ? &residual2 : nullptr;
-  t.weight = &weight;
-  try {
-    if (!comm->try_run(t, n, Py_IsInitialized() && PyGILState_Check(), r)) return false;
-  } catch (const ShmError& e) {
-    raise_python(e);
-  }
-  route->calls.fetch_add(1, std::memory_order_relaxed);
-  if (!rows) {
-    for (int i = 0; i < (scale ? 3 : 2); ++i) (*r)[i] = (*r)[i].view(x.sizes());
-  }
-  return true;
-}
-
-// The Python implementation (runtime._run or _run_fp8) for a call no route took; every Python
-// object made here dies before the GIL is let go.
-template <typename Result>
-Result run_in_python(PyObject* python, const at::Tensor& x,
-                     const std::optional<at::Tensor>& residual, const at::Tensor& weight,
-                     double eps, double weight_bias, c10::string_view group_name,
-                     int64_t capacity, int64_t form, const std::optional<at::Tensor>& eps_input,
-                     const at::Tensor* scale) {
-  TORCH_CHECK(python != nullptr, "arfuse shm: compiled operator not set up");
-  py::gil_scoped_acquire gil;
-  py::object group = py::str(std::string(group_name.data(), group_name.size()));
-  py::object fn = py::reinterpret_borrow<py::object>(python);
-  py::object result =
-      scale ? fn(x, optional_object(residual), weight, eps, weight_bias, group, capacity, form,
-                 *scale, optional_object(eps_input))
-            : fn(x, optional_object(residual), weight, eps, weight_bias, group, capacity, form,
-                 optional_object(eps_input));
-  return result.cast<Result>();
-}
-
-std::tuple<at::Tensor, at::Tensor> compiled_fused_allreduce(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
-    double eps, double weight_bias, c10::string_view group_name, int64_t capacity,
-    int64_t form, const std::optional<at::Tensor>& eps_input) {
-  std::array<at::Tensor, 4> r;
-  if (run_routed(x, residual, weight, eps, weight_bias, group_name, capacity, eps_input,
-                 nullptr, &r)) {
-    return {r[0], r[1]};
-  }
-  return run_in_python<std::tuple<at::Tensor, at::Tensor>>(
-      g_compiled_python, x, residual, weight, eps, weight_bias, group_name, capacity, form,
-      eps_input, nullptr);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> compiled_fused_allreduce_fp8(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
-    double eps, double weight_bias, c10::string_view group_name, int64_t capacity,
-    int64_t form, const at::Tensor& scale, const std::optional<at::Tensor>& eps_input) {
-  std::array<at::Tensor, 4> r;
-  if (run_routed(x, residual, weight, eps, weight_bias, group_name, capacity, eps_input,
-                 &scale, &r)) {
-    return {r[0], r[1], r[2]};
-  }
-  return run_in_python<std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
-      g_compiled_python_fp8, x, residual, weight, eps, weight_bias, group_name, capacity, form,
-      eps_input, &scale);
-}
-
-// Gives the two operators (defined in Python before this is called) these CPU kernels, once
-// per process, with their Python implementations for what the routes do not take.
-void register_compiled_ops(py::object python, py::object python_fp8) {
-  static bool done = false;
-  if (done) return;
-  auto& dispatcher = c10::Dispatcher::singleton();
-  const auto op = dispatcher.findSchema({"arfuse::compiled_fused_allreduce", ""});
-  const auto op_fp8 = dispatcher.findSchema({"arfuse::compiled_fused_allreduce_fp8", ""});
-  TORCH_CHECK(op.has_value() && op_fp8.has_value(), "arfuse shm: the compiled operators are "
-              "not defined (arfuse.compile.runtime.register defines them)");
-  done = true;
-  if (op->hasKernelForDispatchKey(c10::DispatchKey::CPU)) return;  // another build's
-  g_compiled_python = python.release().ptr();
-  g_compiled_python_fp8 = python_fp8.release().ptr();
-  auto* impl = new torch::Library(torch::Library::IMPL, "arfuse", c10::DispatchKey::CPU,
-                                  __FILE__, __LINE__);  // never freed, as register_torch_ops
-  impl->impl("compiled_fused_allreduce", TORCH_FN(compiled_fused_allreduce));
-  impl->impl("compiled_fused_allreduce_fp8", TORCH_FN(compiled_fused_allreduce_fp8));
-}
 
 py::dict layout_constants() {
   py::dict d;
@@ -363,10 +54,6 @@ py::dict signature_constants() {
   d["kBF16"] = kBF16;
   d["kFP16"] = kFP16;
   d["kFP32"] = kFP32;
-  d["kNone"] = kNone;
-  d["kFP8"] = kFP8;
-  d["kNVFP4"] = kNVFP4;
-  d["kFP8Dynamic"] = kFP8Dynamic;
   d["kTokensShift"] = signature::kTokensShift;
   d["kPatternShift"] = signature::kPatternShift;
   d["kPatternBits"] = signature::kPatternBits;
@@ -391,15 +78,34 @@ py::dict signature_constants() {
   d["kEpilogueNone"] = signature::kEpilogueNone;
   d["kEpilogueRmsNorm"] = signature::kEpilogueRmsNorm;
   d["kEpilogueResidualRmsNorm"] = signature::kEpilogueResidualRmsNorm;
-  d["kOutputNone"] = signature::kOutputNone;
-  d["kOutputFp8"] = signature::kOutputFp8;
-  d["kOutputNvfp4Swizzled"] = signature::kOutputNvfp4Swizzled;
-  d["kOutputNvfp4Linear"] = signature::kOutputNvfp4Linear;
-  d["kOutputFp8Dynamic"] = signature::kOutputFp8Dynamic;
+  d["kOutputNone"] = kOutputNone;
+  d["kOutputFp8"] = kOutputFp8;
+  d["kOutputNvfp4Swizzled"] = kOutputNvfp4Swizzled;
+  d["kOutputNvfp4Linear"] = kOutputNvfp4Linear;
+  d["kOutputFp8Dynamic"] = kOutputFp8Dynamic;
+  d["kScaleInNone"] = kScaleInNone;
+  d["kScaleInDequant"] = kScaleInDequant;
+  d["kScaleInEncode"] = kScaleInEncode;
+  d["kQuantTypeNone"] = kQuantTypeNone;
+  d["kQuantTypeE4m3"] = kQuantTypeE4m3;
+  d["kQuantTypeUint8"] = kQuantTypeUint8;
+  d["kQuantTypeFloat32"] = kQuantTypeFloat32;
   d["kFp32Max"] = kFp32Max;
   d["kFp32Tiny"] = kFp32Tiny;
   d["kFp8ScaleMin"] = kFp8ScaleMin;
   return d;
+}
+
+// The table of quantised outputs as compiled, one tuple a row (the contract test compares it
+// with what arfuse/ctables.py reads).
+py::list quant_outputs() {
+  py::list rows;
+  for (const QuantOutput& o : kQuantOutputs) {
+    rows.append(py::make_tuple(o.quant, o.layout, o.code, o.scale_in, o.fp32, o.block,
+                               o.data_type, o.data_pack, o.scale_type, o.scale_row_align,
+                               o.scale_group, o.scale_col_align));
+  }
+  return rows;
 }
 
 py::dict slot_geometry(int64_t world, int64_t max_tokens, int64_t hidden, int64_t elem) {
@@ -505,18 +211,17 @@ void bind_comm(py::module_& m) {
            py::arg("op") = 0)
       .def("run", [](ShmComm& comm, const at::Tensor& x, const std::optional<at::Tensor>& residual,
                      const std::optional<at::Tensor>& weight, double eps, double weight_bias,
-                     int64_t quant, double scale, bool swizzled,
-                     const std::optional<at::Tensor>& out,
+                     int64_t quant, double scale, const std::optional<at::Tensor>& out,
                      const std::optional<at::Tensor>& residual_out, int64_t op, int64_t moe) {
-        Numbers n = numbers_of(eps, weight_bias, quant, scale, swizzled);
+        Numbers n = numbers_of(eps, weight_bias, quant, scale);
         n.op = op;
         n.moe = moe;
         std::array<at::Tensor, 4> r =
             comm.run(tensors_of(x, residual, weight, out, residual_out), n, true);
         return std::vector<at::Tensor>(r.begin(), r.end());
       }, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
-           py::arg("weight_bias"), py::arg("quant"), py::arg("scale"), py::arg("swizzled"),
-           py::arg("out"), py::arg("residual_out"), py::arg("op") = 0, py::arg("moe") = 0)
+           py::arg("weight_bias"), py::arg("quant"), py::arg("scale"), py::arg("out"),
+           py::arg("residual_out"), py::arg("op") = 0, py::arg("moe") = 0)
       .def("announce", &ShmComm::announce, py::arg("tokens"), py::arg("pattern"),
            py::arg("op") = 0, py::arg("moe") = 0)
       .def("set_group", &ShmComm::set_group)
@@ -527,6 +232,7 @@ void bind_comm(py::module_& m) {
       .def("set_copy_mode", &ShmComm::set_copy_mode)
       .def("set_output_stores", &ShmComm::set_output_stores)
       .def("set_replicated_residual", &ShmComm::set_replicated_residual)
+      .def("set_residual_checked", &ShmComm::set_residual_checked)
       .def("replicated_residual", &ShmComm::replicated_residual)
       .def("streams_outputs", &ShmComm::streams_outputs)
       .def("pooled_bytes", &ShmComm::pooled_bytes)
@@ -559,6 +265,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_error_types", &set_error_types);
   m.def("layout_constants", &layout_constants);
   m.def("signature_constants", &signature_constants);
+  m.def("quant_outputs", &quant_outputs);
   m.def("slot_geometry", &slot_geometry);
   m.def("describe_signature", &describe_signature);
   m.def("mismatch_message", &mismatch_message);

@@ -1,4 +1,6 @@
-// ShmComm (comm.h): argument checks, outputs, and one call's exchange.
+// ShmComm (comm.h): the handle table, life, the fast paths, outputs and one call's exchange
+// (the argument checks: comm_checks.cpp).
+#include "arguments.h"
 #include "comm.h"
 
 #include "float_env.h"
@@ -22,48 +24,13 @@ std::mutex g_comms_mutex;
 std::unordered_map<int64_t, std::weak_ptr<ShmComm>> g_comms;
 int64_t g_next_handle = 1;
 
-struct Span {
-  const char* begin;
-  const char* end;
-  bool operator==(const Span& o) const { return begin == o.begin && end == o.end; }
-};
-Span span(const at::Tensor& t) {
-  const char* p = static_cast<const char*>(t.data_ptr());
-  return {p, p + t.numel() * int64_t(t.element_size())};
-}
-bool overlap(Span a, Span b) { return a.begin < b.end && b.begin < a.end; }
-
-// A float or int, not a bool (call_checks.real_number takes more; those go to Python).
-bool plain_number(py::handle obj, double* out) {
-  PyObject* p = obj.ptr();
-  if (PyFloat_Check(p)) {
-    *out = PyFloat_AS_DOUBLE(p);
-    return true;
+// The torch dtype of a kQuantType* (signature.h).
+at::ScalarType quant_type(int type) {
+  switch (type) {
+    case kQuantTypeE4m3: return at::kFloat8_e4m3fn;
+    case kQuantTypeFloat32: return at::kFloat;
+    default: return at::kByte;
   }
-  if (PyLong_Check(p) && !PyBool_Check(p)) {
-    *out = PyLong_AsDouble(p);
-    if (*out == -1.0 && PyErr_Occurred()) {
-      PyErr_Clear();
-      return false;
-    }
-    return true;
-  }
-  return false;
-}
-
-// None -> nullptr (true); a tensor -> its address (true); anything else: false.
-bool take_tensor(py::handle obj, const at::Tensor** out) {
-  if (obj.is_none()) {
-    *out = nullptr;
-    return true;
-  }
-  if (!THPVariable_Check(obj.ptr())) return false;
-  *out = &THPVariable_Unpack(obj.ptr());
-  return true;
-}
-
-bool is_ascii(py::handle obj, const char* text) {
-  return PyUnicode_CompareWithASCIIString(obj.ptr(), text) == 0;
 }
 
 }  // namespace
@@ -211,154 +178,6 @@ void ShmComm::set_output_stores(int64_t mode) {
   output_stores_ = int(mode);
 }
 
-// ---- checks (call_checks.check_call, rule for rule) --------------------------------------------
-
-// call_checks.check_plain: memory that holds the values as they read (dense, not nested, not
-// quantized, no lazy conjugate or negative view). First: sizes and strides of the others throw.
-static bool plain_tensor(const at::Tensor& t) {
-  return t.layout() == c10::kStrided && !t.is_nested() && !t.is_quantized() && !t.is_conj() &&
-         !t.is_neg();
-}
-
-const char* ShmComm::x_problem(const at::Tensor& x, bool fast) const {
-  if (!plain_tensor(x)) return "x must be a dense tensor (not sparse, nested, quantized, a view)";
-  if (x.dim() != 2) return "x must be 2-D [tokens, hidden]";
-  if (x.scalar_type() != scalar_type()) return "x has another dtype than this workspace";
-  if (x.size(1) != hidden_) return "x has another hidden size than this workspace";
-  if (!x.is_cpu()) return "x must be a CPU tensor";
-  if (!x.is_contiguous()) return "x must be contiguous";
-  if (x.size(0) > max_tokens_) return "x has more tokens than the workspace holds";
-  if (fast && x.size(0) < 1) return "no tokens";  // the Python path handles those
-  return nullptr;
-}
-
-bool ShmComm::like_x(const at::Tensor& t, const at::Tensor& x) const {
-  return plain_tensor(t) && t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() &&
-         t.is_cpu() && t.is_contiguous();
-}
-
-const char* ShmComm::tensors_problem(const Tensors& t) const {
-  if (t.residual) {
-    if (!t.weight) return "residual needs weight (the residual pattern includes RMSNorm)";
-    if (!like_x(*t.residual, *t.x)) return "residual must be shaped, typed and laid out as x";
-  }
-  if (t.weight) {
-    const at::Tensor& w = *t.weight;
-    if (!plain_tensor(w) || w.dim() != 1 || w.size(0) != hidden_ ||
-        w.scalar_type() != t.x->scalar_type() || !w.is_cpu() || !w.is_contiguous()) {
-      return "weight must be a contiguous CPU tensor of shape (hidden,) typed as x";
-    }
-  }
-  return nullptr;
-}
-
-const char* ShmComm::numbers_problem(bool norm, const Numbers& n) const {
-  if (norm && !(n.eps >= kFp32Tiny && n.eps <= kFp32Max)) {
-    return "eps must be in [1.4e-45, 3.4e38] (> 0 and finite in float32)";
-  }
-  if (norm && !(std::fabs(n.weight_bias) <= kFp32Max)) {
-    return "weight_bias must be finite in float32 (|weight_bias| <= 3.4e38)";
-  }
-  if (n.quant != kNone && n.quant != kFP8 && n.quant != kNVFP4 && n.quant != kFP8Dynamic) {
-    return "quant must be 0 (none), 1 (fp8), 2 (nvfp4) or 4 (fp8_dynamic)";
-  }
-  if (n.quant == kFP8 && !(n.scale >= kFp8ScaleMin && n.scale <= kFp32Max)) {
-    return "an fp8 scale must be in [2.9e-39, 3.4e38] (its float32 reciprocal finite)";
-  }
-  if (n.quant == kNVFP4) {
-    if (!(n.scale >= kFp32Tiny && n.scale <= kFp32Max)) {
-      return "an nvfp4 scale must be in [1.4e-45, 3.4e38] (> 0 and finite in float32)";
-    }
-    if (dtype_ == kFP32 || hidden_ % 16 != 0) {
-      return "nvfp4 needs dtype bf16 or fp16 and hidden a multiple of 16";
-    }
-  }
-  return nullptr;
-}
-
-// Inputs may not lie in the shared segment (a peer's copy or ours would overwrite them),
-// except x written exactly at input_buffer(); outputs as destination_problem says.
-const char* ShmComm::memory_problem(const Tensors& t) const {
-  const Span segment{seg_.base, seg_.end()};
-  const Span x = span(*t.x);
-  if (overlap(x, segment) && x.begin != next_slot()) {
-    return "x lies in the shared segment but does not start where input_buffer() does";
-  }
-  if (t.residual && overlap(span(*t.residual), segment)) {
-    return "residual lies in the shared segment (input_buffer())";
-  }
-  if (t.weight && overlap(span(*t.weight), segment)) {
-    return "weight lies in the shared segment (input_buffer())";
-  }
-  if (!t.out && !t.residual_out) return nullptr;
-  if (t.residual_out && !t.weight) return "residual_out needs weight";
-  if (t.out) {
-    if (const char* why = destination_problem(t, *t.out, true)) return why;
-  }
-  if (t.residual_out) {
-    if (const char* why = destination_problem(t, *t.residual_out, false)) return why;
-  }
-  if (t.out && t.residual_out && overlap(span(*t.out), span(*t.residual_out))) {
-    return "out and residual_out overlap; they must be different memory";
-  }
-  return nullptr;
-}
-
-// out is x or memory of its own; residual_out is residual (x without one) or memory of its
-// own; neither lies in the shared segment nor requires grad.
-const char* ShmComm::destination_problem(const Tensors& t, const at::Tensor& dest,
-                                         bool is_out) const {
-  if (!like_x(dest, *t.x)) {
-    return is_out ? "out must be a contiguous CPU tensor shaped and typed like x"
-                  : "residual_out must be a contiguous CPU tensor shaped and typed like x";
-  }
-  if (dest.requires_grad()) {
-    return is_out ? "out requires grad" : "residual_out requires grad";
-  }
-  const Span d = span(dest);
-  if (overlap(d, Span{seg_.base, seg_.end()})) {
-    return is_out ? "out is in the shared segment (input_buffer())"
-                  : "residual_out is in the shared segment (input_buffer())";
-  }
-  const int own_index = is_out || !t.residual ? 0 : 1;
-  const at::Tensor* args[3] = {t.x, t.residual, t.weight};
-  const Span own = span(*args[own_index]);
-  if (overlap(d, own) && !(d == own)) {
-    return is_out ? "out overlaps x only partly" : "residual_out overlaps its input only partly";
-  }
-  for (int i = 0; i < 3; ++i) {
-    if (args[i] == nullptr || i == own_index || span(*args[i]) == own) continue;
-    if (overlap(d, span(*args[i]))) {
-      return is_out ? "out overlaps another argument"
-                    : "residual_out overlaps another argument";
-    }
-  }
-  return nullptr;
-}
-
-bool ShmComm::take_numbers(bool norm, py::handle eps, py::handle weight_bias, py::handle quant,
-                           py::handle scale, py::handle layout, Numbers* n) {
-  if (norm && (!plain_number(eps, &n->eps) || !plain_number(weight_bias, &n->weight_bias))) {
-    return false;
-  }
-  if (!quant.is_none()) {
-    if (!PyUnicode_Check(quant.ptr())) return false;
-    if (is_ascii(quant, "fp8")) n->quant = kFP8;
-    else if (is_ascii(quant, "nvfp4")) n->quant = kNVFP4;
-    else if (is_ascii(quant, "fp8_dynamic")) n->quant = kFP8Dynamic;
-    else if (!is_ascii(quant, "none")) return false;
-  }
-  if (n->quant == kNone) return true;
-  if (n->quant == kFP8Dynamic) return scale.is_none();  // it computes its scales
-  if (!plain_number(scale, &n->scale)) return false;
-  if (n->quant == kNVFP4) {
-    if (!PyUnicode_Check(layout.ptr())) return false;
-    if (is_ascii(layout, "linear")) n->swizzled = false;
-    else if (!is_ascii(layout, "swizzled_128x4")) return false;
-  }
-  return true;
-}
-
 // ---- the fast path -------------------------------------------------------------------------
 
 py::object ShmComm::call(py::handle x_obj, py::handle residual_obj, py::handle weight_obj,
@@ -391,41 +210,7 @@ bool ShmComm::try_run(const Tensors& t, const Numbers& n, bool release_gil,
   return true;
 }
 
-// ---- the MoE fast path (arfuse.moe's checks, rule for rule; None where they would raise) -----
-
-// A MoE input: a contiguous, plain CPU tensor of `dim` dimensions outside the shared segment.
-bool ShmComm::moe_input_ok(const at::Tensor& t, int64_t dim) const {
-  return plain_tensor(t) && t.dim() == dim && t.is_cpu() && t.is_contiguous() &&
-         !overlap(span(t), Span{seg_.base, seg_.end()});
-}
-
-// The expert rows, scales and index of a MoE call, checked; the call's tokens (0: declined).
-int64_t ShmComm::moe_tokens(const at::Tensor& rows, const at::Tensor* index,
-                            const at::Tensor& scales, const at::Tensor* add) const {
-  const bool finalize = index != nullptr;
-  if (!moe_input_ok(rows, finalize ? 2 : 3) || rows.scalar_type() != scalar_type() ||
-      rows.size(rows.dim() - 1) != hidden_ || !moe_input_ok(scales, 2)) {
-    return 0;
-  }
-  if (scales.scalar_type() != at::kFloat && scales.scalar_type() != scalar_type()) return 0;
-  int64_t tokens = 0, fan_in = 0;
-  if (finalize) {
-    if (!moe_input_ok(*index, 2) || index->scalar_type() != at::kInt) return 0;
-    tokens = index->size(0);
-    fan_in = index->size(1);
-    if (scales.sizes() != index->sizes()) return 0;
-  } else {
-    fan_in = rows.size(0);
-    tokens = rows.size(1);
-    if (scales.size(0) != fan_in || scales.size(1) != tokens) return 0;
-  }
-  if (fan_in < 1 || fan_in > signature::kMaxMoeFanIn || tokens < 1) return 0;
-  if (add != nullptr && (!moe_input_ok(*add, 2) || add->scalar_type() != scalar_type() ||
-                         add->size(0) != tokens || add->size(1) != hidden_)) {
-    return 0;
-  }
-  return tokens;
-}
+// ---- the MoE fast path (None where arfuse.moe's checks would raise: comm_checks.cpp) --------
 
 py::object ShmComm::call_moe(py::handle rows_obj, py::handle index_obj, py::handle scales_obj,
                              py::handle add_obj, py::handle routed_obj, py::handle residual_obj,
@@ -588,7 +373,7 @@ void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t op, int64_t moe)
   const int64_t output = pattern & ((int64_t(1) << kEpilogueShift) - 1);
   TORCH_CHECK_VALUE(tokens >= 0 && pattern >= 0 && (pattern >> kReductionShift) == 0 &&
                         (pattern >> kEpilogueShift) <= kEpilogueResidualRmsNorm &&
-                        output <= kOutputFp8Dynamic && op >= 0 && op <= kMaxOp &&
+                        quant_output(output) != nullptr && op >= 0 && op <= kMaxOp &&
                         moe_bits_only(moe),
                     "arfuse shm: announce needs tokens >= 0, the code of an all-reduce pattern, "
                     "op 0..2147483647 and MoE bits of word 0 only");
@@ -646,9 +431,8 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
   c.weight = t.weight ? t.weight->data_ptr() : nullptr;
   c.eps = float(n.eps);
   c.weight_bias = float(n.weight_bias);
-  c.quant = n.quant;
+  c.output = n.output;
   c.scale = float(n.scale);
-  c.swizzled = n.swizzled;
   c.gain = scratch_.data();
   auto& [out, residual_out, quant_out, scale_out] = *r;
   out = t.out ? *t.out : output({tokens, hidden_}, x.options());
@@ -667,28 +451,23 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
   // pass's vector stores, which need rows of whole lines; without, through a staging row.
   const bool whole_lines = reinterpret_cast<uintptr_t>(c.out) % 64 == 0 &&
                            hidden_ * elem_ % 64 == 0;
-  c.stream_out = stream && own_out && n.quant == kNone && (whole_lines || !t.weight);
+  c.stream_out = stream && own_out && n.output == kOutputNone && (whole_lines || !t.weight);
   c.stream_residual_out = stream && own_residual_out;
   c.slot_holds_residual_out = replicated_residual_ && t.residual != nullptr;
-  if (n.quant == kFP8 || n.quant == kFP8Dynamic) {
-    quant_out = output({tokens, hidden_}, x.options().dtype(at::kFloat8_e4m3fn));
+  // quant_out and scale_out as the output's row of kQuantOutputs says (signature.h)
+  const QuantOutput& q = *quant_output(n.output);
+  if (q.data_type != kQuantTypeNone) {
+    quant_out =
+        output({tokens, hidden_ / q.data_pack}, x.options().dtype(quant_type(q.data_type)));
     c.quant_out = reinterpret_cast<uint8_t*>(quant_out.data_ptr());
-    if (n.quant == kFP8Dynamic) {
-      scale_out = output({tokens, 1}, x.options().dtype(at::kFloat));
-      c.scale_out = reinterpret_cast<uint8_t*>(scale_out.data_ptr());
-    }
-  } else if (n.quant == kNVFP4) {
-    const int64_t cols = hidden_ / 16;
-    quant_out = output({tokens, hidden_ / 2}, x.options().dtype(at::kByte));
-    if (n.swizzled) {
-      scale_out = output({(tokens + 127) / 128 * 128, (cols + 3) / 4 * 4},
-                         x.options().dtype(at::kByte));
-      scale_out.zero_();  // padding must read as zero
-    } else {
-      scale_out = output({tokens, cols}, x.options().dtype(at::kByte));
-    }
-    c.quant_out = quant_out.data_ptr<uint8_t>();
-    c.scale_out = scale_out.data_ptr<uint8_t>();
+  }
+  if (q.scale_type != kQuantTypeNone) {
+    const int64_t rows = layout::round_up(tokens, q.scale_row_align);
+    const int64_t used = q.scale_group == 0 ? 1 : hidden_ / q.scale_group;
+    const int64_t cols = layout::round_up(used, q.scale_col_align);
+    scale_out = output({rows, cols}, x.options().dtype(quant_type(q.scale_type)));
+    if (rows != tokens || cols != used) scale_out.zero_();  // padding must read as zero
+    c.scale_out = reinterpret_cast<uint8_t*>(scale_out.data_ptr());
   }
   return c;
 }

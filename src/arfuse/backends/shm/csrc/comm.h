@@ -3,7 +3,7 @@
 //         arfuse.call_checks; it returns None wherever those would raise, or for anything
 //         unusual) and runs;
 //   run   the checked entry for arguments already checked in Python, and for
-//         torch.ops.arfuse.shm_fused_allreduce (bindings.cpp): it raises ValueError for what
+//         torch.ops.arfuse.shm_fused_allreduce (operators.cpp): it raises ValueError for what
 //         call would decline.
 #pragma once
 
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "call_limits.h"
+#include "exchange.h"
 #include "protocol.h"
 
 namespace arfuse {
@@ -56,8 +57,7 @@ struct Tensors {  // the tensors of one call (nullptr: not given)
 
 struct Numbers {  // the scalars of one call
   double eps = 1e-6, weight_bias = 0.0, scale = 0.0;  // scale: unused by fp8_dynamic
-  int quant = kNone;  // kNone, kFP8, kNVFP4 or kFP8Dynamic
-  bool swizzled = true;
+  int output = kOutputNone;  // a code of kQuantOutputs (signature.h)
   int64_t op = 0;  // the op making the call: its signature names it (signature.h)
   int64_t moe = 0;  // a MoE call's word-0 bits: its reduction and fields (signature.h)
 };
@@ -107,7 +107,7 @@ class ShmComm {
                       py::handle scale, py::handle layout, py::handle out,
                       py::handle residual_out, int64_t op);
   // call's checks and run, for arguments already unpacked (the compiled graphs' operator,
-  // bindings.cpp): false, with nothing run, wherever call returns None.
+  // operators.cpp): false, with nothing run, wherever call returns None.
   bool try_run(const Tensors& t, const Numbers& n, bool release_gil,
                std::array<at::Tensor, 4>* r);
   // (out, residual_out, quant_out, scale_out), the absent ones undefined (None in Python).
@@ -144,6 +144,14 @@ class ShmComm {
     replicated_residual_ = replicated;
   }
   bool replicated_residual() const { return replicated_residual_; }
+  // Whether the op checks that promise across ranks before every call
+  // (replicated_residual="check"). The check is the op's (arfuse.ops, collective), which the
+  // torch operator skips: it refuses this workspace's handle (operators.cpp).
+  void set_residual_checked(bool checked) {
+    const std::lock_guard<std::mutex> one_call(call_mutex_);
+    residual_checked_ = checked;
+  }
+  bool residual_checked() const { return residual_checked_; }
   // Whether a call whose own outputs (out not x, residual_out not the residual) come to
   // `bytes` in all stores them with streaming stores (out only when it is not quantised, and
   // with RMSNorm where its rows are whole lines; see make_call). Auto: from the build's
@@ -202,6 +210,7 @@ class ShmComm {
   int copy_mode_ = kStoresAuto;
   int output_stores_ = kStoresAuto;
   bool replicated_residual_ = false;
+  bool residual_checked_ = false;
   double last_call_s_ = 0.0;
   bool timing_ = false;
   std::vector<float> scratch_;  // the gain of the current call

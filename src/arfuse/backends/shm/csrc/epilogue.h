@@ -41,9 +41,8 @@ struct Call {  // one call's arguments, resolved to raw pointers
   const void* residual = nullptr;
   const void* weight = nullptr;
   float eps = 0.0f, weight_bias = 0.0f;
-  int quant = kNone;
+  int output = kOutputNone;  // a code of kQuantOutputs (signature.h)
   float scale = 0.0f;
-  bool swizzled = false;
   void* out = nullptr;
   void* residual_out = nullptr;
   uint8_t* quant_out = nullptr;
@@ -99,16 +98,17 @@ template <int D>
 void quantize_columns(const typename Elem<D>::T* out, const Call& c, int64_t row, int64_t s,
                       int64_t e) {
   const int64_t H = c.hidden;
-  if (c.quant == kFP8) {
+  if (c.output == kOutputFp8) {
     const float inv_scale = 1.0f / c.scale;
     uint8_t* dst = c.quant_out + row * H;
     int64_t h = s + isa::fp8_row<D>(out + s, inv_scale, e - s, dst + s);
     for (; h < e; ++h) dst[h] = f32_to_e4m3(Elem<D>::load(out[h]) * inv_scale);
-  } else if (c.quant == kNVFP4) {
+  } else if (c.output == kOutputNvfp4Swizzled || c.output == kOutputNvfp4Linear) {
+    const bool swizzled = c.output == kOutputNvfp4Swizzled;
     const int64_t cols = H / 16;
     uint8_t* dst = c.quant_out + row * (H / 2);
     for (int64_t k = s / 16; k < e / 16; ++k) {
-      uint8_t* sf = c.scale_out + (c.swizzled ? swizzled_offset(row, k, cols) : row * cols + k);
+      uint8_t* sf = c.scale_out + (swizzled ? swizzled_offset(row, k, cols) : row * cols + k);
       if (!isa::nvfp4_block<D>(out + k * 16, c.scale, dst + k * 8, sf)) {
         nvfp4_block_scalar<D>(out + k * 16, c.scale, dst + k * 8, sf);
       }
@@ -117,13 +117,13 @@ void quantize_columns(const typename Elem<D>::T* out, const Call& c, int64_t row
 }
 
 // Whether quantize_columns covers the call's format (FP8 dynamic takes a whole row's amax).
-inline bool quantizes_by_columns(const Call& c) { return c.quant != kFP8Dynamic; }
+inline bool quantizes_by_columns(const Call& c) { return c.output != kOutputFp8Dynamic; }
 
 // Quantise row `row` of out (already rounded to T) into c.quant_out / c.scale_out.
 template <int D>
 void quantize_row(const typename Elem<D>::T* out, const Call& c, int64_t row) {
   const int64_t H = c.hidden;
-  if (c.quant == kFP8Dynamic) {
+  if (c.output == kOutputFp8Dynamic) {
     float amax = 0.0f;
     int64_t h = isa::amax_row<D>(out, H, &amax);
     for (; h < H; ++h) amax = std::fmax(amax, std::fabs(Elem<D>::load(out[h])));

@@ -10,27 +10,35 @@ const char* name_of(int64_t value, const char* const* names, int count) {
   return value >= 0 && value < count ? names[value] : "?";
 }
 
-struct Fields {  // a signature, decoded; quant as the quantisation argument's code;
-                 // pattern: (reduction, epilogue) as code >> kEpilogueShift
+struct Fields {  // a signature, decoded; pattern: (reduction, epilogue) as code >>
+                 // kEpilogueShift; quant, layout: the first row of kQuantOutputs with the
+                 // output's quant, layout name (-1: the code is none); output: its row
   int64_t tokens, pattern, quant, layout, dtype, hidden, mode, op, fan_in, shared, digest;
+  const QuantOutput* output;
 };
+
+// The index of the first row of kQuantOutputs whose `field` equals the one of `o` (-1: none).
+int64_t first_row(const QuantOutput* o, const char* QuantOutput::*field) {
+  if (o == nullptr) return -1;
+  for (int64_t i = 0; i < int64_t(std::size(kQuantOutputs)); ++i) {
+    if (std::strcmp(kQuantOutputs[i].*field, o->*field) == 0) return i;
+  }
+  return -1;
+}
 
 Fields decode(int64_t word0, int64_t word1) {
   using namespace signature;
   const int64_t code = (word0 >> kPatternShift) & ((int64_t(1) << kPatternBits) - 1);
   const int64_t output = code & ((int64_t(1) << kEpilogueShift) - 1);
-  const int64_t quant = output == kOutputNone         ? kNone
-                        : output == kOutputFp8        ? kFP8
-                        : output == kOutputFp8Dynamic ? kFP8Dynamic
-                        : output == kOutputNvfp4Swizzled || output == kOutputNvfp4Linear
-                            ? kNVFP4
-                            : -1;
-  return {(word0 >> kTokensShift) & 0xffffffffLL, code >> kEpilogueShift, quant,
-          output == kOutputNvfp4Swizzled ? 1 : 0, (word0 >> kDtypeShift) & 3,
+  const QuantOutput* q = quant_output(output);
+  return {(word0 >> kTokensShift) & 0xffffffffLL, code >> kEpilogueShift,
+          first_row(q, &QuantOutput::quant), first_row(q, &QuantOutput::layout),
+          (word0 >> kDtypeShift) & 3,
           word1 & 0xffffffffLL, (word0 >> kModeShift) & 1,
           int64_t(uint64_t(word1) >> kOpShift) & kMaxOp,
           (word0 >> kMoeFanInShift) & kMaxMoeFanIn, (word0 >> kMoeSharedShift) & 1,
-          int64_t(uint64_t(word0) >> kMoeDigestShift) & ((int64_t(1) << kMoeDigestBits) - 1)};
+          int64_t(uint64_t(word0) >> kMoeDigestShift) & ((int64_t(1) << kMoeDigestBits) - 1),
+          q};
 }
 
 constexpr int kEpilogues = 3;  // per reduction in Fields::pattern
@@ -38,15 +46,6 @@ bool is_finalize(const Fields& f) {
   return f.pattern / 4 == signature::kReductionMoeFinalize;
 }
 
-const char* quant_name(int64_t quant) {
-  switch (quant) {
-    case kNone: return "none";
-    case kFP8: return "fp8";
-    case kNVFP4: return "nvfp4";
-    case kFP8Dynamic: return "fp8_dynamic";
-    default: return "?";
-  }
-}
 
 }  // namespace
 
@@ -61,8 +60,8 @@ std::string describe_signature(int64_t word0, int64_t word1) {
   std::ostringstream ss;
   ss << "tokens=" << f.tokens << " dtype=" << name_of(f.dtype, dtypes, 3)
      << " hidden=" << f.hidden << " pattern=" << name_of(f.pattern, patterns, 11)
-     << " quant=" << quant_name(f.quant);
-  if (f.quant == kNVFP4) ss << " layout=" << (f.layout ? "swizzled_128x4" : "linear");
+     << " quant=" << (f.output ? f.output->quant : "?");
+  if (f.output && f.output->layout[0]) ss << " layout=" << f.output->layout;
   ss << " mode=" << (f.mode ? "twoshot" : "oneshot") << " op=" << f.op;
   if (f.pattern / 4 != 0 && f.pattern % 4 < kEpilogues) {
     ss << (is_finalize(f) ? " top_k=" : " experts=") << f.fan_in << " shared=" << f.shared

@@ -1,5 +1,6 @@
 // The call signature (R11): two int64 words a rank publishes beside its arrival flag for each
-// call, compared by every rank before any rank reads a peer's data; and the codes it holds.
+// call, compared by every rank before any rank reads a peer's data; the codes it holds; and the
+// table of quantised outputs. Shared by every backend (arfuse/csrc: the core's constants).
 // Python reads the constexpr lines of this file too (arfuse/ctables.py): arfuse.pattern names
 // the pattern codes, arfuse.signature writes the same words for the pure-torch path and the
 // torch backend. One copy: change a number here and both languages follow.
@@ -21,11 +22,66 @@ constexpr int kBF16 = 0;
 constexpr int kFP16 = 1;
 constexpr int kFP32 = 2;
 
-// The quantisation argument of the torch operator, and Call::quant.
-constexpr int kNone = 0;
-constexpr int kFP8 = 1;
-constexpr int kNVFP4 = 2;
-constexpr int kFP8Dynamic = 4;
+
+// ---- the quantised outputs ------------------------------------------------------------------
+// One row per output a call can make, the only place one is named and numbered: the output
+// code is what the pattern code carries and what the torch operator takes (its `quant`), and
+// both languages derive everything else from the row (Python: arfuse.pattern, via ctables):
+// which `quant`/`layout` arguments name it, what scale the caller gives, which rows it can
+// quantise, and the shapes and dtypes of quant_out and scale_out. Adding an output: a row here,
+// its arithmetic in the epilogues (epilogue.h, backends/torch/epilogue.py), the reference, and
+// the backends' `fuses`.
+
+constexpr int kOutputNone = 0;           // no quantised output
+constexpr int kOutputFp8 = 1;            // FP8, the caller's static scale
+constexpr int kOutputNvfp4Swizzled = 2;  // NVFP4, scales in swizzled_128x4
+constexpr int kOutputNvfp4Linear = 3;    // NVFP4, linear scales
+constexpr int kOutputFp8Dynamic = 4;     // FP8, a scale per token
+
+// The caller's scale: none (the output computes its own, or has none: scale must be None), a
+// dequantisation scale (its fp32 reciprocal is taken: >= kFp8ScaleMin), an encode scale
+// (multiplied: >= kFp32Tiny).
+constexpr int kScaleInNone = 0;
+constexpr int kScaleInDequant = 1;
+constexpr int kScaleInEncode = 2;
+// The element types of quant_out and scale_out (none: that output is not made).
+constexpr int kQuantTypeNone = 0;
+constexpr int kQuantTypeE4m3 = 1;     // float8_e4m3fn
+constexpr int kQuantTypeUint8 = 2;    // bytes (packed e2m1 codes, e4m3 block scales)
+constexpr int kQuantTypeFloat32 = 3;  // float32
+
+struct QuantOutput {
+  const char* quant;   // the `quant` argument that names it ("none" for no output)
+  const char* layout;  // the `layout` argument that picks it among its quant's rows ("": none)
+  int code;
+  int scale_in;        // kScaleIn*
+  bool fp32;           // whether fp32 rows can be quantised (else bf16 and fp16 only)
+  int block;           // hidden must be a multiple of it
+  int data_type;       // quant_out: [tokens, hidden / data_pack] of kQuantType*
+  int data_pack;       // values per element of quant_out
+  int scale_type;      // scale_out: [round_up(tokens, scale_row_align), cols] of kQuantType*,
+  int scale_row_align;  // cols = 1 when scale_group is 0, else
+  int scale_group;      // round_up(hidden / scale_group, scale_col_align); padding reads zero
+  int scale_col_align;
+};
+
+// Columns as in QuantOutput. Python reads these rows: one a line however long (names of the
+// constants above, numbers, strings, true/false).
+inline constexpr QuantOutput kQuantOutputs[] = {
+    {"none", "", kOutputNone, kScaleInNone, true, 1, kQuantTypeNone, 1, kQuantTypeNone, 1, 0, 1},
+    {"fp8", "", kOutputFp8, kScaleInDequant, true, 1, kQuantTypeE4m3, 1, kQuantTypeNone, 1, 0, 1},
+    {"fp8_dynamic", "", kOutputFp8Dynamic, kScaleInNone, true, 1, kQuantTypeE4m3, 1, kQuantTypeFloat32, 1, 0, 1},
+    {"nvfp4", "swizzled_128x4", kOutputNvfp4Swizzled, kScaleInEncode, false, 16, kQuantTypeUint8, 2, kQuantTypeUint8, 128, 16, 4},
+    {"nvfp4", "linear", kOutputNvfp4Linear, kScaleInEncode, false, 16, kQuantTypeUint8, 2, kQuantTypeUint8, 1, 16, 1},
+};
+
+// The row of an output code (nullptr: not one).
+inline constexpr const QuantOutput* quant_output(int64_t code) {
+  for (const QuantOutput& o : kQuantOutputs) {
+    if (o.code == code) return &o;
+  }
+  return nullptr;
+}
 
 namespace signature {
 
@@ -45,7 +101,7 @@ constexpr int64_t kMaxHidden = (int64_t(1) << 31) - 1;
 constexpr int64_t kMaxOp = (int64_t(1) << 31) - 1;
 
 // A pattern's code: what is reduced (bits 5-7), the epilogue (bits 3-4), the quantised output
-// (bits 0-2). Room is left in each for patterns to come.
+// (bits 0-2, a code of kQuantOutputs below). Room is left in each for patterns to come.
 constexpr int kReductionShift = 5;
 constexpr int kEpilogueShift = 3;
 constexpr int kReductionAllReduce = 0;       // the sum over ranks of x
@@ -54,24 +110,9 @@ constexpr int kReductionMoeFinalize = 2;     // of each rank's finalized expert 
 constexpr int kEpilogueNone = 0;             // the sum alone
 constexpr int kEpilogueRmsNorm = 1;          // + RMSNorm
 constexpr int kEpilogueResidualRmsNorm = 2;  // + residual + RMSNorm
-constexpr int kOutputNone = 0;               // no quantised output
-constexpr int kOutputFp8 = 1;                // FP8, the caller's static scale
-constexpr int kOutputNvfp4Swizzled = 2;      // NVFP4, scales in swizzled_128x4
-constexpr int kOutputNvfp4Linear = 3;        // NVFP4, linear scales
-constexpr int kOutputFp8Dynamic = 4;         // FP8, a scale per token
-
 inline constexpr int64_t pattern_code(int reduction, int epilogue, int output) {
   return (int64_t(reduction) << kReductionShift) | (int64_t(epilogue) << kEpilogueShift) |
          int64_t(output);
-}
-
-// The output code of a quantisation argument (-1: not one).
-inline constexpr int output_code(int quant, bool swizzled) {
-  return quant == kNone         ? kOutputNone
-         : quant == kFP8        ? kOutputFp8
-         : quant == kFP8Dynamic ? kOutputFp8Dynamic
-         : quant == kNVFP4      ? (swizzled ? kOutputNvfp4Swizzled : kOutputNvfp4Linear)
-                                : -1;
 }
 
 inline constexpr int64_t word0(int64_t tokens, int64_t pattern, bool twoshot, int dtype) {
