@@ -156,7 +156,7 @@ def pool_started_flushing(rank: int, world: int) -> bool:
     comm: Any = kernel
 
     def call() -> list[torch.Tensor]:
-        outs = comm.run(x.clone(), residual.clone(), weight, 1e-6, 0.0, 0, 0.0, True, None, None)
+        outs = comm.run(x.clone(), residual.clone(), weight, 1e-6, 0.0, 0, 0.0, None, None)
         return [t.clone() for t in outs if t is not None]
 
     parallel = call()
