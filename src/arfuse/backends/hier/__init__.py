@@ -16,6 +16,7 @@ from ...pattern import Pattern
 from ...sizing import ceil_div
 from ...spec import Spec
 from ...topology import Topology
+from ..shm import fuses as shm_fuses
 from ..shm.layout import MAX_TOKENS, MAX_WORLD, ShmLayout
 
 PARTIAL_DTYPE = "fp32"
@@ -91,8 +92,9 @@ def unmet(topology: Topology, spec: Spec) -> str:
 
 
 def fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
-    """Every pattern shm fuses: the epilogue and quantisation run once on the reduced rows."""
-    return not pattern.output.problem(spec.dtype, spec.hidden)
+    """Every pattern shm fuses (its rule): the epilogue and quantisation run once on the
+    reduced rows."""
+    return shm_fuses(topology, spec, pattern)
 
 
 def notes(topology: Topology, spec: Spec) -> tuple[str, ...]:
