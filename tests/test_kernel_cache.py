@@ -185,6 +185,26 @@ def test_cache_directory_is_created_private(cache: tuple[Path, Path, Path],
         assert info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) == 0o700, path
 
 
+def test_the_translation_unit_includes_every_other_source_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernel.cpp is the one file compiled: a .cpp it leaves out (or includes twice) would be
+    missing from (or defined twice in) the module, so the build refuses and says which."""
+    assert shm_build.unit_problem() == ""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(shm_build.CSRC, csrc)
+    monkeypatch.setattr(shm_build, "CSRC", csrc)
+    (csrc / "extra.cpp").write_text("// a new part\n")
+    assert "extra.cpp" in shm_build.unit_problem()
+    unit = csrc / "kernel.cpp"
+    unit.write_text(unit.read_text() + '#include "extra.cpp"\n')
+    assert shm_build.unit_problem() == ""
+    unit.write_text(unit.read_text() + '#include "comm.cpp"\n')
+    assert "must include each" in shm_build.unit_problem()
+    monkeypatch.setenv("ARFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    module, why = shm_build._build()
+    assert module is None and "comm.cpp" in why
+
+
 def test_every_source_and_header_is_in_the_build_key(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     csrc = tmp_path / "csrc"
@@ -192,8 +212,8 @@ def test_every_source_and_header_is_in_the_build_key(tmp_path: Path,
     monkeypatch.setattr(shm_build, "CSRC", csrc)
     files = shm_build.kernel_files()
     assert {p.suffix for p in files} == {".cpp", ".h"}
-    assert {p.name for p in shm_build.sources()} >= {"bindings.cpp"}
-    assert all(p.suffix == ".cpp" for p in shm_build.sources())
+    assert [p.name for p in shm_build.sources()] == ["kernel.cpp"]
+    assert {p.name for p in shm_build.parts()} >= {"bindings.cpp", "comm.cpp"}
     key = shm_build.build_key()
     for path in files:
         original = path.read_bytes()

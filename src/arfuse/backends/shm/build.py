@@ -1,7 +1,9 @@
 """Build the shm kernel at first use with ``torch.utils.cpp_extension``, cached per user.
 
 The kernel is ``csrc/*.cpp`` plus the headers they include (``csrc/*.h`` and the core's
-``arfuse/csrc/*.h``, the constants every backend shares). The build directory
+``arfuse/csrc/*.h``, the constants every backend shares), compiled as one translation unit
+(``csrc/kernel.cpp`` includes every other ``.cpp``): torch's headers, most of a build's time,
+are then read once, not once per file. The build directory
 is keyed by a hash of every one of those files, the compiler flags, torch's version, Python's
 extension suffix, the CPU's instruction-set flags and the instruction set built for, so an
 edit, an upgrade or another machine never loads a stale binary. No compiler (or a failed
@@ -24,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,9 +47,29 @@ _state: dict[str, object] = {}
 _fake_registered: list[bool] = []
 
 
+UNIT = "kernel.cpp"
+
+
 def sources() -> list[Path]:
-    """The translation units, compiled together into one extension module."""
-    return sorted(CSRC.glob("*.cpp"))
+    """The one translation unit the compiler is given (``kernel.cpp``, which includes
+    ``parts()``)."""
+    return [CSRC / UNIT]
+
+
+def parts() -> list[Path]:
+    """The kernel's ``.cpp`` files that ``kernel.cpp`` includes."""
+    return sorted(p for p in CSRC.glob("*.cpp") if p.name != UNIT)
+
+
+def unit_problem() -> str:
+    """What ``kernel.cpp`` gets wrong about ``parts()`` ("" when it includes each once): a file
+    it leaves out would be missing from the module, one included twice defined twice."""
+    included = re.findall(r'^#include "([^"]+\.cpp)"', (CSRC / UNIT).read_text(), re.MULTILINE)
+    wanted = [p.name for p in parts()]
+    if sorted(included) == wanted:
+        return ""
+    return (f"{CSRC / UNIT} must include each of {', '.join(wanted)} once; it includes "
+            f"{', '.join(included) or 'none'}")
 
 
 def include_dirs() -> list[Path]:
@@ -228,6 +251,9 @@ def _build() -> tuple[ModuleType | None, str]:
         return None, "no C++ compiler found (install g++ or set CXX)"
     problem = isa_problem(target_isa())
     if problem:  # a binary for an instruction set the CPU lacks would die of SIGILL
+        return None, problem
+    problem = unit_problem()
+    if problem:
         return None, problem
     try:
         from torch.utils import cpp_extension
