@@ -394,12 +394,34 @@ void finish_columns(const Plan& plan, const typename Elem<D>::T* const* inputs, 
   }
 }
 
-// finish_rows_serial on the rank's threads when the rule (parallel.h) says so: contiguous
-// chunks of whole rows, one per thread, or with fewer rows than threads their columns
-// (finish_columns). Streaming stores go through the one staging buffer, so the parallel path
-// stores plainly (the same bytes). between() runs its calls on the calling thread first
-// (two-shot: the whole copy of the next step, which reads rows this step does not touch),
-// then the rows go parallel with nothing between.
+// finish_rows_serial on the rank's threads as `plan` says: contiguous chunks of whole rows, one
+// per thread, or with fewer rows than threads their columns (finish_columns). Streaming stores
+// go through the one staging buffer, so the parallel path stores plainly (the same bytes). Kept
+// out of line: inlined beside the serial path, it changes how the compiler builds that path,
+// which then runs slower on one thread (benchmarks/ab_compare.py against a build without it).
+template <int D>
+__attribute__((noinline)) void finish_rows_parallel(
+    const Plan& plan, const typename Elem<D>::T* const* inputs, int ranks, int64_t in_row,
+    int64_t row, int64_t n, const Call& c, typename Elem<D>::T* out,
+    typename Elem<D>::T* residual_out, typename Elem<D>::T* sum_out) {
+  const int64_t H = c.hidden;
+  Call plain = c;
+  plain.stream_out = plain.stream_residual_out = false;
+  plain.staging = nullptr;
+  if (plan.split == Split::kColumns) {
+    finish_columns<D>(plan, inputs, ranks, in_row, row, n, plain, out, residual_out, sum_out);
+    return;
+  }
+  for_each_part(plan, n, H, [&](int64_t b, int64_t e, int64_t, int64_t) {
+    finish_rows_serial<D>(inputs, ranks, in_row + b, row + b, e - b, plain, out + b * H,
+                          residual_out ? residual_out + b * H : nullptr,
+                          sum_out ? sum_out + b * H : nullptr);
+  });
+}
+
+// finish_rows_serial, or on the rank's threads when the rule (parallel.h) says so. between()
+// then runs its calls on the calling thread first (two-shot: the whole copy of the next step,
+// which reads rows this step does not touch), and the rows go parallel with nothing between.
 template <int D, class Between = NothingBetween>
 void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in_row,
                  int64_t row, int64_t n, const Call& c, typename Elem<D>::T* out,
@@ -414,18 +436,7 @@ void finish_rows(const typename Elem<D>::T* const* inputs, int ranks, int64_t in
     return;
   }
   for (int64_t k = between_calls(c, n); k > 0; --k) between();
-  Call plain = c;
-  plain.stream_out = plain.stream_residual_out = false;
-  plain.staging = nullptr;
-  if (plan.split == Split::kColumns) {
-    finish_columns<D>(plan, inputs, ranks, in_row, row, n, plain, out, residual_out, sum_out);
-    return;
-  }
-  for_each_part(plan, n, H, [&](int64_t b, int64_t e, int64_t, int64_t) {
-    finish_rows_serial<D>(inputs, ranks, in_row + b, row + b, e - b, plain, out + b * H,
-                          residual_out ? residual_out + b * H : nullptr,
-                          sum_out ? sum_out + b * H : nullptr);
-  });
+  finish_rows_parallel<D>(plan, inputs, ranks, in_row, row, n, c, out, residual_out, sum_out);
 }
 
 }  // namespace arfuse
