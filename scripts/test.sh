@@ -4,20 +4,32 @@
 # SGLang drop-in against SGLang 0.5.23's real module (.venv-sglang on .venv's torch). What CI
 # runs. The three venvs are built in the background while the suite runs (mostly downloads and
 # unpacking); their checks run after it.
+# The shm kernel of each instruction set this CPU runs (the suite loads them all) is compiled
+# into the user's kernel cache in the background too, from while lint and the type check run
+# (a build is most of a minute of one core; the suite's own loads wait for it, not build again).
 # The suite runs on two pytest-xdist workers that take tests as they free up (much of it waits
 # on ranks and timeouts; `-n 0` as an argument runs it in one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 prepare_log=$(mktemp)
-trap 'rm -f "$prepare_log"' EXIT
+kernel_log=$(mktemp)
+trap 'rm -f "$prepare_log" "$kernel_log"' EXIT
 (ARFUSE_PREPARE_ONLY=1 ./scripts/flashinfer_contract.sh && ARFUSE_PREPARE_ONLY=1 \
    ./scripts/sglang_check.sh) >"$prepare_log" 2>&1 &
 prepare=$!
+(for isa in $(.venv/bin/python -c "from arfuse.backends.shm import build
+print(' '.join(build.host_isas()))"); do
+   ARFUSE_SHM_ISA=$isa .venv/bin/python -c "from arfuse.backends.shm import build
+build.load() or print('$isa: no kernel:', build.why_not())"
+ done) >"$kernel_log" 2>&1 &
+kernels=$!
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/mypy
 status=0
 .venv/bin/python -m pytest -q -n 2 --dist worksteal "$@" || status=$?
+wait "$kernels" || true  # a failed build shows in the suite (its tests say why)
+grep "no kernel" "$kernel_log" || true
 if ! wait "$prepare"; then
   cat "$prepare_log"
   echo "test.sh: building the FlashInfer or SGLang venvs failed" >&2
