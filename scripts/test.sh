@@ -2,8 +2,8 @@
 # Set up, then lint, type-check, run the whole test suite, check arfuse's calls against the
 # real FlashInfer packages (0.6.13 and 0.7.2.post1, one venv each on .venv's torch) and the
 # SGLang drop-in against SGLang 0.5.23's real module (.venv-sglang on .venv's torch). What CI
-# runs. The three venvs are built in the background while the suite runs (mostly downloads and
-# unpacking); their checks run after it.
+# runs. Those three venvs are built, and their checks run, in the background while the suite
+# runs (mostly downloads, unpacking and imports); what they print follows the suite's.
 # The shm kernel of each instruction set this CPU runs (the suite loads them all) is compiled
 # into the user's kernel cache in the background too, from while lint and the type check run
 # (a build is most of a minute of one core; the suite's own loads wait for it, not build again).
@@ -12,12 +12,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-prepare_log=$(mktemp)
+checks_log=$(mktemp)
 kernel_log=$(mktemp)
-trap 'rm -f "$prepare_log" "$kernel_log"' EXIT
-(ARFUSE_PREPARE_ONLY=1 ./scripts/flashinfer_contract.sh && ARFUSE_PREPARE_ONLY=1 \
-   ./scripts/sglang_check.sh) >"$prepare_log" 2>&1 &
-prepare=$!
+trap 'rm -f "$checks_log" "$kernel_log"' EXIT
+(./scripts/flashinfer_contract.sh && ./scripts/sglang_check.sh) >"$checks_log" 2>&1 &
+checks_job=$!
 (for isa in $(.venv/bin/python -c "from arfuse.backends.shm import build
 print(' '.join(build.host_isas()))"); do
    ARFUSE_SHM_ISA=$isa .venv/bin/python -c "from arfuse.backends.shm import build
@@ -30,11 +29,11 @@ status=0
 .venv/bin/python -m pytest -q -n 2 --dist worksteal "$@" || status=$?
 wait "$kernels" || true  # a failed build shows in the suite (its tests say why)
 grep "no kernel" "$kernel_log" || true
-if ! wait "$prepare"; then
-  cat "$prepare_log"
-  echo "test.sh: building the FlashInfer or SGLang venvs failed" >&2
+checks=0
+wait "$checks_job" || checks=$?
+cat "$checks_log"
+if [ "$checks" -ne 0 ]; then
+  echo "test.sh: the FlashInfer contract or the SGLang check failed (exit $checks)" >&2
   exit 1
 fi
-[ "$status" -eq 0 ] || exit "$status"
-./scripts/flashinfer_contract.sh
-./scripts/sglang_check.sh
+exit "$status"
