@@ -3,7 +3,14 @@ tests/test_two_hosts.py, 2 ranks each), the link shaped like a real one with ``t
 ``python benchmarks/hosts.py [--rates 25gbit,1gbit] [--tokens 1,8,64,512,2048]
 [--dtype bf16,fp32] [--repeats 30]`` (root). Prints per rate the veth's own round trip and,
 per dtype and tokens, median ms of hier, torch (gloo all-gather + eager add + RMSNorm) and gloo
-all_reduce alone, the ratio torch/hier and the bytes crossing the link per call."""
+all_reduce alone, the ratio torch/hier and the bytes crossing the link per call.
+
+``--decode``: one decode step of tests/tp_models.py's Llama split over the 4 ranks (grown to
+each of ``--hidden``, ``--layers`` layers, a static KV cache of ``--context`` tokens plus the
+steps), compiled by Inductor with arfuse's pass, on hier (``auto``) and on the torch backend
+(``ARFUSE_BACKEND=torch``: the graph's own gloo all-reduce, add and RMSNorm), the steps timed
+taking turns: median us of each, the ratio torch/hier, the machine and the options recorded in
+``--out`` (JSON). ``--quick``: tiny settings, one rate (does it run)."""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -54,26 +62,65 @@ def _round_trip(pids: list[int]) -> str:
         server.wait(10)
 
 
+def _decode(rate: str, rtt: str, found: dict[str, Any]) -> None:
+    """Print one rate's decode steps (``found``: what the ranks wrote)."""
+    print(f"link {rate}, veth round trip: {rtt}; decode step, {found['options']}")
+    print(f"{'dtype':8} {'hidden':>6} {'hier us':>9} {'torch us':>9} {'torch/hier':>10} "
+          f"{'same token':>10}")
+    for r in found["rows"]:
+        print(f"{r['dtype']:8} {r['hidden']:6d} {r['decode_us_hier']:9.1f} "
+              f"{r['decode_us_torch']:9.1f} {r['torch_over_hier']:10.2f} "
+              f"{r['token_hier'] == r['token_torch']!s:>10}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rates", default="25gbit,1gbit")
     parser.add_argument("--tokens", default="1,8,64,512,2048")
     parser.add_argument("--dtype", default="bf16,fp32")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--decode", action="store_true",
+                        help="one decode step of tp_models' Llama, hier against torch")
+    parser.add_argument("--hidden", default="64,1024", help="--decode: the model's widths")
+    parser.add_argument("--layers", type=int, default=2, help="--decode")
+    parser.add_argument("--context", type=int, default=128, help="--decode: KV cache tokens")
+    parser.add_argument("--steps", type=int, default=200, help="--decode: timed steps each")
+    parser.add_argument("--warmup", type=int, default=20, help="--decode")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="--decode: blocks the backends' steps are timed in, taking turns")
+    parser.add_argument("--out", default="", help="--decode: JSON of every rate")
+    parser.add_argument("--quick", action="store_true", help="--decode, tiny: does it run")
     args = parser.parse_args()
+    if args.quick:
+        args.decode, args.rates, args.hidden, args.dtype = True, "1gbit", "64", "fp32"
+        args.layers, args.context, args.steps, args.warmup, args.rounds = 1, 8, 4, 1, 2
     why = hosts._why_not()
     if why:
         sys.exit(f"cannot make two hosts here: {why}")
+    report: dict[str, Any] = {}
     for rate in args.rates.split(","):
-        with hosts.two_hosts() as pids, tempfile.TemporaryDirectory() as tmp:
+        # compiling the decode steps takes minutes where cores are few: a longer limit
+        limit = 1800.0 if args.decode else hosts.LIMIT_S
+        with hosts.two_hosts(limit) as pids, tempfile.TemporaryDirectory() as tmp:
             for pid, dev in zip(pids, hosts.DEVICES, strict=True):
                 hosts._in(pid, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
                           "burst", "256kb", "latency", "50ms")
             rtt = _round_trip(pids)
             out = Path(tmp) / "rows.json"
-            hosts._torchrun(pids, 2, [str(ROOT / "benchmarks" / "hosts_body.py"), str(out),
-                                      args.tokens, args.dtype, str(args.repeats)])
+            body = str(ROOT / "benchmarks" / "hosts_body.py")
+            if args.decode:
+                options = {k: getattr(args, k) for k in ("layers", "context", "steps", "warmup",
+                                                         "rounds")}
+                hosts._torchrun(pids, 2, [body, "decode", str(out), args.hidden, args.dtype,
+                                          json.dumps(options)], limit)
+            else:
+                hosts._torchrun(pids, 2, [body, str(out), args.tokens, args.dtype,
+                                          str(args.repeats)])
             rows = json.loads(out.read_text())
+        if args.decode:
+            _decode(rate, rtt, rows)
+            report[rate] = {"veth_round_trip": rtt, **rows}
+            continue
         print(f"link {rate}, veth round trip: {rtt}")
         print(f"{'dtype':5} {'tokens':>6} {'hier ms':>9} {'torch ms':>9} {'gloo ar ms':>10} "
               f"{'torch/hier':>10} {'link B torch':>12} {'link B hier':>11}")
@@ -82,6 +129,10 @@ def main() -> None:
                   f"{r['torch'] * 1e3:9.3f} {r['gloo_all_reduce'] * 1e3:10.3f} "
                   f"{r['torch'] / r['hier']:10.2f} {r['link_bytes_torch']:12d} "
                   f"{r['link_bytes_hier']:11d}")
+    if args.out and report:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

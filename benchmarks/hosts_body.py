@@ -1,13 +1,17 @@
 """One rank of benchmarks/hosts.py (under torchrun on each namespace host): the hier backend,
-the torch backend and gloo all_reduce alone, side by side, median seconds per call."""
+the torch backend and gloo all_reduce alone, side by side, median seconds per call; or
+(``decode``) one decode step of tests/tp_models.py's Llama split over every rank, compiled with
+arfuse's pass, on hier and on the torch backend."""
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,6 +67,103 @@ def main(out: str, tokens: list[int], dtypes: list[str], repeats: int) -> None:
     dist.destroy_process_group()
 
 
+def _decode_sizes(hidden: int, world: int) -> dict[str, int]:
+    """tp_models' sizes (``SIZES``) grown to ``hidden``: heads of 64 (at least one per rank,
+    as many key/value heads, whole heads on each rank) and an MLP 1.5 times as wide."""
+    heads = max(world, hidden // 64)
+    if hidden % heads or heads % world or hidden * 3 // 2 % world:
+        raise ValueError(f"hidden={hidden} does not split into whole heads over {world} ranks")
+    return {"hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": heads,
+            "intermediate_size": hidden * 3 // 2}
+
+
+def _decode_case(hidden: int, dtype: torch.dtype, options: dict[str, int]) -> dict[str, Any]:
+    """One hidden size: per backend, the model split over the ranks with its own static KV
+    cache (the prompt's ``context`` tokens filled in eagerly, room for every step after),
+    its one-token step compiled (Inductor with arfuse's pass, static shapes: a static cache
+    attends over its whole length, masked, so every step costs the same); then the steps of
+    both timed taking turns."""
+    from compile_decode import _interleaved_medians
+    from transformers import StaticCache
+
+    from arfuse.compile import runtime
+
+    import tp_models as tm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    context, sizes = options["context"], _decode_sizes(hidden, world)
+    length = context + 1 + options["warmup"] + options["steps"]
+    sizes["max_position_embeddings"] = length
+    ids = torch.arange(context).remainder(tm.VOCAB).unsqueeze(0)
+    token = torch.tensor([[int(ids[0, -1])]])
+    steps: dict[str, Any] = {}
+    row: dict[str, Any] = {"hidden": hidden, "dtype": str(dtype).split(".")[-1]}
+    for backend in ("hier", "torch"):
+        model = tm.tiny_model("llama", options["layers"], dtype, sizes=sizes)
+        tm.shard(model, rank, world)
+        cache = StaticCache(config=model.config, max_cache_len=length)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache)
+        # the torch backend in a compiled graph: the pass leaves the chain as the model wrote
+        # it (gloo all-reduce, add, RMSNorm); set while the step compiles, which makes the pass
+        if backend == "torch":
+            os.environ["ARFUSE_BACKEND"] = "torch"
+        compiled = torch.compile(model, fullgraph=True, backend=tm.rank_0_first(
+            arfuse.compile_backend(), f"decode-{hidden}-{row['dtype']}-{backend}"))
+
+        def step(compiled: Any = compiled, cache: Any = cache) -> torch.Tensor:
+            with torch.no_grad():
+                return compiled(input_ids=token, past_key_values=cache).logits[0, -1]
+
+        try:
+            started, calls = time.perf_counter(), tm.fused_calls()
+            row[f"token_{backend}"] = int(step().argmax())
+            row[f"first_step_s_{backend}"] = time.perf_counter() - started
+        finally:
+            os.environ.pop("ARFUSE_BACKEND", None)
+        # every chain through arfuse's op on hier, none on torch
+        fused = 2 * options["layers"] if backend == "hier" else 0
+        assert tm.fused_calls() - calls == fused, (backend, tm.fused_calls() - calls)
+        ran = {c.comm.backend if c.comm else "unfused" for c in runtime._chains.values()}
+        assert ran == {"hier"}, ran
+        steps[backend] = step
+    with torch.no_grad():
+        for fn in steps.values():
+            for _ in range(options["warmup"]):
+                fn()
+        medians = _interleaved_medians(steps, options["steps"], options["rounds"])
+    ranks: list[Any] = [None] * world
+    dist.all_gather_object(ranks, medians)
+    for backend, us in medians.items():
+        row[f"decode_us_{backend}"] = us
+        row[f"decode_us_{backend}_ranks"] = [r[backend] for r in ranks]
+    row["torch_over_hier"] = row["decode_us_torch"] / row["decode_us_hier"]
+    runtime.close_all()
+    return row
+
+
+def decode(out: str, hidden: list[int], dtypes: list[str], options: dict[str, int]) -> None:
+    """The decode steps (see ``_decode_case``) of every hidden size and dtype; rank 0 writes
+    them with the machine and the options to ``out`` (JSON)."""
+    from arfuse.bench.machine import machine_record
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    # the op is created at the first step, while other ranks may still compile theirs
+    os.environ["ARFUSE_TIMEOUT_S"] = "600"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rows = [_decode_case(h, DTYPES[d], options) for d in dtypes for h in hidden]
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"machine": machine_record(False, dist.get_world_size()),
+                       "options": options, "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], [int(t) for t in sys.argv[2].split(",")], sys.argv[3].split(","),
-         int(sys.argv[4]))
+    if sys.argv[1] == "decode":
+        decode(sys.argv[2], [int(h) for h in sys.argv[3].split(",")], sys.argv[4].split(","),
+               json.loads(sys.argv[5]))
+    else:
+        main(sys.argv[1], [int(t) for t in sys.argv[2].split(",")], sys.argv[3].split(","),
+             int(sys.argv[4]))

@@ -4,7 +4,6 @@ small chains written the ways models write them. Module level, so they can be pi
 
 from __future__ import annotations
 
-import datetime
 import logging
 from typing import Any
 
@@ -32,33 +31,45 @@ def _bits(t: torch.Tensor) -> list[int]:
         .flatten().tolist()
 
 
-def _reference(arch: str, layers: int, steps: int) -> list[int]:
+def _reference(arch: str, layers: int, steps: int,
+               sizes: dict[str, int] | None = None) -> list[int]:
     """Greedy tokens of the whole model in this one process (no tensor parallelism)."""
-    return tm.greedy(tm.tiny_model(arch, layers), tm.prompt(), steps)[0]
+    return tm.greedy(tm.tiny_model(arch, layers, sizes=sizes), tm.prompt(), steps)[0]
 
 
-def architectures(rank: int, world: int, layers: int, steps: int) -> dict[str, Any]:
-    """Each architecture split over the ranks, compiled (static shapes, one graph) up to the
-    post-grad graph with the pass: what it replaced, the fused calls made, the greedy tokens
-    it predicts against the whole model's (``tm.teacher_forced``: one graph for every step),
-    and the last logits' bits, the same in both calls."""
+def _counted_fused() -> int:
+    """The calls the compiled graphs' ops counted fused (their ``stats()``)."""
+    from arfuse.compile import runtime
+
+    return sum(c.comm.stats()["fused"] for c in runtime._chains.values() if c.comm)
+
+
+def architectures(rank: int, world: int, layers: int, steps: int,
+                  archs: tuple[str, ...] = ARCHS,
+                  sizes: dict[str, int] | None = None) -> dict[str, Any]:
+    """Each architecture (of ``archs``; ``sizes``: ``tm.tiny_model``'s) split over the ranks,
+    compiled (static shapes, one graph) up to the post-grad graph with the pass: what it
+    replaced, the fused calls made (and those the ops counted fused), the backends they ran
+    on, the greedy tokens it predicts against the whole model's (``tm.teacher_forced``: one
+    graph for every step), and the last logits' bits, the same in both calls."""
     from arfuse.compile import runtime
 
     found: dict[str, Any] = {}
-    for arch in ARCHS:
-        reference = _reference(arch, layers, steps)
-        model = tm.tiny_model(arch, layers)
+    for arch in archs:
+        reference = _reference(arch, layers, steps, sizes)
+        model = tm.tiny_model(arch, layers, sizes=sizes)
         reduces = tm.shard(model, rank, world)
         fusion = _fusion_pass()
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=tm.post_grad_backend(fusion), fullgraph=True)
-        before = tm.fused_calls()
+        before, counted = tm.fused_calls(), _counted_fused()
         tokens, logits = tm.teacher_forced(compiled, tm.prompt(), reference)
         again = tm.teacher_forced(compiled, tm.prompt(), reference)[1]
         backends = sorted({c.comm.backend if c.comm else "unfused"
                            for c in runtime._chains.values()})
         found[arch] = {"reduces": reduces, "fused": dict(fusion.fused),
                        "left": dict(fusion.left), "calls": tm.fused_calls() - before,
+                       "counted_fused": _counted_fused() - counted,
                        "tokens": tokens, "reference": reference, "bits": _bits(logits[-1]),
                        "again": _bits(again[-1]) == _bits(logits[-1]), "backends": backends}
     return found
@@ -166,7 +177,7 @@ def inductor(rank: int, world: int, steps: int) -> dict[str, Any]:
     # the pass works before code generation: scalar C++ kernels build in half the time
     config.cpp.vec_isa_ok = False
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=_after_rank_0(arfuse.compile_backend()),
+    compiled = torch.compile(model, backend=tm.rank_0_first(arfuse.compile_backend()),
                              dynamic=True)
     before = tm.fused_calls()
     tokens, logits = tm.greedy(compiled, tm.prompt(), steps)
@@ -174,27 +185,6 @@ def inductor(rank: int, world: int, steps: int) -> dict[str, Any]:
             "bits": _bits(logits[-1]), "calls": tm.fused_calls() - before,
             "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
             "log": [r for r in records if r.startswith("arfuse compile")]}
-
-
-def _after_rank_0(backend: Any) -> Any:
-    """``backend``, run by rank 0 first: every rank compiles the same graphs, so the others
-    wait for it and take its compiled code from Inductor's FX graph cache instead of
-    generating their own (on a 2-core machine, half the compile time)."""
-    store = dist.distributed_c10d._get_default_store()
-    graphs = [0]
-
-    def compile_after_rank_0(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        graphs[0] += 1  # the same count on every rank, a failed attempt (a restart) included
-        key = f"arfuse-test-compiled-{graphs[0]}"
-        if dist.get_rank() != 0:
-            store.wait([key], datetime.timedelta(seconds=300))
-        try:
-            return backend(gm, example_inputs)
-        finally:
-            if dist.get_rank() == 0:
-                store.set(key, "1")
-
-    return compile_after_rank_0
 
 
 def disagreeing_graphs(rank: int, world: int) -> dict[str, str]:

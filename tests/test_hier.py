@@ -62,3 +62,25 @@ def test_a_host_that_cannot_create_makes_every_rank_fall_back_together() -> None
         assert g["backend"] == "torch", g
         assert g["attempts"][0].startswith("hier: failed"), g
         assert g["value"] == 10.0
+
+
+def test_a_tensor_parallel_llama_through_hier_gives_the_whole_models_tokens() -> None:
+    """tp_models' Llama split over the 4 ranks (one head each), compiled with the pass: the op
+    the fused calls make is ``auto``'s (hier), every chain runs fused, and the greedy tokens
+    are those of the whole model in one process, the logits' bits the same on every rank."""
+    pytest.importorskip("transformers")
+    import ranks_compile
+    import tp_models
+
+    steps = 3
+    found = values(run_ranks(ranks_compile.architectures, 4, 1, steps, ("llama",),
+                             tp_models.FOUR_RANKS, env=ENV, timeout=300))
+    ranks = [f["llama"] for f in found]
+    for mine in ranks:
+        assert mine["backends"] == ["hier"], mine
+        assert mine["fused"] == {"residual + RMSNorm": 2} and mine["left"] == {}, mine
+        # two teacher-forced forwards of one layer's two chains, every one fused by the op
+        assert mine["calls"] == mine["counted_fused"] == 2 * mine["reduces"] == 4, mine
+        assert mine["tokens"] == mine["reference"] and len(mine["tokens"]) == steps, mine
+        assert mine["again"], mine
+        assert mine["bits"] == ranks[0]["bits"], "the ranks' logits differ"

@@ -57,11 +57,11 @@ def _in(pid: int, *command: str, spaces: str = "-n") -> None:
 
 
 @contextlib.contextmanager
-def two_hosts() -> Iterator[list[int]]:
+def two_hosts(limit_s: float = LIMIT_S) -> Iterator[list[int]]:
     """Two hosts, each held by a ``sleep`` in its namespaces; gone (veth pair included)
-    when the holders end."""
+    when the holders end (at the latest a minute after ``limit_s``, a job's limit)."""
     holders = [subprocess.Popen(["unshare", "--net", "--uts", "--mount", "--ipc", "--fork",
-                                 "--", "sleep", str(int(LIMIT_S) + 60)],
+                                 "--", "sleep", str(int(limit_s) + 60)],
                                 start_new_session=True) for _ in range(2)]
     try:
         own = os.readlink("/proc/self/ns/net")
@@ -95,8 +95,9 @@ def _run_job(pids: list[int], nproc: int, out: Path) -> list[dict[str, object]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2 * nproc)]
 
 
-def _torchrun(pids: list[int], nproc: int, target: list[str]) -> list[str]:
-    """torchrun on both hosts, one rendezvous; every process killed past the limit."""
+def _torchrun(pids: list[int], nproc: int, target: list[str],
+              limit_s: float = LIMIT_S) -> list[str]:
+    """torchrun on both hosts, one rendezvous; every process killed past ``limit_s``."""
     procs = []
     for node, pid in enumerate(pids):
         env = {**os.environ, "GLOO_SOCKET_IFNAME": DEVICES[node], "ARFUSE_LOG": "warning",
@@ -111,13 +112,13 @@ def _torchrun(pids: list[int], nproc: int, target: list[str]) -> list[str]:
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     outputs = []
-    deadline = time.monotonic() + LIMIT_S
+    deadline = time.monotonic() + limit_s
     try:
         for p in procs:
             text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             outputs.append(text)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the two-host job overran {LIMIT_S:g} s (killed)")
+        pytest.fail(f"the two-host job overran {limit_s:g} s (killed)")
     finally:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):

@@ -8,7 +8,8 @@ down_proj by input columns, each followed by ``torch.distributed.all_reduce`` of
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import datetime
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,26 +20,31 @@ from torch import nn
 VOCAB = 96
 SIZES = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": VOCAB}
+FOUR_RANKS = {"num_key_value_heads": 4}
+"""``sizes`` for a split over 4 ranks: whole key/value heads on each (one each)."""
 
 
-def config(arch: str, layers: int) -> Any:
+def config(arch: str, layers: int, sizes: Mapping[str, int] | None = None) -> Any:
+    """``arch``'s config of ``SIZES``, with ``sizes`` in place of any of them."""
     import transformers
 
     names = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
              "mistral": "MistralConfig", "gemma": "GemmaConfig", "gemma2": "Gemma2Config"}
     extra: dict[str, Any] = {"head_dim": 16} if arch in ("qwen3", "gemma", "gemma2") else {}
-    cfg = getattr(transformers, names[arch])(num_hidden_layers=layers, **SIZES, **extra)
+    cfg = getattr(transformers, names[arch])(num_hidden_layers=layers,
+                                             **{**SIZES, **(sizes or {})}, **extra)
     cfg._attn_implementation = "eager" if arch == "gemma2" else "sdpa"
     return cfg
 
 
 def tiny_model(arch: str, layers: int = 1, dtype: torch.dtype = torch.float32,
-               seed: int = 0) -> nn.Module:
-    """The causal LM of ``arch`` with seeded random weights (the same on every rank)."""
+               seed: int = 0, sizes: Mapping[str, int] | None = None) -> nn.Module:
+    """The causal LM of ``arch`` with seeded random weights (the same on every rank);
+    ``sizes``: see ``config``."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config(arch, layers), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config(arch, layers, sizes), dtype=dtype)
     with torch.no_grad():  # norms start at exactly 1 (0 for Gemma): make them matter
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -71,7 +77,12 @@ def _columns(linear: nn.Linear, rank: int, world: int) -> None:
 
 def shard(model: nn.Module, rank: int, world: int, group: Any = None) -> int:
     """Split ``model`` in place for ``rank`` of ``world``; the number of all-reduces a
-    forward makes."""
+    forward makes. Whole heads per rank: the config's head counts must divide by ``world``
+    (``tiny_model``'s ``sizes`` adapts them)."""
+    cfg = model.config
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(cfg, name) % world:
+            raise ValueError(f"{name}={getattr(cfg, name)} does not divide by world={world}")
     layers = model.model.layers  # type: ignore[union-attr]
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -132,6 +143,28 @@ def post_grad_backend(fusion_pass: Any) -> Callable[..., Any]:
         return compile_fx(gm, example_inputs, inner_compile=inner)
 
     return backend
+
+
+def rank_0_first(backend: Any, name: str = "compiled") -> Callable[..., Any]:
+    """``backend``, run by rank 0 first: every rank compiles the same graphs, so the others
+    wait for it and take its compiled code from Inductor's FX graph cache instead of
+    generating their own (on a 2-core machine, half the compile time). ``name``: this
+    backend's own keys in the store, where one process compiles with several."""
+    store = dist.distributed_c10d._get_default_store()
+    graphs = [0]
+
+    def compile_after_rank_0(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs[0] += 1  # the same count on every rank, a failed attempt (a restart) included
+        key = f"arfuse-test-{name}-{graphs[0]}"
+        if dist.get_rank() != 0:
+            store.wait([key], datetime.timedelta(seconds=300))
+        try:
+            return backend(gm, example_inputs)
+        finally:
+            if dist.get_rank() == 0:
+                store.set(key, "1")
+
+    return compile_after_rank_0
 
 
 def fused_calls() -> int:
