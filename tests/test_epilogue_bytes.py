@@ -55,7 +55,7 @@ def takes(quant: str | None, hidden: int, dtype: torch.dtype) -> bool:
 
 
 def raw(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous().view(torch.uint8)
+    return None if t is None else t.new_empty(t.shape).copy_(t).view(torch.uint8)
 
 
 def differing(got: FusedOutput, want: FusedOutput) -> list[str]:

@@ -310,7 +310,8 @@ class ShmWorkspace(Workspace):
                                            call.weight_bias,
                                            output_code(call.quant, call.layout),
                                            call.scale or 0.0,
-                                           call.out, call.residual_out, call.op, call.moe_word))
+                                           call.out, call.residual_out, call.op, call.moe_word,
+                                           call.group_size))
 
     def _expert_step(self, step: moe.ExpertStep, x: torch.Tensor) -> None:
         """The MoE expert step by the kernel, straight into ``x`` (this rank's input slot, so
@@ -374,7 +375,7 @@ class ShmWorkspace(Workspace):
         timeout (R11). Every rank announces the same calls (it is collective)."""
         if self._comm is not None:
             self._comm.announce(call.tokens, call.pattern.without_moe().code, call.op,
-                                call.moe_word)
+                                call.moe_word, call.group_size)
             return
         with self._call_lock:
             if self._broken:
@@ -402,7 +403,7 @@ class ShmWorkspace(Workspace):
         # the pure-torch path runs every call one-shot
         return signature.words(call.tokens, DTYPES[self.spec.dtype].code, self.spec.hidden,
                                call.pattern.code, twoshot=False, op=call.op,
-                               moe=call.moe_word)
+                               moe=call.moe_word, group_size=call.group_size)
 
     def _wait(self, flags: torch.Tensor, seq: int) -> None:
         """The kernel's wait (``Waiter``) in Python: until every rank's flag reaches ``seq``;
