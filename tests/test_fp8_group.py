@@ -17,6 +17,7 @@ from arfuse import quant as q
 from arfuse import reference
 from arfuse.backends.torch import epilogue
 from arfuse.call_checks import CallArgs
+from arfuse.moe import ExpertStep, local_rows
 from arfuse.pattern import GROUP_SIZES, Pattern, quant_output
 
 from harness import run_ranks, values
@@ -166,6 +167,40 @@ def test_the_kernel_is_the_torch_epilogue_bytes(dtype: torch.dtype) -> None:
                             bad.append("storage")
                         if bad:
                             failures.append((hidden, tokens, group, layout, norm, bad))
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("reduction", ["moe_finalize", "moe_reduce"])
+def test_after_the_moe_step_the_kernel_is_the_torch_epilogue_bytes(reduction: str) -> None:
+    """The kernel's MoE fast path (expert step, then the call) against the torch expert step
+    and the torch epilogue, every format."""
+    hidden, fan_in, dtype = 1024, 4, torch.bfloat16
+    comm, _memory = kernel(64, hidden, dtype)
+    failures = []
+    for tokens in (1, 7, 64):
+        gen = torch.Generator().manual_seed(tokens)
+        _, residual, weight = row_inputs(tokens, hidden, dtype, seed=tokens + 1)
+        if reduction == "moe_finalize":
+            rows = torch.randn(tokens * fan_in, hidden, generator=gen).to(dtype)
+            index = torch.randperm(tokens * fan_in, generator=gen).view(tokens, fan_in)
+            step = ExpertStep(reduction, rows, torch.rand(tokens, fan_in, generator=gen),
+                              index.to(torch.int32), None, 1.5)
+        else:
+            step = ExpertStep(reduction, torch.randn(fan_in, tokens, hidden, generator=gen)
+                              .to(dtype), torch.rand(fan_in, tokens, generator=gen).to(dtype),
+                              None, torch.randn(tokens, hidden, generator=gen).to(dtype))
+        for layout in LAYOUTS:
+            x = local_rows(step, torch.empty(tokens, hidden, dtype=dtype))
+            call = CallArgs(x, residual, weight, 1e-6, 0.0, "fp8_group", None, layout,
+                            group_size=64)
+            got = comm.call_moe(step.rows, step.index, step.scales, step.add, step.routed,
+                                residual, weight, 1e-6, 0.0, "fp8_group", None, layout, None,
+                                None, 0, 64)
+            assert got is not None, layout
+            want = epilogue.apply(x.float(), call)
+            bad = differing(got, want)
+            if bad or got.scale_out.stride() != want.scale_out.stride():
+                failures.append((tokens, layout, bad))
     assert not failures, failures
 
 
