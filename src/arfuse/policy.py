@@ -193,9 +193,9 @@ def _candidate(descriptor: catalog.BackendDescriptor, topology: Topology, spec: 
     if not why and descriptor.footprint(topology.world_size, spec, topology).capacity < 1:
         why = "its workspace would hold no call of this spec (fused capacity 0 tokens)"
     fuses = catalog.fused_patterns(descriptor, topology, spec)
-    # the spec's quantisation (its default layout) as FlashInfer fuses it: after (residual
-    # and) RMSNorm
-    quantised = Pattern.of_call(True, True, spec.quant, None)
+    # the spec's quantisation as FlashInfer fuses it: after (residual and) RMSNorm
+    quantised = Pattern("residual_rmsnorm", spec.quant,
+                        "swizzled_128x4" if spec.quant == "nvfp4" else None)
     return Candidate(name, not why, why or "meets every requirement",
                      not why and spec.quant is not None and quantised in fuses,
                      tuple(p.name for p in fuses),
