@@ -156,7 +156,7 @@ def test_doctor() -> None:
     for word in ("mnnvl", "trtllm", "shm", "torch", "auto picks", "shm kernel"):
         assert word in result.stdout
     fused = result.stdout.split("patterns each fuses here", 1)[1].splitlines()
-    assert any(ln.split()[:3] == ["shm", "all", "45"] for ln in fused[1:4]), fused
+    assert any(ln.split()[:3] == ["shm", "all", "72"] for ln in fused[1:4]), fused
     assert any(ln.split()[:1] == ["torch"] and "no pattern" in ln for ln in fused[1:4]), fused
     if "shm kernel: compiled for" in result.stdout:
         assert "own outputs: " in result.stdout and ("MiB (" in result.stdout
