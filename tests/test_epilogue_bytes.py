@@ -55,7 +55,7 @@ def takes(quant: str | None, hidden: int, dtype: torch.dtype) -> bool:
 
 
 def raw(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous().view(torch.uint8)
+    return None if t is None else t.new_empty(t.shape).copy_(t).view(torch.uint8)
 
 
 def differing(got: FusedOutput, want: FusedOutput) -> list[str]:
@@ -172,10 +172,9 @@ def with_specials(x: torch.Tensor, seed: int) -> torch.Tensor:
     bits = x.view(INT_OF[x.dtype])
     for row, nan in enumerate(NAN_BITS[x.dtype]):
         bits[row, (seed + 3 * row) % x.shape[1]] = nan
-    # quiet: an fp32 signalling NaN reaching fp8_dynamic's amax as it is (only with one rank,
-    # whose sum adds nothing) counts in the kernel's scalar tail (fmaxf) but not in its vector
-    # form, so the kernel itself gives that row two scales
-    bits[5, -1] = NAN_BITS[x.dtype][3]
+    # signalling, in the scalar tail: with one rank (its sum adds nothing) it reaches the
+    # amaxes of fp8_dynamic and fp8_group as it is, and counts there no more than a quiet one
+    bits[5, -1] = NAN_BITS[x.dtype][2]
     x[6, 0], x[6, -1] = float("inf"), -float("inf")
     x[7, 1 % x.shape[1]] = float("inf")
     x[8] = torch.finfo(x.dtype).max

@@ -103,11 +103,12 @@ def full(call: dict[str, Any]) -> list[Any]:
 
 
 def fast(c: Comm, call: dict[str, Any]) -> Any:
-    return c.comm.call(*full(call))
+    return c.comm.call(*full(call), 0, call.get("group_size"))
 
 
 def checked(c: Comm, call: dict[str, Any]) -> Any:
-    return check_call(c.shape, *full(call), c.shared, c.slot_start())
+    return check_call(c.shape, *full(call), c.shared, c.slot_start(), 0,
+                      call.get("group_size"))
 
 
 # --- the layout -------------------------------------------------------------------------------
@@ -153,9 +154,10 @@ def test_slot_geometry_is_the_python_one(world: int, max_tokens: int, hidden: in
 
 
 def sig(tokens: int, dtype: int, hidden: int, epilogue: str, quant: str | None = None,
-        layout: str | None = None, twoshot: bool = False, op: int = 0) -> tuple[int, int]:
+        layout: str | None = None, twoshot: bool = False, op: int = 0,
+        group_size: int = 0) -> tuple[int, int]:
     return signature.words(tokens, dtype, hidden, Pattern(epilogue, quant, layout).code,
-                           twoshot, op)
+                           twoshot, op, group_size=group_size)
 
 
 def test_the_signature_numbers_python_reads_are_the_ones_the_kernel_compiled() -> None:
@@ -179,9 +181,13 @@ def test_mismatch_messages_are_the_same_text_in_cpp_and_python() -> None:
          sig(4, 0, 2048, "rmsnorm", "nvfp4", "linear"),
          sig(4, 1, 2048, "residual_rmsnorm", "fp8")],
         [sig(0, 2, 7, "rmsnorm")] * 2,
-        [sig(40, 2, 64, "none", twoshot=True, op=2**31 - 1), sig(40, 2, 64, "none", op=5)],
+        [sig(40, 2, 64, "none", twoshot=True, op=signature.MAX_OP),
+         sig(40, 2, 64, "none", op=5)],
         [sig(4, 0, 64, "rmsnorm", "fp8_dynamic"), sig(4, 0, 64, "rmsnorm", "fp8")],
         [(0x7F << 32, 64), sig(1, 2, 64, "none")],  # a pattern code that is none
+        [sig(4, 0, 1024, "rmsnorm", "fp8_group", "fp32", group_size=128),
+         sig(4, 0, 1024, "rmsnorm", "fp8_group", "fp32", group_size=64),
+         sig(4, 0, 1024, "rmsnorm", "fp8_group", "ue8m0_packed", group_size=128)],
     ]
     for call, found in enumerate(signatures, start=1):
         assert module.mismatch_message(call, found) == signature.mismatch_message(
@@ -195,8 +201,11 @@ def test_mismatch_messages_are_the_same_text_in_cpp_and_python() -> None:
     text = signature.mismatch_message("shm", 4, signatures[3])
     assert "they differ in mode, op;" in text
     assert "rank 0: tokens=40 dtype=fp32 hidden=64 pattern=plain quant=none mode=twoshot " \
-           f"op={2**31 - 1}; rank 1:" in text
+           f"op={signature.MAX_OP}; rank 1:" in text
     assert "quant=fp8_dynamic" in signature.describe(*signatures[4][0])
+    text = signature.mismatch_message("shm", 7, signatures[6])
+    assert "they differ in layout, group_size;" in text
+    assert "quant=fp8_group layout=fp32 group_size=64 mode=oneshot" in text
 
 
 # --- bad calls: the fast path declines exactly what call_checks refuses -------------------------
@@ -268,8 +277,21 @@ BAD: dict[str, tuple[str, Build]] = {
        for v in (0.0, 1e-46, 1.4e-45, 3.5e38, float("inf"), float("nan"), -1.0)},
     "nvfp4 layout": ("bf16", lambda c: {"x": c.x(), "quant": "nvfp4", "scale": 1.0,
                                         "layout": "rowmajor"}),
-    "nvfp4 layout None": ("bf16", lambda c: {"x": c.x(), "quant": "nvfp4", "scale": 1.0,
-                                             "layout": None}),
+    "nvfp4 layout int": ("bf16", lambda c: {"x": c.x(), "quant": "nvfp4", "scale": 1.0,
+                                            "layout": 1}),
+    "fp8_group layout": ("bf16", lambda c: {"x": c.x(), "quant": "fp8_group",
+                                            "layout": "linear"}),
+    "fp8_group scale": ("bf16", lambda c: {"x": c.x(), "quant": "fp8_group", "scale": 1.0}),
+    **{f"fp8_group group_size {g!r}": ("bf16-256", lambda c, g=g: {
+        "x": c.x(), "quant": "fp8_group", "layout": "ue8m0_packed", "group_size": g})
+       for g in (96, 256, 16, 0, -32, True, 32.0, "32")},
+    "fp8_group hidden 40": ("bf16-40", lambda c: {"x": c.x(), "quant": "fp8_group"}),
+    "fp8_group default 128 on hidden 64": ("bf16", lambda c: {"x": c.x(), "quant": "fp8_group"}),
+    "fp8_group 64 not dividing hidden 96": ("fp32-96", lambda c: {
+        "x": c.x(), "quant": "fp8_group", "group_size": 64}),
+    "group_size without fp8_group": ("bf16", lambda c: {"x": c.x(), "quant": "fp8_dynamic",
+                                                        "group_size": 128}),
+    "group_size without quant": ("bf16", lambda c: {"x": c.x(), "group_size": 128}),
     # inputs in the shared segment
     "x offset view of input_buffer": ("fp32", lambda c: {"x": c.slot(c.tokens + 1)[1:]}),
     "x offset view, two-shot": ("fp32-twoshot", lambda c: {"x": c.slot(c.tokens + 1)[1:]}),
@@ -329,6 +351,8 @@ COMMS: dict[str, Callable[[], Comm]] = {
     "fp32-twoshot": lambda: private_comm(oneshot_max_bytes=-1),
     "bf16": lambda: private_comm(torch.bfloat16),
     "bf16-40": lambda: private_comm(torch.bfloat16, hidden=40),
+    "bf16-256": lambda: private_comm(torch.bfloat16, hidden=256),
+    "fp32-96": lambda: private_comm(hidden=96),
 }
 
 
@@ -367,13 +391,22 @@ def run_args(c: Comm, call: dict[str, Any]) -> list[Any] | None:
         return None
     if merged["quant"] not in QUANTS or merged["layout"] not in shm_layout_names():
         return None
+    group = call.get("group_size")
+    if group is None:
+        group = 128 if merged["quant"] == "fp8_group" else 0
+    if isinstance(group, bool) or not isinstance(group, int):
+        return None
+    try:
+        code = output_code(merged["quant"], merged["layout"])
+    except ValueError:  # a layout of another quant: the code of none names it in no way
+        return None
     return [merged["x"], merged["residual"], merged["weight"], float(numbers[0]),
-            float(numbers[1]), output_code(merged["quant"], merged["layout"]), float(numbers[2]),
-            merged["out"], merged["residual_out"]]
+            float(numbers[1]), code, float(numbers[2]), merged["out"], merged["residual_out"],
+            0, 0, group]
 
 
 def shm_layout_names() -> tuple[str, ...]:
-    return ("swizzled_128x4", "linear")
+    return tuple(o.layout for o in QUANT_OUTPUTS if o.layout)
 
 
 def test_run_refuses_what_call_checks_refuses(comms: dict[str, Comm]) -> None:
@@ -405,6 +438,13 @@ GOOD: dict[str, tuple[str, Build]] = {
     "nvfp4 scale = FLT_MAX": ("bf16", lambda c: {"x": c.x(), "quant": "nvfp4",
                                                  "scale": FP32_MAX, "layout": "linear"}),
     "quant 'none'": ("fp32", lambda c: {"x": c.x(), "quant": "none"}),
+    "nvfp4 layout None": ("bf16", lambda c: {"x": c.x(), "quant": "nvfp4", "scale": 1.0,
+                                             "layout": None}),
+    **{f"fp8_group {layout} {g}": ("bf16-256", lambda c, layout=layout, g=g: {
+        "x": c.x(), "weight": c.w(), "quant": "fp8_group", "layout": layout, "group_size": g})
+       for layout in ("fp32", "fp32_column_major", "ue8m0_packed") for g in (32, 64, 128)},
+    "fp8_group defaults": ("fp32-96", lambda c: {"x": c.x(), "quant": "fp8_group",
+                                                 "layout": None, "group_size": 32}),
     "plain, eps ignored": ("fp32", lambda c: {"x": c.x(), "eps": "anything"}),
     "in place": ("fp32", lambda c: (lambda x, r: {"x": x, "residual": r, "weight": c.w(),
                                                   "out": x, "residual_out": r})(c.x(), c.x())),

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import ctables
-from .pattern import QUANT_OUTPUTS, Pattern, quant_output
+from .pattern import DEFAULT_GROUP_SIZE, GROUP_SIZES, Pattern, quant_output
 from .spec import parse_quant
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ class CallArgs:
     out: torch.Tensor | None = None
     residual_out: torch.Tensor | None = None
     op: int = 0  # the op making the call, numbered alike on every rank (its signature names it)
+    group_size: int = 0  # fp8_group's group size (its signature names it); 0 for the others
     # A MoE call: its expert step, which the backend runs into x (the op's input buffer)
     # before the all-reduce; x then holds this rank's rows.
     moe: ExpertStep | None = None
@@ -140,9 +141,11 @@ class OpShape:
 
 def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, weight_bias: Any,
                quant: Any, scale: Any, layout: Any, out: Any, residual_out: Any,
-               shared: Span | None, slot_start: int | None, op: int = 0) -> CallArgs:
+               shared: Span | None, slot_start: int | None, op: int = 0,
+               group_size: Any = None) -> CallArgs:
     """Every rule of one call. ``shared``: the memory the peers read during a call (no argument
-    may lie there, except ``x`` starting exactly at ``slot_start``, the next input slot)."""
+    may lie there, except ``x`` starting exactly at ``slot_start``, the next input slot);
+    ``layout``: None is the quant's default; ``group_size``: fp8_group's (None: 128)."""
     _check_x(shape, x)
     eps_f, bias_f = 1e-6, 0.0
     if residual is not None:
@@ -168,8 +171,9 @@ def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, wei
     quant_name = parse_quant(quant)
     scale_f: float | None = None
     layout_name = "swizzled_128x4"
+    group = 0
     if quant_name is not None:  # as its rows of the quantised outputs say (arfuse.pattern)
-        made = next(o for o in QUANT_OUTPUTS if o.quant == quant_name)
+        made = quant_output(quant_name, layout)
         if made.scale_in == "none" and scale is not None:
             raise ValueError(f"quant={quant_name!r} computes its own scales; pass scale=None")
         if made.scale_in != "none":
@@ -178,13 +182,33 @@ def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, wei
                                  "scale; nvfp4: the global encode scale)")
             scale_f = fp32_number(scale, "scale", positive=True,
                                   reciprocal=made.scale_in == "dequant")
-        problem = made.problem(shape.dtype_name, shape.hidden)
+        if made.grouped:
+            group = check_group_size(group_size, shape.hidden)
+        problem = made.problem(shape.dtype_name, shape.hidden, group or None)
         if problem:
             raise ValueError(problem)
-        layout_name = quant_output(quant_name, layout).layout or layout_name
+        layout_name = made.layout or layout_name
+    if group == 0 and group_size is not None:
+        raise ValueError(f"group_size={group_size!r} is only for quant='fp8_group' (got "
+                         f"quant={quant_name!r}); pass group_size=None")
     _check_memory(x, residual, weight, out, residual_out, shared, slot_start)
     return CallArgs(x, residual, weight, eps_f, bias_f, quant_name, scale_f, layout_name, out,
-                    residual_out, op)
+                    residual_out, op, group)
+
+
+def check_group_size(group_size: Any, hidden: int) -> int:
+    """fp8_group's group size: None is the default (128); else an int of ``GROUP_SIZES``
+    that divides ``hidden``."""
+    allowed = ", ".join(map(str, GROUP_SIZES))
+    if group_size is None:
+        group_size = DEFAULT_GROUP_SIZE
+    elif isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be None or an int ({allowed} dividing hidden_dim), "
+                        f"got {type(group_size).__name__}")
+    if group_size not in GROUP_SIZES or hidden % group_size:
+        raise ValueError(f"group_size={group_size!r} is not valid with hidden_dim={hidden}; "
+                         f"use one of {allowed} dividing hidden_dim")
+    return int(group_size)
 
 
 def check_plain(tensor: torch.Tensor, name: str) -> None:

@@ -160,9 +160,13 @@ class FusedAllReduce:
                  weight: torch.Tensor | None = None, eps: float = 1e-6,
                  weight_bias: float = 0.0, quant: str | None = None,
                  scale: float | torch.Tensor | None = None,
-                 layout: str = "swizzled_128x4", *, out: torch.Tensor | None = None,
-                 residual_out: torch.Tensor | None = None) -> FusedOutput:
-        """See DESIGN 3.6. ``layout`` is the NVFP4 scale layout (``swizzled_128x4``, ``linear``).
+                 layout: str | None = None, *, out: torch.Tensor | None = None,
+                 residual_out: torch.Tensor | None = None,
+                 group_size: int | None = None) -> FusedOutput:
+        """See DESIGN 3.6. ``layout`` is the scale layout of a quant that has several (NVFP4:
+        ``swizzled_128x4``, its default, or ``linear``; fp8_group: ``fp32``, its default,
+        ``fp32_column_major`` or ``ue8m0_packed``). ``group_size``: fp8_group's (32, 64 or
+        128 dividing ``hidden_dim``; None: 128); any other quant takes None.
 
         ``out`` / ``residual_out``: where to write those results instead of new tensors. Each
         may be its own input, ``out=x`` and ``residual_out=residual``: the op then works in
@@ -172,13 +176,14 @@ class FusedAllReduce:
         fast = self._fast
         if fast is not None:
             result: FusedOutput | None = fast(x, residual, weight, eps, weight_bias, quant,
-                                              scale, layout, out, residual_out, self._op)
+                                              scale, layout, out, residual_out, self._op,
+                                              group_size)
             if result is not None:
                 self._fast_calls += 1
                 return result
         with self._refused_on_error(None):
             call = self._check(x, residual, weight, eps, weight_bias, quant, scale, layout, out,
-                               residual_out)
+                               residual_out, group_size=group_size)
         return self._run(call)
 
     def moe_finalize(self, expanded: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor,
@@ -188,8 +193,9 @@ class FusedAllReduce:
                      shared_expert_output: torch.Tensor | None = None,
                      routed_scaling_factor: float = 1.0, quant: str | None = None,
                      scale: float | torch.Tensor | None = None,
-                     layout: str = "swizzled_128x4", out: torch.Tensor | None = None,
-                     residual_out: torch.Tensor | None = None) -> FusedOutput:
+                     layout: str | None = None, out: torch.Tensor | None = None,
+                     residual_out: torch.Tensor | None = None,
+                     group_size: int | None = None) -> FusedOutput:
         """The MoE finalize, then the all-reduce pattern of the other keywords (as
         ``__call__``'s), in one call (docs/design.md 3.12): each rank's rows are
         ``(sum_k expert_scales[t,k] * expanded[index[t,k]]) * routed_scaling_factor
@@ -201,7 +207,7 @@ class FusedAllReduce:
             result: FusedOutput | None = fast(
                 expanded, expanded_idx_to_permuted_idx, expert_scales, shared_expert_output,
                 routed_scaling_factor, residual, weight, eps, weight_bias, quant, scale, layout,
-                out, residual_out, self._op)
+                out, residual_out, self._op, group_size)
             if result is not None:
                 self._fast_calls += 1
                 return result
@@ -210,16 +216,17 @@ class FusedAllReduce:
                                       expert_scales, shared_expert_output,
                                       routed_scaling_factor)
             call = self._check(self.input_buffer(step.tokens), residual, weight, eps,
-                               weight_bias, quant, scale, layout, out, residual_out, step)
+                               weight_bias, quant, scale, layout, out, residual_out, step,
+                               group_size)
         return self._run(call)
 
     def moe_reduce(self, active_experts_token_input: torch.Tensor, scale_input: torch.Tensor,
                    token_input: torch.Tensor, *, residual: torch.Tensor | None = None,
                    weight: torch.Tensor | None = None, eps: float = 1e-6,
                    weight_bias: float = 0.0, quant: str | None = None,
-                   scale: float | torch.Tensor | None = None, layout: str = "swizzled_128x4",
-                   out: torch.Tensor | None = None,
-                   residual_out: torch.Tensor | None = None) -> FusedOutput:
+                   scale: float | torch.Tensor | None = None, layout: str | None = None,
+                   out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                   group_size: int | None = None) -> FusedOutput:
         """The MoE expert reduction, then the all-reduce pattern (docs/design.md 3.12): each
         rank's rows are ``sum_e scale_input[e,t] * active_experts_token_input[e,t]
         + token_input[t]`` in fp32; the inputs are expert-major: ``[experts, tokens, hidden]``
@@ -228,7 +235,8 @@ class FusedAllReduce:
         if fast is not None:
             result: FusedOutput | None = fast(
                 active_experts_token_input, None, scale_input, token_input, 1.0, residual,
-                weight, eps, weight_bias, quant, scale, layout, out, residual_out, self._op)
+                weight, eps, weight_bias, quant, scale, layout, out, residual_out, self._op,
+                group_size)
             if result is not None:
                 self._fast_calls += 1
                 return result
@@ -236,7 +244,8 @@ class FusedAllReduce:
             step = moe.check_reduce(self._shape, active_experts_token_input, scale_input,
                                     token_input)
             call = self._check(self.input_buffer(step.tokens), residual, weight, eps,
-                               weight_bias, quant, scale, layout, out, residual_out, step)
+                               weight_bias, quant, scale, layout, out, residual_out, step,
+                               group_size)
         return self._run(call)
 
     def _open(self) -> Workspace:
@@ -252,13 +261,13 @@ class FusedAllReduce:
 
     def _check(self, x: Any, residual: Any, weight: Any, eps: Any, weight_bias: Any,
                quant: Any, scale: Any, layout: Any, out: Any, residual_out: Any,
-               experts: moe.ExpertStep | None = None) -> CallArgs:
+               experts: moe.ExpertStep | None = None, group_size: Any = None) -> CallArgs:
         """The checked Python path's checks: every error names its argument."""
         ws = self._open()
         shared = ws.shared_span()
         slot = ws.input_slot_start() if shared is not None else None
         call = check_call(self._shape, x, residual, weight, eps, weight_bias, quant, scale,
-                          layout, out, residual_out, shared, slot, self._op)
+                          layout, out, residual_out, shared, slot, self._op, group_size)
         if experts is not None:
             moe.check_not_shared(experts, shared)
             call = replace(call, moe=experts)
@@ -376,7 +385,7 @@ def run_on(ws: Workspace, call: CallArgs, takes: Callable[[Pattern], bool]) -> F
     if call.quant is None or takes(call.pattern):
         return ws.run(call)
     result = ws.run(call.without_quant())
-    q_out, s_out = quantize(result.out, call.quant, call.scale, call.layout)
+    q_out, s_out = quantize(result.out, call.quant, call.scale, call.layout, call.group_size)
     return FusedOutput(result.out, result.residual_out, q_out, s_out)
 
 

@@ -33,7 +33,20 @@ EPILOGUES: dict[str, int] = {"none": int(_S["kEpilogueNone"]),
 _SCALE_IN = {int(_S["kScaleInNone"]): "none", int(_S["kScaleInDequant"]): "dequant",
              int(_S["kScaleInEncode"]): "encode"}
 _QUANT_TYPES = {int(_S["kQuantTypeNone"]): None, int(_S["kQuantTypeE4m3"]): "float8_e4m3fn",
-                int(_S["kQuantTypeUint8"]): "uint8", int(_S["kQuantTypeFloat32"]): "float32"}
+                int(_S["kQuantTypeUint8"]): "uint8", int(_S["kQuantTypeFloat32"]): "float32",
+                int(_S["kQuantTypeInt32"]): "int32"}
+GROUP_OF_CALL = int(_S["kGroupOfCall"])
+GROUP_UNIT = int(_S["kGroupUnit"])
+GROUP_SIZES: tuple[int, ...] = tuple(GROUP_UNIT << code
+                                     for code in range(1, int(_S["kGroupCodes"]) + 1))
+"""The group sizes of a per-token-group output (32, 64, 128); signature word 1 carries the
+code ``log2(size / GROUP_UNIT)``."""
+DEFAULT_GROUP_SIZE = int(_S["kDefaultGroupSize"])
+
+
+def group_code(group_size: int) -> int:
+    """The signature's code of a group size (0: no group)."""
+    return GROUP_SIZES.index(group_size) + 1 if group_size in GROUP_SIZES else 0
 
 
 def _round_up(value: int, to: int) -> int:
@@ -54,37 +67,66 @@ class QuantOutput:
     data_dtype: str | None   # quant_out's torch dtype name (None: not made)
     data_pack: int           # values per element of quant_out
     scale_dtype: str | None  # scale_out's torch dtype name (None: not made)
-    scale_row_align: int
-    scale_group: int      # 0: one scale per row
+    scale_row_align: int  # rows padded to it (row-major: the shape; column-major: the stride)
+    scale_group: int      # 0: one scale per row; GROUP_OF_CALL: per the call's group_size
     scale_col_align: int
+    scale_pack: int       # scales per element of scale_out
+    scale_column_major: bool
 
     @classmethod
     def of_row(cls, row: tuple[ctables.Cell, ...]) -> QuantOutput:
         (quant, layout, code, scale_in, fp32, block, data_type, data_pack, scale_type,
-         row_align, group, col_align) = row
+         row_align, group, col_align, pack, column_major) = row
         return cls(None if quant == "none" else str(quant), str(layout) or None, int(code),
                    _SCALE_IN[int(scale_in)], bool(fp32), int(block), _QUANT_TYPES[int(data_type)],
                    int(data_pack), _QUANT_TYPES[int(scale_type)], int(row_align), int(group),
-                   int(col_align))
+                   int(col_align), int(pack), bool(column_major))
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the call's ``group_size`` picks its groups (fp8_group)."""
+        return self.block == GROUP_OF_CALL
 
     def data_shape(self, tokens: int, hidden: int) -> tuple[int, int] | None:
         """quant_out's shape (``None``: not made)."""
         return None if self.data_dtype is None else (tokens, hidden // self.data_pack)
 
-    def scale_shape(self, tokens: int, hidden: int) -> tuple[int, int] | None:
+    def scale_geometry(self, tokens: int, hidden: int,
+                       group_size: int = 0) -> tuple[tuple[int, int], tuple[int, int], int]:
+        """scale_out's (shape, strides, elements of its storage), padding included, as the
+        kernel's ``scale_geometry`` (signature.h); ``group_size``: the call's."""
+        padded = _round_up(tokens, self.scale_row_align)
+        per = group_size if self.scale_group == GROUP_OF_CALL else self.scale_group
+        cols = 1 if per == 0 else (_round_up(hidden // per, self.scale_col_align)
+                                   // self.scale_pack)
+        if self.scale_column_major:
+            return (tokens, cols), (1, padded), (cols - 1) * padded + tokens if cols else 0
+        return (padded, cols), (cols, 1), padded * cols
+
+    def scale_shape(self, tokens: int, hidden: int,
+                    group_size: int = 0) -> tuple[int, int] | None:
         """scale_out's shape, padding included (``None``: not made)."""
         if self.scale_dtype is None:
             return None
-        cols = 1 if self.scale_group == 0 else _round_up(hidden // self.scale_group,
-                                                        self.scale_col_align)
-        return _round_up(tokens, self.scale_row_align), cols
+        return self.scale_geometry(tokens, hidden, group_size)[0]
 
-    def problem(self, dtype: str, hidden: int) -> str:
+    def problem(self, dtype: str, hidden: int, group_size: int | None = None) -> str:
         """Why rows of ``hidden`` elements of ``dtype`` cannot be quantised so ("" when they
         can): the one copy of this rule, which the spec, the call checks and the kernels'
-        fast paths (tested against it) all apply."""
+        fast paths (tested against it) all apply. ``group_size``: the call's (None: whether
+        some group size fits)."""
         if dtype == "fp32" and not self.fp32:
             return f"quant={self.quant!r} needs dtype bf16 or fp16, not fp32"
+        if self.grouped:
+            if group_size is None:  # some call's group size can divide hidden
+                if hidden % min(GROUP_SIZES):
+                    return (f"quant={self.quant!r} needs hidden a multiple of a group size "
+                            f"({', '.join(map(str, GROUP_SIZES))}), got hidden={hidden}")
+            elif group_size not in GROUP_SIZES or hidden % group_size:
+                return (f"group_size={group_size!r} is not valid for quant={self.quant!r} with "
+                        f"hidden_dim={hidden}; use one of "
+                        f"{', '.join(map(str, GROUP_SIZES))} dividing hidden_dim")
+            return ""
         if hidden % self.block:
             return (f"quant={self.quant!r} needs hidden a multiple of {self.block}, "
                     f"got hidden={hidden}")
@@ -111,19 +153,22 @@ def quant_output_of_code(code: object, name: str = "quant") -> QuantOutput:
 
 
 @functools.cache
-def output_code(quant: str | None, layout: str | None) -> int:
+def output_code(quant: str | None, layout: str | None = None) -> int:
     """The code of the output ``quant`` names (with ``layout`` where its rows differ in it):
     the one code the shm kernel takes."""
     return quant_output(quant, layout).code
 
 
 def quant_output(quant: str | None, layout: str | None = None) -> QuantOutput:
-    """The row that ``quant`` names (with ``layout`` where its rows differ in it)."""
+    """The row that ``quant`` names (with ``layout`` where its rows differ in it; ``None``:
+    the quant's default, its first row)."""
     rows = [o for o in QUANT_OUTPUTS if o.quant == quant]
     if not rows:
         raise ValueError(f"quant={quant!r} is not valid; use one of "
                          + ", ".join(dict.fromkeys(str(o.quant or "none")
                                                    for o in QUANT_OUTPUTS)))
+    if layout is None:
+        return rows[0]  # the quant's default: its first row
     for output in rows:
         if output.layout is None or output.layout == layout:
             return output
@@ -139,8 +184,11 @@ _REDUCTION_TEXT = {"all_reduce": "all-reduce",
 
 @dataclass(frozen=True, slots=True)
 class Pattern:
-    """One fused pattern. ``quant`` is ``None``, ``fp8``, ``fp8_dynamic`` or ``nvfp4``;
-    ``layout`` is NVFP4's scale layout (``swizzled_128x4``, ``linear``), ``None`` otherwise."""
+    """One fused pattern. ``quant`` is ``None``, ``fp8``, ``fp8_dynamic``, ``nvfp4`` or
+    ``fp8_group``; ``layout`` is the scale layout of a quant with several (NVFP4:
+    ``swizzled_128x4``, ``linear``; fp8_group: ``fp32``, ``fp32_column_major``,
+    ``ue8m0_packed``; ``None`` there: the quant's default), ``None`` otherwise. fp8_group's
+    group size is the call's, not the pattern's (the signature carries it)."""
 
     epilogue: str = "none"
     quant: str | None = None
@@ -154,6 +202,9 @@ class Pattern:
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue={self.epilogue!r} is not valid; use one of "
                              f"{', '.join(EPILOGUES)}")
+        if self.layout is None and (self.quant, None) not in OUTPUTS:
+            # a quant with several layouts: its default, the first row (ValueError: no quant)
+            object.__setattr__(self, "layout", quant_output(self.quant, None).layout)
         if (self.quant, self.layout) not in OUTPUTS:
             raise ValueError(f"quant={self.quant!r} with layout={self.layout!r} is not a "
                              "quantised output; use " + ", ".join(
@@ -161,9 +212,9 @@ class Pattern:
 
     @classmethod
     def of_call(cls, norm: bool, residual: bool, quant: str | None,
-                layout: str, reduction: str = "all_reduce") -> Pattern:
+                layout: str | None, reduction: str = "all_reduce") -> Pattern:
         """The pattern of a call with (``norm``: a weight was given) and ``residual``,
-        quantised as ``quant`` (NVFP4 with its scale ``layout``)."""
+        quantised as ``quant`` (with its scale ``layout``; ``None``: the quant's default)."""
         epilogue = "none" if not norm else "residual_rmsnorm" if residual else "rmsnorm"
         return cls(epilogue, quant, quant_output(quant, layout).layout, reduction)
 
@@ -212,12 +263,14 @@ class Pattern:
 
     @property
     def name(self) -> str:
-        """Short and unique: ``residual_rmsnorm+nvfp4_linear``, ``allreduce`` (alone)."""
+        """Short and unique: ``residual_rmsnorm+nvfp4_linear``, ``allreduce`` (alone): a
+        layout by its first word, or whole where that word is another layout's of its quant
+        (``fp8_group_fp32``, ``fp8_group_fp32_column_major``)."""
         parts = [] if self.reduction == "all_reduce" else [self.reduction]
         parts.append("allreduce" if self.epilogue == "none" else self.epilogue)
         if self.quant is not None:
             parts.append(self.quant + ("" if self.layout is None
-                                       else "_" + self.layout.split("_")[0]))
+                                       else "_" + _layout_word(self.quant, self.layout)))
         return "+".join(parts)
 
     def describe(self) -> str:
@@ -229,6 +282,12 @@ class Pattern:
 
 
 K = TypeVar("K")
+
+
+def _layout_word(quant: str, layout: str) -> str:
+    first = layout.split("_")[0]
+    others = [o.layout for o in QUANT_OUTPUTS if o.quant == quant and o.layout != layout]
+    return layout if any(str(o).split("_")[0] == first for o in others) else first
 
 
 def _key_of(table: Mapping[K, int], code: int) -> K:

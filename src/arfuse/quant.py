@@ -11,6 +11,8 @@ The rules (FlashInfer 0.6.13, ``trtllm_allreduce_fusion.cuh`` / ``quantization_u
   Block scales are e4m3 bytes in the ``linear`` ``[T, H/16]`` or the ``swizzled_128x4``
   layout ``[round_up(T,128), round_up(H/16,4)]`` (padding zero).
 
+* FP8 per token and group (``fp8_group``, docs/design.md 3.6): ``fp8_group_quantize``.
+
 Inputs are the values already rounded to the activation dtype, as in FlashInfer. CUDA kernels
 built with fast-math may differ from these exact-IEEE rules by one ulp in rare ties.
 """
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .pattern import quant_output
+from . import ctables
+from .pattern import DEFAULT_GROUP_SIZE, quant_output
 from .sizing import round_up
 from .spec import NVFP4_BLOCK
 
@@ -58,6 +61,77 @@ def fp8_dynamic_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.clamp_min(amax / torch.tensor(FP8_MAX, dtype=torch.float32),
                             FP8_DYNAMIC_MIN_SCALE)
     return to_e4m3(values / scale), scale
+
+
+FP8_GROUP_EPS = torch.tensor(ctables.float_constant("signature.h", "kFp8GroupEps"),
+                             dtype=torch.float32).item()
+"""fp8_group's eps (1e-10 as float32), vLLM's and FlashInfer's."""
+
+
+def _amax_ignoring_nan(values: torch.Tensor) -> torch.Tensor:
+    magnitude = values.abs()
+    return torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude),
+                       magnitude).amax(dim=-1)
+
+
+def fp8_group_scales(amax: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 group amaxes -> (the fp32 scales, their UE8M0 exponent bytes as int32): for
+    ``fp32`` and ``fp32_column_major`` ``max(amax, eps) / 448`` (vLLM's
+    ``per_token_group_quant_fp8``); for ``ue8m0_packed`` ``s = max(amax / 448, eps)`` rounded
+    up to a power of two by its bits (FlashInfer's ``compute_ue8m0_scale``: mantissa bits
+    set -> exponent + 1, mantissa cleared). Each step one fp32 operation."""
+    fp8_max = torch.tensor(FP8_MAX, dtype=torch.float32, device=amax.device)
+    if layout != "ue8m0_packed":
+        scale = torch.clamp_min(amax, FP8_GROUP_EPS) / fp8_max
+        return scale, (scale.view(torch.int32) >> 23) & 0xFF
+    bits = torch.clamp_min(amax / fp8_max, FP8_GROUP_EPS).view(torch.int32)
+    bits = torch.where((bits & 0x7FFFFF) != 0, (bits + 0x800000) & 0x7F800000, bits)
+    return bits.view(torch.float32), (bits >> 23) & 0xFF
+
+
+def fp8_group_quantize(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
+                       layout: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and group of ``group_size`` columns: amax of ``f32(x)`` over the group (a
+    NaN does not count), its scale (``fp8_group_scales``), ``q = e4m3(x / scale)`` (an IEEE
+    division, nearest-even, saturating). Returns codes ``[T, H]`` and ``scale_out`` in
+    ``layout``: ``fp32`` float32 ``[T, H/g]``; ``fp32_column_major`` the same values with
+    strides ``(1, T)``; ``ue8m0_packed`` int32 ``[T, ceil(G/4)]`` with strides
+    ``(1, ceil(T/4)*4)``, the exponent byte of group j in byte ``j % 4`` of word ``j / 4``
+    (little-endian), padding bytes zero (FlashInfer's patterns 8/9)."""
+    made = quant_output("fp8_group", layout)  # a layout of fp8_group's, or ValueError
+    tokens, hidden = x.shape
+    if made.problem("fp32", hidden, group_size):
+        raise ValueError(made.problem("fp32", hidden, group_size))
+    groups = hidden // group_size
+    values = x.float().reshape(tokens, groups, group_size)
+    scale, exponent = fp8_group_scales(_amax_ignoring_nan(values), layout)
+    codes = to_e4m3(values / scale.unsqueeze(-1)).reshape(tokens, hidden)
+    shape, strides, storage = made.scale_geometry(tokens, hidden, group_size)
+    if layout == "fp32":
+        return codes, scale
+    if layout == "fp32_column_major":
+        flat = torch.empty(storage, dtype=torch.float32, device=x.device)
+        out = torch.as_strided(flat, shape, strides)
+        out.copy_(scale)
+        return codes, out
+    padded, packs = strides[1], shape[1]
+    words = torch.zeros(max(packs * padded, 1), 4, dtype=torch.uint8, device=x.device)
+    by_pack = torch.zeros(tokens, packs * 4, dtype=torch.uint8, device=x.device)
+    by_pack[:, :groups] = exponent.to(torch.uint8)
+    words.view(packs, padded, 4)[:, :tokens] = by_pack.view(tokens, packs, 4).transpose(0, 1)
+    flat = words.view(torch.int32).view(-1)[:max(storage, 1)]
+    return codes, torch.as_strided(flat, shape, strides)
+
+
+def fp8_group_scale_values(scale_out: torch.Tensor, groups: int) -> torch.Tensor:
+    """fp8_group's ``scale_out`` in any layout -> float32 ``[T, groups]`` (a UE8M0 byte e is
+    ``2^(e - 127)``; 0xff is +inf)."""
+    if scale_out.dtype == torch.float32:
+        return scale_out.contiguous()
+    tokens = scale_out.shape[0]
+    exponents = torch.stack([((scale_out >> (8 * byte)) & 0xFF) for byte in range(4)], dim=-1)
+    exponents = exponents.reshape(tokens, -1)[:, :groups]
+    return (exponents.to(torch.int32) << 23).view(torch.float32)
 
 
 def e2m1_codes(values: torch.Tensor) -> torch.Tensor:

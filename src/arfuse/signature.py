@@ -4,18 +4,19 @@ before any rank reads a peer's data.
 ``word 0``: tokens, the pattern's code, the mode (one-shot or two-shot) and the dtype, and for
 the MoE patterns their fan-in (top_k, or the experts of a reduction), whether a shared expert
 is given and a digest of the expanded rows and the routed scaling factor (``moe_bits``);
-``word 1``: the hidden size and the op (the group's construction count, the same on every
-rank), so calls of two ops never pair. The numbers are the kernels'
-(``arfuse/csrc/signature.h``, read by ``arfuse.ctables``). The shm kernel writes these words
-itself; the pure-torch shm path and the torch backend write them here, and all three describe
-a mismatch in the same text (this module's twin is ``describe_signature`` /
-``mismatch_message`` in the shm kernel's ``protocol.cpp``; a contract test compares them).
+``word 1``: the hidden size, the op (the group's construction count, the same on every
+rank), so calls of two ops never pair, and a per-token-group output's group size. The
+numbers are the kernels' (``arfuse/csrc/signature.h``, read by ``arfuse.ctables``). The shm
+kernel writes these words itself; the pure-torch shm path and the torch backend write them
+here, and all three describe a mismatch in the same text (this module's twin is
+``describe_signature`` / ``mismatch_message`` in the shm kernel's ``protocol.cpp``; a
+contract test compares them).
 """
 
 from __future__ import annotations
 
 from . import ctables
-from .pattern import Pattern
+from .pattern import GROUP_UNIT, Pattern, group_code
 
 _S = ctables.header("signature.h")
 TOKENS_SHIFT = int(_S["kTokensShift"])
@@ -26,6 +27,8 @@ DTYPE_SHIFT = int(_S["kDtypeShift"])
 OP_SHIFT = int(_S["kOpShift"])
 MAX_HIDDEN = int(_S["kMaxHidden"])
 MAX_OP = int(_S["kMaxOp"])
+GROUP_SHIFT = int(_S["kGroupShift"])
+GROUP_BITS = int(_S["kGroupBits"])
 MOE_FAN_IN_SHIFT = int(_S["kMoeFanInShift"])
 MOE_FAN_IN_BITS = int(_S["kMoeFanInBits"])
 MOE_SHARED_SHIFT = int(_S["kMoeSharedShift"])
@@ -40,7 +43,8 @@ _DTYPE_NAMES = ("bf16", "fp16", "fp32")
 _EPILOGUE_NAMES = {"none": "plain", "rmsnorm": "norm", "residual_rmsnorm": "norm+residual"}
 _REDUCTION_PREFIX = {"all_reduce": "", "moe_reduce": "moe_reduce+",
                      "moe_finalize": "moe_finalize+"}
-_FIELDS = ("tokens", "dtype", "hidden", "pattern", "quant", "layout", "mode", "op", "fan_in",
+_FIELDS = ("tokens", "dtype", "hidden", "pattern", "quant", "layout", "group_size", "mode", "op",
+           "fan_in",
            "shared_expert_output", "expanded rows or routed_scaling_factor")
 
 
@@ -61,17 +65,19 @@ def moe_bits(fan_in: int, shared: bool, rows: int, routed_scaling_bits: int) -> 
 
 
 def words(tokens: int, dtype_code: int, hidden: int, pattern: int, twoshot: bool = False,
-          op: int = 0, moe: int = 0) -> tuple[int, int]:
+          op: int = 0, moe: int = 0, group_size: int = 0) -> tuple[int, int]:
     """The two words of a call, as signed int64 like the segment holds them (``moe``: the
-    MoE fields, ``moe_bits``)."""
+    MoE fields, ``moe_bits``; ``group_size``: a per-token-group output's, else 0)."""
     word0 = ((tokens & _MASK32) << TOKENS_SHIFT | pattern << PATTERN_SHIFT
              | int(twoshot) << MODE_SHIFT | dtype_code << DTYPE_SHIFT | moe)
-    return _signed(word0), _signed((hidden & _MASK32) | (op & MAX_OP) << OP_SHIFT)
+    return _signed(word0), _signed((hidden & _MASK32) | (op & MAX_OP) << OP_SHIFT
+                                   | group_code(group_size) << GROUP_SHIFT)
 
 
 def _fields(word0: int, word1: int) -> tuple[object, ...]:
-    """(tokens, dtype, hidden, pattern, quant, layout, mode, op, fan_in, shared, digest) of a
-    signature, as its text names them (a pattern code that is none gives ``?``)."""
+    """(tokens, dtype, hidden, pattern, quant, layout, group_size, mode, op, fan_in, shared,
+    digest) of a signature, as its text names them (a pattern code that is none gives ``?``;
+    group_size 0: none)."""
     word0 &= (1 << 64) - 1
     word1 &= (1 << 64) - 1
     code = (word0 >> PATTERN_SHIFT) & ((1 << PATTERN_BITS) - 1)
@@ -80,6 +86,7 @@ def _fields(word0: int, word1: int) -> tuple[object, ...]:
     except ValueError:
         pattern = None
     dtype = (word0 >> DTYPE_SHIFT) & 3
+    code_of_group = (word1 >> GROUP_SHIFT) & ((1 << GROUP_BITS) - 1)
     return ((word0 >> TOKENS_SHIFT) & _MASK32,
             _DTYPE_NAMES[dtype] if dtype < len(_DTYPE_NAMES) else "?",
             word1 & _MASK32,
@@ -87,6 +94,7 @@ def _fields(word0: int, word1: int) -> tuple[object, ...]:
                                          + _EPILOGUE_NAMES[pattern.epilogue]),
             "?" if pattern is None else pattern.quant or "none",
             "?" if pattern is None else pattern.layout or "",
+            GROUP_UNIT << code_of_group if code_of_group else 0,
             "twoshot" if (word0 >> MODE_SHIFT) & 1 else "oneshot",
             (word1 >> OP_SHIFT) & MAX_OP,
             (word0 >> MOE_FAN_IN_SHIFT) & MAX_MOE_FAN_IN,
@@ -96,12 +104,15 @@ def _fields(word0: int, word1: int) -> tuple[object, ...]:
 
 def describe(word0: int, word1: int) -> str:
     """``tokens=1 dtype=fp32 hidden=64 pattern=plain quant=none mode=oneshot op=3``; a MoE
-    pattern adds ``top_k=8`` (``experts=`` for a reduction), ``shared=`` and ``rows_digest=``."""
-    tokens, dtype, hidden, pattern, quant, layout, mode, op, fan_in, shared, digest = \
+    pattern adds ``top_k=8`` (``experts=`` for a reduction), ``shared=`` and ``rows_digest=``;
+    a per-token-group output ``group_size=128``."""
+    tokens, dtype, hidden, pattern, quant, layout, group, mode, op, fan_in, shared, digest = \
         _fields(word0, word1)
     text = f"tokens={tokens} dtype={dtype} hidden={hidden} pattern={pattern} quant={quant}"
     if layout and layout != "?":
         text += f" layout={layout}"
+    if group:
+        text += f" group_size={group}"
     text += f" mode={mode} op={op}"
     if isinstance(pattern, str) and pattern.startswith("moe_"):
         text += (f" {'top_k' if pattern.startswith('moe_finalize') else 'experts'}={fan_in}"

@@ -103,7 +103,31 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=call_size, default=4096, help="hidden size (4096)")
     p.add_argument("--dtype", type=dtype, default="bf16", help="bf16, fp16 or fp32 (bf16)")
     p.add_argument("--quant", type=quant, default=None,
-                   help="none, fp8, nvfp4 or fp8_dynamic (none)")
+                   help="none, fp8, nvfp4, fp8_dynamic or fp8_group (none)")
+
+
+def add_quant_format_flags(p: argparse.ArgumentParser) -> None:
+    """fp8_group's group size and scale format (the call's ``group_size`` and ``layout``)."""
+    p.add_argument("--group-size", type=positive_int, default=None,
+                   help="fp8_group: columns per scale, 32, 64 or 128 dividing --hidden (128)")
+    p.add_argument("--scale-format", default=None,
+                   help="fp8_group: fp32 (default), fp32_column_major or ue8m0_packed")
+
+
+def check_quant_format(quant: str | None, group_size: int | None, scale_format: str | None,
+                       hidden: int) -> None:
+    """``--group-size`` and ``--scale-format`` as the call checks take them (ValueError,
+    which the CLI prints as one line and exit 2)."""
+    from ..call_checks import check_group_size
+    from ..pattern import quant_output
+
+    if quant != "fp8_group":
+        for flag, value in (("--group-size", group_size), ("--scale-format", scale_format)):
+            if value is not None:
+                raise ValueError(f"{flag} is for --quant fp8_group, got --quant {quant or 'none'}")
+        return
+    check_group_size(group_size, hidden)
+    quant_output(quant, scale_format)  # ValueError naming layout and fp8_group's
 
 
 def add_moe_flags(p: argparse.ArgumentParser) -> None:

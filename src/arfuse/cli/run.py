@@ -19,7 +19,7 @@ import torch
 
 from ..digest import digest
 from ..moe_workload import MOE_PATTERNS, check_moe_sizes, expert_rows_bytes
-from ..pattern import Pattern
+from ..pattern import DEFAULT_GROUP_SIZE, Pattern, quant_output
 from ..reference import expected
 from ..torch_types import TORCH_DTYPES, device_of
 from . import args as cli_args
@@ -43,6 +43,8 @@ class RunOptions:
     pattern: str = "residual_rmsnorm"  # or a MoE pattern (``moe_workload.MOE_PATTERNS``)
     top_k: int = 8
     experts: int = 64
+    group_size: int | None = None  # fp8_group's (None: its default)
+    scale_format: str | None = None  # the quant's scale layout (None: its default)
 
 
 def _say(rank: int, text: str = "") -> None:
@@ -89,8 +91,10 @@ def _make_layer(rank: int, world: int, opts: RunOptions, gen: torch.Generator) -
     return _Layer(weight_full, weight_shard, gamma, width, shard)
 
 
-def quant_matches(result: Any, quant: str | None, scale: float | None) -> bool:
-    """The quantised outputs equal arfuse's own quantisation of the output it returned."""
+def quant_matches(result: Any, quant: str | None, scale: float | None,
+                  group_size: int | None = None, layout: str | None = None) -> bool:
+    """The quantised outputs equal arfuse's own quantisation of the output it returned
+    (fp8_group: its float64 reference, ``arfuse.reference.fp8_group``)."""
     from arfuse import quant as q
 
     if quant == "fp8":
@@ -104,7 +108,29 @@ def quant_matches(result: Any, quant: str | None, scale: float | None) -> bool:
         assert scale is not None
         packed, scales = q.nvfp4_quantize(result.out.cpu(), scale)
         return _mostly_equal(result.quant_out, packed) and _mostly_equal(result.scale_out, scales)
+    if quant == "fp8_group":
+        return fp8_group_matches(result, group_size or DEFAULT_GROUP_SIZE, layout or "fp32")
     return True
+
+
+def fp8_group_matches(result: Any, group_size: int, layout: str) -> bool:
+    """fp8_group's outputs against the float64 reference of the output returned: the scales
+    within the fp32 rounding of their two operations (UE8M0: equal powers of two but where
+    that rounding crosses one, at most 0.1%), the codes equal but for rare ties."""
+    from arfuse import quant as q
+    from arfuse import reference
+
+    if result.scale_out is None or result.quant_out is None:
+        return False
+    values, scales = reference.fp8_group(result.out.cpu(), group_size, layout)
+    got = q.fp8_group_scale_values(result.scale_out.cpu(), scales.shape[1]).double()
+    if got.shape != scales.shape:
+        return False
+    if layout == "ue8m0_packed":
+        scales_ok = (got != scales).double().mean().item() <= 1e-3
+    else:
+        scales_ok = bool(((got - scales).abs() <= scales * 2.0**-22).all())
+    return scales_ok and _mostly_equal(result.quant_out, q.to_e4m3(values.float()))
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -128,7 +154,7 @@ def _check_size(comm: Any, layer: _Layer, tokens: int, rank: int, world: int, op
         amax = first.out.abs().max().float().item()
         scale = amax / 448.0 if opts.quant == "fp8" else 448.0 * 6.0 / amax
     result = comm(partial, residual=residual, weight=layer.gamma, eps=EPS, quant=opts.quant,
-                  scale=scale)
+                  scale=scale, **quant_keywords(opts))
     digests: list[Any] = [None] * world
     dist.all_gather_object(digests, digest(result.out, result.residual_out,
                                             result.quant_out, result.scale_out))
@@ -138,7 +164,7 @@ def _check_size(comm: Any, layer: _Layer, tokens: int, rank: int, world: int, op
     assert want.residual_out is not None and result.residual_out is not None
     out_err = relative_error(result.out, want.out)
     res_err = relative_error(result.residual_out, want.residual_out)
-    quant_ok = quant_matches(result, opts.quant, scale)
+    quant_ok = quant_matches(result, opts.quant, scale, opts.group_size, opts.scale_format)
     ok = identical and quant_ok and max(out_err, res_err) <= TOLERANCE[opts.dtype]
     fused_us, unfused_us = _time_side_by_side(comm, partial, residual, layer.gamma, opts, scale)
     return SizeResult(tokens, out_err, res_err, identical, quant_ok, fused_us, unfused_us, ok)
@@ -220,6 +246,17 @@ def _mostly_equal(got: torch.Tensor | None, expected: torch.Tensor) -> bool:
     return a.shape == b.shape and (a != b).float().mean().item() <= 1e-3
 
 
+def quant_keywords(opts: RunOptions) -> dict[str, Any]:
+    """The call's ``layout`` (``--scale-format``) and ``group_size`` (``--group-size``),
+    where given."""
+    kwargs: dict[str, Any] = {}
+    if opts.scale_format is not None:
+        kwargs["layout"] = opts.scale_format
+    if opts.group_size is not None:
+        kwargs["group_size"] = opts.group_size
+    return kwargs
+
+
 def _rounds(steps: int) -> tuple[int, int]:
     """Rounds of consecutive timed steps, and steps per round, for about ``steps`` in all."""
     return 5, max(1, steps // 5)
@@ -234,7 +271,8 @@ def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
     from ..backends.torch.epilogue import quantize
 
     def fused() -> None:
-        comm(partial, residual=residual, weight=gamma, eps=EPS, quant=opts.quant, scale=scale)
+        comm(partial, residual=residual, weight=gamma, eps=EPS, quant=opts.quant, scale=scale,
+             **quant_keywords(opts))
 
     def unfused() -> None:
         summed = partial.clone()
@@ -242,7 +280,8 @@ def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
         pre = summed + residual
         out = rmsnorm(pre, gamma)
         if opts.quant:
-            quantize(out, opts.quant, scale, "swizzled_128x4")
+            quantize(out, opts.quant, scale, quant_output(opts.quant, opts.scale_format).layout
+                     or "", opts.group_size or DEFAULT_GROUP_SIZE)
 
     return time_pair(fused, unfused, opts.steps, partial.is_cuda)
 
@@ -297,6 +336,7 @@ def add_parser(sub: Any) -> None:
                    "step fused before it")
     cli_args.add_moe_flags(p)
     cli_args.add_spec_flags(p)
+    cli_args.add_quant_format_flags(p)
     p.set_defaults(func=run)
 
 
@@ -335,6 +375,7 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or default_device(ranks)
     spec = Spec(max_tokens=max(args.tokens), hidden=args.hidden, dtype=args.dtype,
                 quant=args.quant)
+    cli_args.check_quant_format(args.quant, args.group_size, args.scale_format, args.hidden)
     check_job(args.backend, args.strict, ranks, device, spec)
     if args.pattern != "residual_rmsnorm":
         check_moe_sizes(args.pattern, args.top_k, args.experts)
@@ -343,7 +384,8 @@ def run(args: argparse.Namespace) -> int:
     opts = RunOptions(world_size=ranks.world, tokens=tuple(args.tokens), hidden=args.hidden,
                       dtype=args.dtype, quant=args.quant, steps=args.steps,
                       backend=args.backend, device=device, strict=args.strict,
-                      pattern=args.pattern, top_k=args.top_k, experts=args.experts)
+                      pattern=args.pattern, top_k=args.top_k, experts=args.experts,
+                      group_size=args.group_size, scale_format=args.scale_format)
     # the job prints the plan itself; the log repeats it only if asked (ARFUSE_LOG=info)
     return launch(run_body, ranks.world, opts,
                   env={"ARFUSE_LOG": os.environ.get("ARFUSE_LOG", "warning")})

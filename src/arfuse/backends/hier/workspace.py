@@ -200,7 +200,8 @@ class HierWorkspace(Workspace):
         self._calls += 1
         x = torch.zeros_like(call.x) if self._poisoned else call.x
         words = signature.words(call.tokens, DTYPES[self.spec.dtype].code, call.x.shape[1],
-                                call.pattern.code, op=call.op, moe=call.moe_word)
+                                call.pattern.code, op=call.op, moe=call.moe_word,
+                                group_size=call.group_size)
         op = _op_word(words)
         partial, flag, detail, why = self._host_step(x, op)
         verdicts = self._exchange_verdicts(words, flag, detail)
@@ -279,7 +280,7 @@ class HierWorkspace(Workspace):
             self._calls += 1
             words = signature.words(call.tokens, DTYPES[self.spec.dtype].code,
                                     call.x.shape[1], call.pattern.code, op=call.op,
-                                    moe=call.moe_word)
+                                    moe=call.moe_word, group_size=call.group_size)
             flag, detail, why = _OK, 0, ""
             if self.inner is not None:
                 empty = torch.empty((0, self.spec.hidden), dtype=torch.float32)

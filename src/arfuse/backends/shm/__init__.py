@@ -28,7 +28,8 @@ def unmet(topology: Topology, spec: Spec) -> str:
 
 
 def fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
-    """Every pattern, MoE ones included, on every ISA path (NVFP4 where its rows allow it)."""
+    """Every pattern, MoE ones included, on every ISA path (NVFP4 and fp8_group where their
+    rows allow it; fp8_group's group size is checked per call)."""
     return not pattern.output.problem(spec.dtype, spec.hidden)
 
 

@@ -194,7 +194,8 @@ def _register_fake() -> None:
     from ...pattern import quant_output_of_code
 
     def outputs(x: torch.Tensor, weight: torch.Tensor | None, quant: int,
-                out: torch.Tensor | None, residual_out: torch.Tensor | None) -> list[Any]:
+                out: torch.Tensor | None, residual_out: torch.Tensor | None,
+                group_size: int) -> list[Any]:
         if x.dim() != 2:
             raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
         tokens, hidden = x.shape
@@ -203,21 +204,29 @@ def _register_fake() -> None:
             result.append(residual_out if residual_out is not None
                           else x.new_empty((tokens, hidden)))
         made = quant_output_of_code(quant, "quant")  # quant_out, scale_out as its row says
-        for shape, dtype in ((made.data_shape(tokens, hidden), made.data_dtype),
-                             (made.scale_shape(tokens, hidden), made.scale_dtype)):
-            if shape is not None and dtype is not None:
-                result.append(x.new_empty(shape, dtype=getattr(torch, dtype)))
+        data_shape = made.data_shape(tokens, hidden)
+        if data_shape is not None and made.data_dtype is not None:
+            result.append(x.new_empty(data_shape, dtype=getattr(torch, made.data_dtype)))
+        if made.scale_dtype is not None:
+            shape, strides, _ = made.scale_geometry(tokens, hidden, group_size)
+            result.append(x.new_empty_strided(shape, strides,
+                                              dtype=getattr(torch, made.scale_dtype)))
         return result
 
     def fake(handle: int, x: torch.Tensor, residual: torch.Tensor | None,
              weight: torch.Tensor | None, eps: float, weight_bias: float, quant: int,
              scale: float, out: torch.Tensor | None = None,
-             residual_out: torch.Tensor | None = None) -> list[Any]:
-        return outputs(x, weight, quant, out, residual_out)
+             residual_out: torch.Tensor | None = None, group_size: int = 0) -> list[Any]:
+        return outputs(x, weight, quant, out, residual_out, group_size)
+
+    def fake_functional(handle: int, x: torch.Tensor, residual: torch.Tensor | None,
+                        weight: torch.Tensor | None, eps: float, weight_bias: float, quant: int,
+                        scale: float, group_size: int = 0) -> list[Any]:
+        return outputs(x, weight, quant, None, None, group_size)
 
     try:
         torch.library.register_fake("arfuse::shm_fused_allreduce")(fake)
-        torch.library.register_fake("arfuse::shm_fused_allreduce_functional")(fake)
+        torch.library.register_fake("arfuse::shm_fused_allreduce_functional")(fake_functional)
     except (AttributeError, RuntimeError) as exc:  # an older torch: no torch.compile support
         log.logger.debug("arfuse shm: no fake for the torch operator: %s", exc)
 

@@ -29,6 +29,7 @@ import torch
 
 from ... import quant as q
 from ...call_checks import CallArgs
+from ...pattern import DEFAULT_GROUP_SIZE
 from ...result import FusedOutput, deliver
 from ...spec import QUANTS
 from ...torch_types import nans_differ, round_to
@@ -111,7 +112,7 @@ def apply(acc: torch.Tensor, call: CallArgs) -> FusedOutput:
     out, residual_out = rows(acc, call, nans=False)
     if nans_differ(out):  # a NaN in sum or residual_out makes its row of out all NaN
         out, residual_out = rows(acc, call, nans=True)
-    quant_out, scale_out = quantize(out, call.quant, call.scale, call.layout)
+    quant_out, scale_out = quantize(out, call.quant, call.scale, call.layout, call.group_size)
     return deliver(FusedOutput(out, residual_out, quant_out, scale_out), call)
 
 
@@ -139,12 +140,15 @@ def rows(acc: torch.Tensor, call: CallArgs,
 
 
 def quantize(out: torch.Tensor, quant: str | None, scale: float | None,
-             layout: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The quantisation step alone, for backends that do not fuse it."""
+             layout: str, group_size: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The quantisation step alone, for backends that do not fuse it (``group_size``:
+    fp8_group's)."""
     if quant is None:
         return None, None
     if quant == "fp8_dynamic":
         return q.fp8_dynamic_quantize(out)
+    if quant == "fp8_group":
+        return q.fp8_group_quantize(out, group_size or DEFAULT_GROUP_SIZE, layout)
     if quant not in ("fp8", "nvfp4"):
         raise ValueError(f"quant={quant!r} is not valid; use one of None, {', '.join(QUANTS)}")
     assert scale is not None

@@ -68,7 +68,8 @@ class TorchWorkspace(Workspace):
         pattern, op) must be the same; the op too, since all ops of a process group share its
         collectives."""
         words = signature.words(call.tokens, DTYPES[self.spec.dtype].code, call.x.shape[1],
-                                call.pattern.code, op=call.op, moe=call.moe_word)
+                                call.pattern.code, op=call.op, moe=call.moe_word,
+                                group_size=call.group_size)
         mine = torch.tensor([words], dtype=torch.int64, device=call.x.device)
         every = self._gather(mine, "call-signature").view(self.ctx.world_size, 2).tolist()
         if any(row != every[0] for row in every):

@@ -62,6 +62,9 @@ py::dict signature_constants() {
   d["kOpShift"] = signature::kOpShift;
   d["kMaxHidden"] = signature::kMaxHidden;
   d["kMaxOp"] = signature::kMaxOp;
+  d["kOpBits"] = signature::kOpBits;
+  d["kGroupShift"] = signature::kGroupShift;
+  d["kGroupBits"] = signature::kGroupBits;
   d["kReductionShift"] = signature::kReductionShift;
   d["kEpilogueShift"] = signature::kEpilogueShift;
   d["kReductionAllReduce"] = signature::kReductionAllReduce;
@@ -83,6 +86,14 @@ py::dict signature_constants() {
   d["kOutputNvfp4Swizzled"] = kOutputNvfp4Swizzled;
   d["kOutputNvfp4Linear"] = kOutputNvfp4Linear;
   d["kOutputFp8Dynamic"] = kOutputFp8Dynamic;
+  d["kOutputFp8GroupFp32"] = kOutputFp8GroupFp32;
+  d["kOutputFp8GroupColumnMajor"] = kOutputFp8GroupColumnMajor;
+  d["kOutputFp8GroupUe8m0"] = kOutputFp8GroupUe8m0;
+  d["kGroupOfCall"] = kGroupOfCall;
+  d["kGroupUnit"] = kGroupUnit;
+  d["kGroupCodes"] = kGroupCodes;
+  d["kDefaultGroupSize"] = kDefaultGroupSize;
+  d["kFp8GroupEps"] = kFp8GroupEps;
   d["kScaleInNone"] = kScaleInNone;
   d["kScaleInDequant"] = kScaleInDequant;
   d["kScaleInEncode"] = kScaleInEncode;
@@ -90,6 +101,7 @@ py::dict signature_constants() {
   d["kQuantTypeE4m3"] = kQuantTypeE4m3;
   d["kQuantTypeUint8"] = kQuantTypeUint8;
   d["kQuantTypeFloat32"] = kQuantTypeFloat32;
+  d["kQuantTypeInt32"] = kQuantTypeInt32;
   d["kFp32Max"] = kFp32Max;
   d["kFp32Tiny"] = kFp32Tiny;
   d["kFp8ScaleMin"] = kFp8ScaleMin;
@@ -103,7 +115,8 @@ py::list quant_outputs() {
   for (const QuantOutput& o : kQuantOutputs) {
     rows.append(py::make_tuple(o.quant, o.layout, o.code, o.scale_in, o.fp32, o.block,
                                o.data_type, o.data_pack, o.scale_type, o.scale_row_align,
-                               o.scale_group, o.scale_col_align));
+                               o.scale_group, o.scale_col_align, o.scale_pack,
+                               o.scale_column_major));
   }
   return rows;
 }
@@ -203,17 +216,19 @@ void bind_comm(py::module_& m) {
       .def("next_input_offset", &ShmComm::next_input_offset)
       .def("call", &ShmComm::call, py::arg("x"), py::arg("residual"), py::arg("weight"),
            py::arg("eps"), py::arg("weight_bias"), py::arg("quant"), py::arg("scale"),
-           py::arg("layout"), py::arg("out"), py::arg("residual_out"), py::arg("op") = 0)
+           py::arg("layout"), py::arg("out"), py::arg("residual_out"), py::arg("op") = 0,
+           py::arg("group_size") = py::none())
       .def("call_moe", &ShmComm::call_moe, py::arg("rows"), py::arg("index"),
            py::arg("scales"), py::arg("add"), py::arg("routed"), py::arg("residual"),
            py::arg("weight"), py::arg("eps"), py::arg("weight_bias"), py::arg("quant"),
            py::arg("scale"), py::arg("layout"), py::arg("out"), py::arg("residual_out"),
-           py::arg("op") = 0)
+           py::arg("op") = 0, py::arg("group_size") = py::none())
       .def("run", [](ShmComm& comm, const at::Tensor& x, const std::optional<at::Tensor>& residual,
                      const std::optional<at::Tensor>& weight, double eps, double weight_bias,
                      int64_t quant, double scale, const std::optional<at::Tensor>& out,
-                     const std::optional<at::Tensor>& residual_out, int64_t op, int64_t moe) {
-        Numbers n = numbers_of(eps, weight_bias, quant, scale);
+                     const std::optional<at::Tensor>& residual_out, int64_t op, int64_t moe,
+                     int64_t group_size) {
+        Numbers n = numbers_of(eps, weight_bias, quant, scale, group_size);
         n.op = op;
         n.moe = moe;
         std::array<at::Tensor, 4> r =
@@ -221,9 +236,10 @@ void bind_comm(py::module_& m) {
         return std::vector<at::Tensor>(r.begin(), r.end());
       }, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
            py::arg("weight_bias"), py::arg("quant"), py::arg("scale"), py::arg("out"),
-           py::arg("residual_out"), py::arg("op") = 0, py::arg("moe") = 0)
+           py::arg("residual_out"), py::arg("op") = 0, py::arg("moe") = 0,
+           py::arg("group_size") = 0)
       .def("announce", &ShmComm::announce, py::arg("tokens"), py::arg("pattern"),
-           py::arg("op") = 0, py::arg("moe") = 0)
+           py::arg("op") = 0, py::arg("moe") = 0, py::arg("group_size") = 0)
       .def("set_group", &ShmComm::set_group)
       .def("set_result_type", &ShmComm::set_result_type)
       .def("invalidate", &ShmComm::invalidate)

@@ -29,6 +29,7 @@ at::ScalarType quant_type(int type) {
   switch (type) {
     case kQuantTypeE4m3: return at::kFloat8_e4m3fn;
     case kQuantTypeFloat32: return at::kFloat;
+    case kQuantTypeInt32: return at::kInt;
     default: return at::kByte;
   }
 }
@@ -183,7 +184,7 @@ void ShmComm::set_output_stores(int64_t mode) {
 py::object ShmComm::call(py::handle x_obj, py::handle residual_obj, py::handle weight_obj,
                          py::handle eps_obj, py::handle bias_obj, py::handle quant_obj,
                          py::handle scale_obj, py::handle layout_obj, py::handle out_obj,
-                         py::handle residual_out_obj, int64_t op) {
+                         py::handle residual_out_obj, int64_t op, py::handle group_obj) {
   Tensors t;
   Numbers n;
   if (!THPVariable_Check(x_obj.ptr())) return py::none();
@@ -191,7 +192,7 @@ py::object ShmComm::call(py::handle x_obj, py::handle residual_obj, py::handle w
   t.x = &THPVariable_Unpack(x_obj.ptr());
   if (!take_tensor(weight_obj, &t.weight) || !take_tensor(residual_obj, &t.residual) ||
       !take_numbers(t.weight != nullptr, eps_obj, bias_obj, quant_obj, scale_obj, layout_obj,
-                    &n) ||
+                    group_obj, &n) ||
       !take_tensor(out_obj, &t.out) || !take_tensor(residual_out_obj, &t.residual_out)) {
     return py::none();
   }
@@ -216,7 +217,8 @@ py::object ShmComm::call_moe(py::handle rows_obj, py::handle index_obj, py::hand
                              py::handle add_obj, py::handle routed_obj, py::handle residual_obj,
                              py::handle weight_obj, py::handle eps_obj, py::handle bias_obj,
                              py::handle quant_obj, py::handle scale_obj, py::handle layout_obj,
-                             py::handle out_obj, py::handle residual_out_obj, int64_t op) {
+                             py::handle out_obj, py::handle residual_out_obj, int64_t op,
+                             py::handle group_obj) {
   const at::Tensor *rows = nullptr, *index = nullptr, *scales = nullptr, *add = nullptr;
   double routed = 1.0;
   if (failed() || op < 0 || op > signature::kMaxOp || !take_tensor(rows_obj, &rows) ||
@@ -236,7 +238,7 @@ py::object ShmComm::call_moe(py::handle rows_obj, py::handle index_obj, py::hand
   if (!take_tensor(weight_obj, &t.weight) || !take_tensor(residual_obj, &t.residual) ||
       tensors_problem(t) ||
       !take_numbers(t.weight != nullptr, eps_obj, bias_obj, quant_obj, scale_obj, layout_obj,
-                    &n) ||
+                    group_obj, &n) ||
       numbers_problem(t.weight != nullptr, n) || !take_tensor(out_obj, &t.out) ||
       !take_tensor(residual_out_obj, &t.residual_out) || memory_problem(t)) {
     return py::none();
@@ -281,7 +283,7 @@ std::array<at::Tensor, 4> ShmComm::run(const Tensors& t, const Numbers& n, bool 
   const char* why = x_problem(*t.x, false);
   if (!why) why = tensors_problem(t);
   if (!why) why = numbers_problem(t.weight != nullptr, n);
-  if (!why && (n.op < 0 || n.op > signature::kMaxOp)) why = "op must be 0..2147483647";
+  if (!why && (n.op < 0 || n.op > signature::kMaxOp)) why = "op must be 0..536870911";
   if (!why && !signature::moe_bits_only(n.moe)) why = "moe must hold MoE bits of word 0 only";
   if (!why && !failed()) why = memory_problem(t);
   TORCH_CHECK_VALUE(why == nullptr, "arfuse shm: ", why);
@@ -368,17 +370,19 @@ void ShmComm::remember_failure(const ShmError& e) {
   if (e.kind != ShmError::kMismatch || e.breaks) fail(e.what());
 }
 
-void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t op, int64_t moe) {
+void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t op, int64_t moe,
+                       int64_t group) {
   using namespace signature;
   const int64_t output = pattern & ((int64_t(1) << kEpilogueShift) - 1);
   TORCH_CHECK_VALUE(tokens >= 0 && pattern >= 0 && (pattern >> kReductionShift) == 0 &&
                         (pattern >> kEpilogueShift) <= kEpilogueResidualRmsNorm &&
                         quant_output(output) != nullptr && op >= 0 && op <= kMaxOp &&
-                        moe_bits_only(moe),
+                        moe_bits_only(moe) && (group == 0 || group_code_of(group) != 0),
                     "arfuse shm: announce needs tokens >= 0, the code of an all-reduce pattern, "
-                    "op 0..2147483647 and MoE bits of word 0 only");
+                    "op 0..536870911, MoE bits of word 0 only and a group size of 0, 32, 64 "
+                    "or 128");
   const int64_t word0 = signature::word0(tokens, pattern, !oneshot(tokens), dtype_) | moe;
-  const int64_t word1 = signature::word1(hidden_, op);
+  const int64_t word1 = signature::word1(hidden_, op, group_code_of(group));
   py::gil_scoped_release no_gil;
   const std::lock_guard<std::mutex> one_call(call_mutex_);
   if (failed()) throw_broken();
@@ -433,6 +437,7 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
   c.weight_bias = float(n.weight_bias);
   c.output = n.output;
   c.scale = float(n.scale);
+  c.group = n.group;
   c.gain = scratch_.data();
   auto& [out, residual_out, quant_out, scale_out] = *r;
   out = t.out ? *t.out : output({tokens, hidden_}, x.options());
@@ -462,11 +467,20 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
     c.quant_out = reinterpret_cast<uint8_t*>(quant_out.data_ptr());
   }
   if (q.scale_type != kQuantTypeNone) {
-    const int64_t rows = layout::round_up(tokens, q.scale_row_align);
-    const int64_t used = q.scale_group == 0 ? 1 : hidden_ / q.scale_group;
-    const int64_t cols = layout::round_up(used, q.scale_col_align);
-    scale_out = output({rows, cols}, x.options().dtype(quant_type(q.scale_type)));
-    if (rows != tokens || cols != used) scale_out.zero_();  // padding must read as zero
+    const ScaleGeometry g = scale_geometry(q, tokens, hidden_, n.group);
+    const int64_t per = q.scale_group == kGroupOfCall ? n.group : q.scale_group;
+    const int64_t used = per == 0 ? 1 : hidden_ / per;
+    const auto options = x.options().dtype(quant_type(q.scale_type));
+    if (q.scale_column_major) {
+      scale_out = output({g.storage}, options).as_strided({g.rows, g.cols},
+                                                          {g.row_stride, g.col_stride});
+    } else {
+      scale_out = output({g.rows, g.cols}, options);
+    }
+    // padding must read as zero
+    if (g.rows != tokens || g.cols * q.scale_pack != used || g.storage != g.rows * g.cols) {
+      at::Tensor(scale_out).as_strided({g.storage}, {1}).zero_();
+    }
     c.scale_out = reinterpret_cast<uint8_t*>(scale_out.data_ptr());
   }
   return c;
@@ -494,7 +508,7 @@ void ShmComm::exchange_once(const void* x, Call& c, bool copy, const CopyTuner::
   const Exchange e{seg_, waiter_, tuner_, c, x, seq, hidden_ * elem_, copy, plan.streaming,
                    plan.decide,
                    signature::word0(c.tokens, pattern_code(c), twoshot, dtype_) | c.moe,
-                   signature::word1(hidden_, c.op)};
+                   signature::word1(hidden_, c.op, group_code_of(c.group))};
   publish_signature(seg_, seq, e.word0, e.word1);  // before any progress is announced
   if (c.tokens == 0) run_empty(e);
   else if (!twoshot) run_oneshot<D>(e);

@@ -60,6 +60,7 @@ struct Numbers {  // the scalars of one call
   int output = kOutputNone;  // a code of kQuantOutputs (signature.h)
   int64_t op = 0;  // the op making the call: its signature names it (signature.h)
   int64_t moe = 0;  // a MoE call's word-0 bits: its reduction and fields (signature.h)
+  int64_t group = 0;  // a per-token-group output's group size (0 for the other outputs)
 };
 
 class ShmComm {
@@ -96,7 +97,8 @@ class ShmComm {
 
   py::object call(py::handle x, py::handle residual, py::handle weight, py::handle eps,
                   py::handle weight_bias, py::handle quant, py::handle scale,
-                  py::handle layout, py::handle out, py::handle residual_out, int64_t op);
+                  py::handle layout, py::handle out, py::handle residual_out, int64_t op,
+                  py::handle group_size);
   // The fast path of a MoE call (moe_finalize with an index, moe_reduce without): the rules
   // of arfuse.moe and of call, the expert step straight into this rank's input slot, then
   // the call. None wherever the Python path would raise or for anything unusual, an index
@@ -105,7 +107,7 @@ class ShmComm {
                       py::handle routed, py::handle residual, py::handle weight,
                       py::handle eps, py::handle weight_bias, py::handle quant,
                       py::handle scale, py::handle layout, py::handle out,
-                      py::handle residual_out, int64_t op);
+                      py::handle residual_out, int64_t op, py::handle group_size);
   // call's checks and run, for arguments already unpacked (the compiled graphs' operator,
   // operators.cpp): false, with nothing run, wherever call returns None.
   bool try_run(const Tensors& t, const Numbers& n, bool release_gil,
@@ -114,8 +116,10 @@ class ShmComm {
   std::array<at::Tensor, 4> run(const Tensors& t, const Numbers& n, bool release_gil);
   // Meet the group with the signature of a call this rank runs elsewhere (over capacity, on
   // the unfused backend): a group whose calls differ raises MismatchedCall here, on every
-  // rank, instead of waiting in two backends. pattern: its code (signature.h).
-  void announce(int64_t tokens, int64_t pattern, int64_t op, int64_t moe = 0);
+  // rank, instead of waiting in two backends. pattern: its code (signature.h); group: a
+  // per-token-group output's group size (0: none).
+  void announce(int64_t tokens, int64_t pattern, int64_t op, int64_t moe = 0,
+                int64_t group = 0);
   // The group this workspace belongs to (a number the Python side gives each group of the
   // process): a rank waiting in a call looks at the other workspaces of its group for peers
   // that are in a call there instead (ops called in another order), see look_elsewhere.
@@ -179,7 +183,8 @@ class ShmComm {
   int64_t moe_tokens(const at::Tensor& rows, const at::Tensor* index, const at::Tensor& scales,
                      const at::Tensor* add) const;
   static bool take_numbers(bool norm, py::handle eps, py::handle weight_bias, py::handle quant,
-                           py::handle scale, py::handle layout, Numbers* n);
+                           py::handle scale, py::handle layout, py::handle group_size,
+                           Numbers* n);
   py::object make_result(std::array<at::Tensor, 4>& r) const;
   std::array<at::Tensor, 4> execute(const Tensors& t, const Numbers& n, bool release_gil);
   [[noreturn]] void throw_broken() const;

@@ -94,7 +94,14 @@ const char* ShmComm::numbers_problem(bool norm, const Numbers& n) const {
   if (q->scale_in == kScaleInEncode && !(n.scale >= kFp32Tiny && n.scale <= kFp32Max)) {
     return "an encode scale (nvfp4) must be in [1.4e-45, 3.4e38] (> 0 and finite in float32)";
   }
-  if ((dtype_ == kFP32 && !q->fp32) || hidden_ % q->block != 0) {
+  if (q->block == kGroupOfCall) {
+    if (group_code_of(n.group) == 0 || hidden_ % n.group != 0) {
+      return "group_size must be one of 32, 64, 128 dividing hidden_dim";
+    }
+  } else if (n.group != 0) {
+    return "group_size must be 0 for an output without groups";
+  }
+  if ((dtype_ == kFP32 && !q->fp32) || (q->block > 0 && hidden_ % q->block != 0)) {
     thread_local std::string why;
     why = std::string(q->quant) + " needs " + (q->fp32 ? "" : "dtype bf16 or fp16 and ") +
           "hidden a multiple of " + std::to_string(q->block);
@@ -164,11 +171,13 @@ const char* ShmComm::destination_problem(const Tensors& t, const at::Tensor& des
 }
 
 bool ShmComm::take_numbers(bool norm, py::handle eps, py::handle weight_bias, py::handle quant,
-                           py::handle scale, py::handle layout, Numbers* n) {
+                           py::handle scale, py::handle layout, py::handle group_size,
+                           Numbers* n) {
   if (norm && (!plain_number(eps, &n->eps) || !plain_number(weight_bias, &n->weight_bias))) {
     return false;
   }
-  // the row of kQuantOutputs that quant (and, where its rows differ in it, layout) names
+  // the row of kQuantOutputs that quant (and, where its rows differ in it, layout; None: the
+  // quant's first row) names
   const QuantOutput* q = nullptr;
   if (quant.is_none()) {
     q = quant_output(kOutputNone);
@@ -176,7 +185,7 @@ bool ShmComm::take_numbers(bool norm, py::handle eps, py::handle weight_bias, py
     if (!PyUnicode_Check(quant.ptr())) return false;
     for (const QuantOutput& o : kQuantOutputs) {
       if (!is_ascii(quant, o.quant)) continue;
-      const bool any_layout = o.layout[0] == '\0';
+      const bool any_layout = o.layout[0] == '\0' || layout.is_none();
       if (!any_layout && (!PyUnicode_Check(layout.ptr()) || !is_ascii(layout, o.layout))) continue;
       q = &o;
       break;
@@ -184,6 +193,20 @@ bool ShmComm::take_numbers(bool norm, py::handle eps, py::handle weight_bias, py
   }
   if (q == nullptr) return false;
   n->output = q->code;
+  // group_size: None (the default of an output with groups), or an int of those it allows
+  if (group_size.is_none()) {
+    n->group = q->block == kGroupOfCall ? kDefaultGroupSize : 0;
+  } else {
+    if (q->block != kGroupOfCall || !PyLong_Check(group_size.ptr()) ||
+        PyBool_Check(group_size.ptr())) {
+      return false;
+    }
+    n->group = PyLong_AsLongLong(group_size.ptr());
+    if (n->group == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+  }
   if (q->scale_in == kScaleInNone) return q->code == kOutputNone || scale.is_none();
   return plain_number(scale, &n->scale);
 }

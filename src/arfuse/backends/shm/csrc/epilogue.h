@@ -6,9 +6,16 @@
 //          combined by halving (lane i + lane i + 16 for i < 16, then i + 8, 4, 2, 1);
 //   inv = 1 / sqrt(ss / H + eps); out = T((r * inv) * (weight_bias + f32(w)));
 //   fp8:   q = e4m3_satfinite_rne(f32(out) * (1 / scale))
-//   fp8_dynamic: per row: amax = max |f32(out)| ignoring NaN (fmaxf);
+//   fp8_dynamic: per row: amax = max |f32(out)| ignoring NaN (max_ignoring_nan);
 //          scale = max(amax / 448, f32(1 / (512 * 448))); q = e4m3_satfinite_rne(f32(out) / scale)
 //          (an IEEE division); scale_out[row] = scale (float32)
+//   fp8_group: per group of the call's group size g in a row: amax = max |f32(out)| over the
+//          group ignoring NaN; fp32 formats: scale = max(amax, float(kFp8GroupEps)) / 448; ue8m0:
+//          s = max(amax / 448, float(kFp8GroupEps)), scale = s rounded up to a power of two (its
+//          mantissa bits cleared, the exponent raised by one if any was set); q =
+//          e4m3_satfinite_rne(f32(out) / scale); scale_out: the fp32 scale at [row, group]
+//          (row-major or column-major), or its exponent byte at byte group % 4 of int32
+//          [row, group / 4] (little-endian) of the packed layout
 //   nvfp4: per 16: amax = max |v| ignoring NaN (NaN when all 16 are NaN);
 //          sf = e4m3(gs * (amax * f32(1/6))); es = sf != 0 ? gs / sf : 0;
 //          q = e2m1_rne_satfinite(f32(out) * es), a NaN giving 0x7 (+6)
@@ -43,6 +50,7 @@ struct Call {  // one call's arguments, resolved to raw pointers
   float eps = 0.0f, weight_bias = 0.0f;
   int output = kOutputNone;  // a code of kQuantOutputs (signature.h)
   float scale = 0.0f;
+  int64_t group = 0;  // fp8_group's group size
   void* out = nullptr;
   void* residual_out = nullptr;
   uint8_t* quant_out = nullptr;
@@ -91,14 +99,75 @@ void nvfp4_block_scalar(const typename Elem<D>::T* v16, float gs, uint8_t* codes
   *sf = scale;
 }
 
+// The largest of amax and |v| where |v| is a number: a NaN, signalling or quiet, is skipped
+// (std::fmax returns NaN for a signalling NaN), as the vector forms' ordered mask does.
+inline float max_ignoring_nan(float amax, float v) {
+  const float m = std::fabs(v);
+  return m > amax ? m : amax;
+}
+
+// The amax of n elements of out ignoring NaN (the vector form, then the scalar rest).
+template <int D>
+float amax_of(const typename Elem<D>::T* out, int64_t n) {
+  float amax = 0.0f;
+  int64_t h = isa::amax_row<D>(out, n, &amax);
+  for (; h < n; ++h) amax = max_ignoring_nan(amax, Elem<D>::load(out[h]));
+  return amax;
+}
+
+// e4m3 codes of n elements of out / scale (an IEEE division).
+template <int D>
+void fp8_divide(const typename Elem<D>::T* out, float scale, int64_t n, uint8_t* dst) {
+  int64_t h = isa::fp8_div_row<D>(out, scale, n, dst);
+  for (; h < n; ++h) dst[h] = f32_to_e4m3(Elem<D>::load(out[h]) / scale);
+}
+
+// fp8_group's scale of a group whose amax is `amax`: an fp32 scale, or (ue8m0) a power of two
+// whose exponent byte goes to *exponent.
+inline float fp8_group_scale(int output, float amax, uint8_t* exponent) {
+  if (output != kOutputFp8GroupUe8m0) return std::max(amax, float(kFp8GroupEps)) / e4m3::kMax;
+  uint32_t b = bits_of(std::max(amax / e4m3::kMax, float(kFp8GroupEps)));
+  if (b & 0x7fffffu) b = (b + 0x800000u) & 0x7f800000u;
+  *exponent = uint8_t(b >> 23);
+  return float_of(b);
+}
+
+inline bool is_fp8_group(int output) {
+  return output == kOutputFp8GroupFp32 || output == kOutputFp8GroupColumnMajor ||
+         output == kOutputFp8GroupUe8m0;
+}
+
+// fp8_group on the groups of columns [s, e) of row `row` (s and e multiples of the group).
+template <int D>
+void fp8_group_columns(const typename Elem<D>::T* out, const Call& c, int64_t row, int64_t s,
+                       int64_t e) {
+  const int64_t g = c.group;
+  const QuantOutput& q = *quant_output(c.output);
+  const ScaleGeometry geo = scale_geometry(q, c.tokens, c.hidden, g);
+  uint8_t* dst = c.quant_out + row * c.hidden;
+  for (int64_t k = s / g; k < e / g; ++k) {
+    uint8_t exponent = 0;
+    const float scale = fp8_group_scale(c.output, amax_of<D>(out + k * g, g), &exponent);
+    if (c.output == kOutputFp8GroupUe8m0) {
+      c.scale_out[(row * geo.row_stride + (k / 4) * geo.col_stride) * 4 + k % 4] = exponent;
+    } else {
+      reinterpret_cast<float*>(c.scale_out)[row * geo.row_stride + k * geo.col_stride] = scale;
+    }
+    fp8_divide<D>(out + k * g, scale, g, dst + k * g);
+  }
+}
+
 // Quantise columns [s, e) of row `row` of out (already rounded to T) into c.quant_out /
 // c.scale_out, for the formats whose codes depend on those columns only: FP8 with a static
-// scale (per element) and NVFP4 (per block of 16; s and e multiples of 16, or e = H).
+// scale (per element), NVFP4 (per block of 16; s and e multiples of 16, or e = H) and FP8 per
+// group (s and e multiples of the group: whole units of kColumnUnit, or e = H).
 template <int D>
 void quantize_columns(const typename Elem<D>::T* out, const Call& c, int64_t row, int64_t s,
                       int64_t e) {
   const int64_t H = c.hidden;
-  if (c.output == kOutputFp8) {
+  if (is_fp8_group(c.output)) {
+    fp8_group_columns<D>(out, c, row, s, e);
+  } else if (c.output == kOutputFp8) {
     const float inv_scale = 1.0f / c.scale;
     uint8_t* dst = c.quant_out + row * H;
     int64_t h = s + isa::fp8_row<D>(out + s, inv_scale, e - s, dst + s);
@@ -124,14 +193,9 @@ template <int D>
 void quantize_row(const typename Elem<D>::T* out, const Call& c, int64_t row) {
   const int64_t H = c.hidden;
   if (c.output == kOutputFp8Dynamic) {
-    float amax = 0.0f;
-    int64_t h = isa::amax_row<D>(out, H, &amax);
-    for (; h < H; ++h) amax = std::fmax(amax, std::fabs(Elem<D>::load(out[h])));
-    const float scale = std::max(amax / e4m3::kMax, kFp8DynamicMinScale);
+    const float scale = std::max(amax_of<D>(out, H) / e4m3::kMax, kFp8DynamicMinScale);
     reinterpret_cast<float*>(c.scale_out)[row] = scale;
-    uint8_t* dst = c.quant_out + row * H;
-    h = isa::fp8_div_row<D>(out, scale, H, dst);
-    for (; h < H; ++h) dst[h] = f32_to_e4m3(Elem<D>::load(out[h]) / scale);
+    fp8_divide<D>(out, scale, H, c.quant_out + row * H);
   } else {
     quantize_columns<D>(out, c, row, 0, H);
   }
@@ -344,6 +408,8 @@ void square_lanes(const typename Elem<D>::T* r, int64_t H, float* lanes) {
 }
 
 static_assert(kColumnUnit % kSegment == 0, "a column range is whole segments of the serial path");
+static_assert(kColumnUnit % (kGroupUnit << kGroupCodes) == 0,
+              "a column range is whole groups of fp8_group");
 
 // The rows of a call with fewer rows than threads, their columns split (plan.split is
 // Split::kColumns; c stores plainly). Plain: pass 1 and the quantisation by column ranges.

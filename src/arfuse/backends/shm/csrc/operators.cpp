@@ -79,8 +79,10 @@ Tensors tensors_of(const at::Tensor& x, const std::optional<at::Tensor>& residua
   return t;
 }
 
-Numbers numbers_of(double eps, double weight_bias, int64_t quant, double scale) {
+Numbers numbers_of(double eps, double weight_bias, int64_t quant, double scale,
+                   int64_t group_size) {
   Numbers n;
+  n.group = group_size;
   n.eps = eps;
   n.weight_bias = weight_bias;
   n.output = quant_output(quant) != nullptr ? int(quant) : -1;  // -1: refused by the checks
@@ -95,7 +97,7 @@ std::vector<at::Tensor> op_fused_allreduce(
     int64_t handle, const at::Tensor& x, const std::optional<at::Tensor>& residual,
     const std::optional<at::Tensor>& weight, double eps, double weight_bias, int64_t quant,
     double scale, const std::optional<at::Tensor>& out,
-    const std::optional<at::Tensor>& residual_out) {
+    const std::optional<at::Tensor>& residual_out, int64_t group_size) {
   const std::shared_ptr<ShmComm> comm = ShmComm::find(handle);
   TORCH_CHECK_VALUE(comm != nullptr, "arfuse shm: no live workspace has handle ", handle);
   // checked before any rank meets its peers, so every rank refuses alike and none waits
@@ -104,7 +106,7 @@ std::vector<at::Tensor> op_fused_allreduce(
                     "across ranks the torch operator cannot do; call the op (FusedAllReduce) "
                     "instead, or make it with replicated_residual=True");
   const Tensors t = tensors_of(x, residual, weight, out, residual_out);
-  const Numbers n = numbers_of(eps, weight_bias, quant, scale);
+  const Numbers n = numbers_of(eps, weight_bias, quant, scale, group_size);
   std::array<at::Tensor, 4> r;
   try {
     r = comm->run(t, n, Py_IsInitialized() && PyGILState_Check());
@@ -122,9 +124,9 @@ std::vector<at::Tensor> op_fused_allreduce(
 std::vector<at::Tensor> op_fused_allreduce_functional(
     int64_t handle, const at::Tensor& x, const std::optional<at::Tensor>& residual,
     const std::optional<at::Tensor>& weight, double eps, double weight_bias, int64_t quant,
-    double scale) {
+    double scale, int64_t group_size) {
   return op_fused_allreduce(handle, x, residual, weight, eps, weight_bias, quant, scale,
-                            std::nullopt, std::nullopt);
+                            std::nullopt, std::nullopt, group_size);
 }
 
 // Registered when the module loads rather than by a static TORCH_LIBRARY block: loading a
@@ -139,10 +141,10 @@ void register_torch_ops() {
                                  __LINE__);  // never freed: the operator lives with the process
   def->def("shm_fused_allreduce(int handle, Tensor x, Tensor? residual, Tensor? weight, "
            "float eps, float weight_bias, int quant, float scale, "
-           "Tensor(a!)? out, Tensor(b!)? residual_out) -> Tensor[]");
+           "Tensor(a!)? out, Tensor(b!)? residual_out, int group_size=0) -> Tensor[]");
   def->def("shm_fused_allreduce_functional(int handle, Tensor x, Tensor? residual, "
-           "Tensor? weight, float eps, float weight_bias, int quant, float scale) "
-           "-> Tensor[]");
+           "Tensor? weight, float eps, float weight_bias, int quant, float scale, "
+           "int group_size=0) -> Tensor[]");
   auto* impl = new torch::Library(torch::Library::IMPL, "arfuse", c10::DispatchKey::CPU,
                                   __FILE__, __LINE__);
   impl->impl("shm_fused_allreduce", TORCH_FN(op_fused_allreduce));

@@ -20,7 +20,8 @@ void set_python_error(const ShmError& e);
 Tensors tensors_of(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& out,
                    const std::optional<at::Tensor>& residual_out);
-Numbers numbers_of(double eps, double weight_bias, int64_t quant, double scale);
+Numbers numbers_of(double eps, double weight_bias, int64_t quant, double scale,
+                   int64_t group_size = 0);
 
 void register_torch_ops();
 void register_compiled_ops(py::object python, py::object python_fp8);

@@ -13,7 +13,7 @@ const char* name_of(int64_t value, const char* const* names, int count) {
 struct Fields {  // a signature, decoded; pattern: (reduction, epilogue) as code >>
                  // kEpilogueShift; quant, layout: the first row of kQuantOutputs with the
                  // output's quant, layout name (-1: the code is none); output: its row
-  int64_t tokens, pattern, quant, layout, dtype, hidden, mode, op, fan_in, shared, digest;
+  int64_t tokens, pattern, quant, layout, group, dtype, hidden, mode, op, fan_in, shared, digest;
   const QuantOutput* output;
 };
 
@@ -30,9 +30,13 @@ Fields decode(int64_t word0, int64_t word1) {
   using namespace signature;
   const int64_t code = (word0 >> kPatternShift) & ((int64_t(1) << kPatternBits) - 1);
   const int64_t output = code & ((int64_t(1) << kEpilogueShift) - 1);
-  const QuantOutput* q = quant_output(output);
+  // a code whose reduction or epilogue is none names no output either (as arfuse.signature)
+  const int64_t reduction = code >> kReductionShift, epilogue = (code >> kEpilogueShift) & 3;
+  const bool known = reduction <= kReductionMoeFinalize && epilogue <= kEpilogueResidualRmsNorm;
+  const QuantOutput* q = known ? quant_output(output) : nullptr;
   return {(word0 >> kTokensShift) & 0xffffffffLL, code >> kEpilogueShift,
           first_row(q, &QuantOutput::quant), first_row(q, &QuantOutput::layout),
+          group_size_of(int64_t(uint64_t(word1) >> kGroupShift) & ((1 << kGroupBits) - 1)),
           (word0 >> kDtypeShift) & 3,
           word1 & 0xffffffffLL, (word0 >> kModeShift) & 1,
           int64_t(uint64_t(word1) >> kOpShift) & kMaxOp,
@@ -62,6 +66,7 @@ std::string describe_signature(int64_t word0, int64_t word1) {
      << " hidden=" << f.hidden << " pattern=" << name_of(f.pattern, patterns, 11)
      << " quant=" << (f.output ? f.output->quant : "?");
   if (f.output && f.output->layout[0]) ss << " layout=" << f.output->layout;
+  if (f.group) ss << " group_size=" << f.group;
   ss << " mode=" << (f.mode ? "twoshot" : "oneshot") << " op=" << f.op;
   if (f.pattern / 4 != 0 && f.pattern % 4 < kEpilogues) {
     ss << (is_finalize(f) ? " top_k=" : " experts=") << f.fan_in << " shared=" << f.shared
@@ -76,13 +81,13 @@ std::string mismatch_message(int64_t call, const std::vector<std::pair<int64_t, 
   bool finalize = false;
   for (const Fields& f : fields) finalize |= is_finalize(f);
   const char* const field_names[] = {"tokens", "dtype", "hidden", "pattern", "quant",
-                                     "layout", "mode", "op", finalize ? "top_k" : "experts",
-                                     "shared_expert_output",
+                                     "layout", "group_size", "mode", "op",
+                                     finalize ? "top_k" : "experts", "shared_expert_output",
                                      "expanded rows or routed_scaling_factor"};
-  constexpr int kFields = 11;
+  constexpr int kFields = 12;
   auto value = [](const Fields& f, int i) {
-    const int64_t all[] = {f.tokens, f.dtype, f.hidden, f.pattern, f.quant, f.layout, f.mode,
-                           f.op, f.fan_in, f.shared, f.digest};
+    const int64_t all[] = {f.tokens, f.dtype, f.hidden, f.pattern, f.quant, f.layout, f.group,
+                           f.mode, f.op, f.fan_in, f.shared, f.digest};
     return all[i];
   };
   std::ostringstream ss;
