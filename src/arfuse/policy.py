@@ -12,7 +12,7 @@ from typing import Any
 
 from . import catalog
 from .pattern import ALL as ALL_PATTERNS
-from .pattern import ALL_REDUCE, Pattern
+from .pattern import ALL_REDUCE, QUANT_OUTPUTS, Pattern
 from .settings import Settings
 from .spec import Spec
 from .topology import Topology
@@ -111,14 +111,29 @@ class Plan:
         lines.append(f"chosen: {self.backend} ({kind}); fallback to another fused backend: "
                      f"{'allowed' if self.allow_fallback else 'no'}")
         if spec.quant:
-            lines.append(f"quantisation ({spec.quant}): "
-                         f"{'fused' if self.quant_fusion else 'separate step after the fused op'}")
+            fused, apart = quant_layouts(spec.quant, self.candidate(self.backend).fuses)
+            how = ("fused" if not apart else "separate step after the fused op" if not fused
+                   else f"fused in {', '.join(fused)}; a separate step after the fused op in "
+                   f"{', '.join(apart)}")
+            lines.append(f"quantisation ({spec.quant}): {how}")
         mib = self.workspace_bytes / 2**20
         lines.append(f"workspace: {mib:.2f} MiB per rank; fused capacity: "
                      f"{self.max_fused_tokens} tokens per call")
         for warning in self.warnings:
             lines.append(f"warning: {warning}")
         return "\n".join(lines)
+
+
+def quant_layouts(quant: str, fuses: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """The scale layouts of ``quant`` (``["-"]`` for a quant with one) whose pattern after
+    residual + RMSNorm is among ``fuses``, and the others."""
+    fused: list[str] = []
+    apart: list[str] = []
+    for output in QUANT_OUTPUTS:
+        if output.quant == quant:
+            name = Pattern("residual_rmsnorm", quant, output.layout).name
+            (fused if name in fuses else apart).append(output.layout or "-")
+    return fused, apart
 
 
 def pattern_list(names: tuple[str, ...]) -> str:
@@ -192,13 +207,12 @@ def _candidate(descriptor: catalog.BackendDescriptor, topology: Topology, spec: 
         why = descriptor.auto_skip(topology, spec)
     if not why and descriptor.footprint(topology.world_size, spec, topology).capacity < 1:
         why = "its workspace would hold no call of this spec (fused capacity 0 tokens)"
-    fuses = catalog.fused_patterns(descriptor, topology, spec)
-    # the spec's quantisation as FlashInfer fuses it: after (residual and) RMSNorm
-    quantised = Pattern("residual_rmsnorm", spec.quant,
-                        "swizzled_128x4" if spec.quant == "nvfp4" else None)
+    fuses = tuple(p.name for p in catalog.fused_patterns(descriptor, topology, spec))
+    # the spec's quantisation as FlashInfer fuses it: after (residual and) RMSNorm, in some
+    # scale layout of it (explain names the layouts)
     return Candidate(name, not why, why or "meets every requirement",
-                     not why and spec.quant is not None and quantised in fuses,
-                     tuple(p.name for p in fuses),
+                     not why and spec.quant is not None
+                     and bool(quant_layouts(spec.quant, fuses)[0]), fuses,
                      () if why else descriptor.notes(topology, spec))
 
 
