@@ -216,3 +216,26 @@ def test_the_pass_logs_its_count_by_default_on_stderr(
     assert result.returncode == 0, result.stderr[-3000:]
     counts = [ln for ln in result.stderr.splitlines() if "all-reduces fused" in ln]
     assert counts == ([line + " (1 residual + RMSNorm)"] if line else []), result.stderr[-3000:]
+
+
+def test_per_token_group_fp8_after_the_norm_is_fused_bit_for_bit() -> None:
+    """DeepSeek's act_quant (with vLLM's eps clamp) after the norm: one fused call with
+    quant="fp8_group", whose codes and fp32 scales are the chain's own quantisation of the
+    fused norm output to the bit (a NaN row too: the operator quantises it as torch does), and
+    with bf16 rows every output the unfused graph's; forms that round otherwise stay in the
+    graph after the fused chain."""
+    found = values(run_ranks(ranks_compile.fp8_group, 2, timeout=300))
+    mine = found[0]
+    assert mine["act_quant bf16"]["fused"] == {"residual + RMSNorm + FP8 per 128-group": 1}
+    assert mine["act_quant 3-d"]["fused"] == {"residual + RMSNorm + FP8 per 64-group": 1}
+    assert mine["vllm fp32"]["fused"] == {"residual + RMSNorm + FP8 per 64-group": 1}
+    assert mine["no residual"]["fused"] == {"RMSNorm + FP8 per 32-group": 1}
+    assert mine["nan row"]["fused"] == {"residual + RMSNorm + FP8 per 128-group": 1}
+    assert mine["nan row"]["nan"]
+    for name in ("eps 1e-4", "no eps", "reciprocal"):
+        assert mine[name]["fused"] == {"residual + RMSNorm": 1}, (name, mine[name])
+    for name, seen in mine.items():
+        assert seen["left"] == {} and seen["quantised"], (name, seen)
+        # fp32 rows: the fused norm is the graph's only to its sum order (docs/compile.md)
+        assert seen["equal"] or name in ("vllm fp32", "no residual"), (name, seen)
+    assert found[1] == mine
