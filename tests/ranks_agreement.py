@@ -68,22 +68,23 @@ def vllm_local_error_then_recovery(rank: int, world: int) -> dict[str, str]:
 
 
 def quantised_calls_that_differ(rank: int, world: int, backend: str, tokens: int,
-                                calls: list[tuple[str | None, str]]) -> dict[str, str]:
-    """Rank r calls with ``calls[min(r, len - 1)]`` as (quant, NVFP4 layout), ``tokens`` rows
-    of bf16 on an op of capacity 4 on ``backend``: how that call and a matching one after it
-    end on this rank."""
+                                calls: list[tuple[Any, ...]]) -> dict[str, str]:
+    """Rank r calls with ``calls[min(r, len - 1)]`` as (quant, layout[, group_size]),
+    ``tokens`` rows of bf16 on an op of capacity 4 on ``backend``: how that call and a
+    matching one after it end on this rank."""
     import arfuse
 
     hidden = 64
     comm = arfuse.FusedAllReduce(max_token_num=4, hidden_dim=hidden, dtype=torch.bfloat16,
                                  backend=backend, timeout_s=30.0)
-    quant, layout = calls[min(rank, len(calls) - 1)]
+    quant, layout, *group = calls[min(rank, len(calls) - 1)]
     x = torch.ones(tokens, hidden, dtype=torch.bfloat16)
     weight = torch.ones(hidden, dtype=torch.bfloat16)
-    scale = None if quant in (None, "fp8_dynamic") else 0.5
+    scale = None if quant in (None, "fp8_dynamic", "fp8_group") else 0.5
+    extra = {"group_size": group[0]} if group else {}
     report: dict[str, str] = {"backend": comm.backend}
     try:
-        comm(x, weight=weight, quant=quant, scale=scale, layout=layout)
+        comm(x, weight=weight, quant=quant, scale=scale, layout=layout, **extra)
         report["call"] = "returned"
     except Exception as exc:  # the test checks the class and the text
         report["call"] = f"{type(exc).__name__}: {exc}"

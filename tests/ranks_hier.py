@@ -71,6 +71,15 @@ def numerics(rank: int, world: int, dtypes: list[str], tokens: list[int],
                        quant="fp8_dynamic")
             report["digests"][f"{dtype}/{t}/fp8_dynamic"] = [
                 digest(dyn.quant_out), digest(dyn.scale_out)]
+            grouped = comm(xs[rank], residual=residual, weight=weight, eps=1e-5,
+                           quant="fp8_group", layout="ue8m0_packed", group_size=32)
+            want = apply(_documented_sum(xs, world), CallArgs(
+                x=xs[rank], residual=residual, weight=weight, eps=1e-5, quant="fp8_group",
+                layout="ue8m0_packed", group_size=32))
+            report["order_exact"] &= bool(torch.equal(want.quant_out.view(torch.uint8),
+                                                      grouped.quant_out.view(torch.uint8)))
+            report["digests"][f"{dtype}/{t}/fp8_group"] = [
+                digest(grouped.quant_out), digest(grouped.scale_out)]
         report["stats"] = comm.stats()
         comm.close()
     return report

@@ -52,6 +52,11 @@ QUANTISED_CASES = {
     "none vs fp8": [(None, "swizzled_128x4"), ("fp8", "swizzled_128x4")],
     "fp8 vs fp8_dynamic": [("fp8", "swizzled_128x4"), ("fp8_dynamic", "swizzled_128x4")],
     "nvfp4 swizzled vs linear": [("nvfp4", "swizzled_128x4"), ("nvfp4", "linear")],
+    "fp8_group 32 vs 64": [("fp8_group", "fp32", 32), ("fp8_group", "fp32", 64)],
+    "fp8_group fp32 vs ue8m0": [("fp8_group", "fp32", 32), ("fp8_group", "ue8m0_packed", 32)],
+    "fp8_group column-major vs fp32": [("fp8_group", "fp32_column_major", 64),
+                                       ("fp8_group", "fp32", 64)],
+    "fp8_group vs fp8_dynamic": [("fp8_group", "fp32", 64), ("fp8_dynamic", None)],
 }
 
 

@@ -119,6 +119,16 @@ HUGE = "99999999999999999999"  # beyond int64
     (["bench", "--tokens", "1", "--min-seconds", "nan"], {}, "--min-seconds: 'nan' is not valid"),
     (["bench", "--tokens", "1", "--min-seconds", "0"], {}, "--min-seconds: '0' is not valid"),
     (["bench", "--tokens", "1", "--min-seconds", "inf"], {}, "--min-seconds: 'inf' is not valid"),
+    # fp8_group's group size and scale format
+    (["run", *RUN_SMALL, "--quant", "fp8", "--group-size", "64"], {},
+     "--group-size is for --quant fp8_group, got --quant fp8"),
+    (["run", *RUN_SMALL, "--quant", "fp8_group", "--group-size", "96"], {},
+     "group_size=96 is not valid with hidden_dim=64; use one of 32, 64, 128 dividing hidden_dim"),
+    (["run", *RUN_SMALL, "--quant", "fp8_group", "--group-size", "32", "--scale-format",
+      "linear"], {},
+     "layout='linear' is not valid for quant='fp8_group'"),
+    (["bench", "--tokens", "1", "--quant", "nvfp4"], {}, "--quant nvfp4: bench times"),
+    (["bench", "--tokens", "1", "--scale-format", "fp32"], {}, "--scale-format is for --quant"),
 ])
 def test_bad_settings_exit_2_with_one_line(args: list[str], env: dict[str, str],
                                            message: str) -> None:
@@ -203,6 +213,20 @@ def test_bench_traffic_of_the_replicated_rows() -> None:
         for mode in ("oneshot", "twoshot"):
             assert traffic("shm-inplace-replicated", size, world, mode) == \
                 traffic("shm-inplace", size, world)
+
+
+def test_bench_times_fp8_group_in_every_row(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    result = arfuse("bench", "--tokens", "2", "--hidden", "256", "--dtype", "bf16",
+                    "--backends", "shm,torch", "--out", str(out), "--min-seconds", "0.02",
+                    "--quant", "fp8_group", "--group-size", "64", "--scale-format",
+                    "ue8m0_packed")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((out / "bench.json").read_text())
+    assert report["options"]["quant"] == "fp8_group" and report["options"]["group_size"] == 64
+    assert {r["backend"] for r in report["results"]} >= {"shm", "torch"}
+    assert "every row quantises: fp8_group ue8m0_packed group_size 64" in (
+        out / "bench.txt").read_text()
 
 
 def test_bench_writes_table_json_and_plot(tmp_path: Path) -> None:

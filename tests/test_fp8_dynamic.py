@@ -161,7 +161,7 @@ def test_shm_fast_path_takes_fp8_dynamic_without_a_scale() -> None:
     assert len(ops) == 4 and torch.equal(ops[3], scales)
     assert torch.equal(ops[2].view(torch.uint8), codes.view(torch.uint8))
     with pytest.raises(ValueError, match="fp8_dynamic"):
-        torch.ops.arfuse.shm_fused_allreduce(int(comm.handle), x, None, w, 1e-6, 0.0, 5, 0.0,
+        torch.ops.arfuse.shm_fused_allreduce(int(comm.handle), x, None, w, 1e-6, 0.0, 8, 0.0,
                                              None, None)
     words = [signature.words(tokens, 0, hidden, Pattern("rmsnorm", "fp8_dynamic").code),
              signature.words(tokens, 0, hidden, Pattern("rmsnorm", "fp8").code)]

@@ -35,7 +35,7 @@ ISAS = shm_build.host_isas()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INT_VIEW = {"bf16": torch.int16, "fp16": torch.int16, "fp32": torch.int32}
 TOKENS = 7
-HIDDENS = (37, 88, 208, 1040)
+HIDDENS = (37, 88, 96, 208, 1040)  # 96: whole groups of 32 for fp8_group
 # streaming output stores: out streams where its rows are whole cache lines (1056: every dtype)
 STREAMING_HIDDENS = (1040, 1056)
 EPS = 1e-5
@@ -51,7 +51,9 @@ SPECIALS = {
 }
 TINY = {"bf16": 2.0**-130, "fp16": 2.0**-20, "fp32": 2.0**-140}  # row 2: denormal sums
 PATTERNS = ("plain", "norm", "residual", "bias", "fp8", "fp8_dynamic", "nvfp4_linear",
-            "nvfp4_swizzled")
+            "nvfp4_swizzled", "fp8_group_ue8m0", "fp8_group_column_major")
+FP8_GROUP = {"fp8_group_ue8m0": ("ue8m0_packed", 32), "fp8_group_column_major":
+             ("fp32_column_major", 32)}  # pattern: (layout, group_size)
 
 
 def needs(isa: str) -> None:
@@ -69,7 +71,8 @@ def built_for(isa: str, reported: str) -> bool:
 
 def patterns(dtype: str, hidden: int) -> list[str]:
     return [p for p in PATTERNS
-            if not p.startswith("nvfp4") or (dtype != "fp32" and hidden % 16 == 0)]
+            if (not p.startswith("nvfp4") or (dtype != "fp32" and hidden % 16 == 0))
+            and (p not in FP8_GROUP or hidden % FP8_GROUP[p][1] == 0)]
 
 
 def _signed(value: int, bits: int) -> int:
@@ -115,11 +118,14 @@ def call_kwargs(pattern: str, data: dict[str, Any]) -> dict[str, Any]:
     elif pattern.startswith("nvfp4"):
         kwargs.update(quant="nvfp4", scale=NVFP4_SCALE,
                       layout="linear" if pattern == "nvfp4_linear" else "swizzled_128x4")
+    elif pattern in FP8_GROUP:
+        kwargs.update(quant="fp8_group", layout=FP8_GROUP[pattern][0],
+                      group_size=FP8_GROUP[pattern][1])
     return kwargs
 
 
 def _bytes(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous().view(torch.uint8).clone()
+    return None if t is None else t.new_empty(t.shape).copy_(t).view(torch.uint8)
 
 
 # --- per-process bodies (module level: run_ranks pickles them by name) ------------------------
@@ -253,6 +259,10 @@ def check_against_reference(dtype: str, hidden: int, world: int, pattern: str,
     elif q == "nvfp4":
         codes, scales = quant.nvfp4_quantize(out, NVFP4_SCALE, kwargs["layout"])
         assert torch.equal(quant_b, codes) and torch.equal(scale_b, scales), what
+    elif q == "fp8_group":
+        codes, scales = quant.fp8_group_quantize(out, kwargs["group_size"], kwargs["layout"])
+        assert torch.equal(quant_b, codes.view(torch.uint8)), what
+        assert torch.equal(scale_b, _bytes(scales)), what
 
 
 # --- the tests ----------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def test_every_moe_pattern_has_its_own_code_and_name() -> None:
     moe_patterns = [p for p in ALL if p.moe]
-    assert len(moe_patterns) == 30 and len({p.code for p in ALL}) == len(ALL) == 45
+    assert len(moe_patterns) == 48 and len({p.code for p in ALL}) == len(ALL) == 72
     assert all(Pattern.from_code(p.code) == p for p in ALL)
     assert Pattern("residual_rmsnorm", reduction="moe_finalize").name == \
         "moe_finalize+residual_rmsnorm"

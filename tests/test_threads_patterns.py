@@ -29,17 +29,25 @@ class Shape(NamedTuple):
 # tokens (columns at 7 threads, rows at 2 and 3)
 SHAPES = (Shape("bf16", 1, 256), Shape("bf16", 64, 256), Shape("fp32", 64, 256),
           Shape("bf16", 1, 32784), Shape("fp32", 1, 16400), Shape("fp32", 3, 8208))
+# whole groups of 128 for fp8_group, split by columns (fp8_group's patterns only)
+GROUP_SHAPES = (Shape("bf16", 1, 32768), Shape("fp32", 3, 8192))
 PATTERNS = ("plain", "plain_fp8", "plain_fp8_dynamic", "norm", "norm_no_residual", "fp8",
-            "fp8_dynamic", "nvfp4", "moe_finalize", "moe_reduce")
+            "fp8_dynamic", "nvfp4", "moe_finalize", "moe_reduce", "plain_fp8_group",
+            "fp8_group")
+FP8_GROUP = {"plain_fp8_group": {"layout": "fp32_column_major", "group_size": 32},
+             "fp8_group": {"layout": "ue8m0_packed", "group_size": 128}}
 SOURCES = ("own", "in_place", "slot")
 
 
 def cases() -> list[tuple[Shape, str, str]]:
     out: list[tuple[Shape, str, str]] = []
-    for shape in SHAPES:
+    for shape in SHAPES + GROUP_SHAPES:
         for pattern in PATTERNS:
             if pattern == "nvfp4" and shape.dtype != "bf16":
                 continue
+            if (pattern in FP8_GROUP) != (shape in GROUP_SHAPES) and (
+                    pattern not in FP8_GROUP or shape.hidden % 128):
+                continue  # fp8_group on whole groups; the wide group shapes for it alone
             sources = ("own",) if pattern.startswith("moe") else SOURCES
             out.extend((shape, pattern, source) for source in sources)
     return out
@@ -73,7 +81,9 @@ def call(comm: Any, rank: int, shape: Shape, pattern: str, source: str) -> tuple
         result = comm.moe_reduce(active, scales, x, **norm)
     else:
         kwargs: dict[str, Any] = {} if pattern.startswith("plain") else dict(norm)
-        if pattern.endswith("fp8"):
+        if pattern in FP8_GROUP:
+            kwargs.update(quant="fp8_group", **FP8_GROUP[pattern])
+        elif pattern.endswith("fp8"):
             kwargs.update(quant="fp8", scale=FP8_SCALE)
         elif pattern.endswith("fp8_dynamic"):
             kwargs.update(quant="fp8_dynamic")

@@ -14,7 +14,10 @@ _SIZE = 16
 def _update(h: Any, tensor: Any) -> None:
     import torch
 
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # one element keeps a stride of its own
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    data = flat.view(torch.uint8).cpu().numpy()
     h.update(data.data)
 
 

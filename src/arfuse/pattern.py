@@ -187,8 +187,8 @@ class Pattern:
     """One fused pattern. ``quant`` is ``None``, ``fp8``, ``fp8_dynamic``, ``nvfp4`` or
     ``fp8_group``; ``layout`` is the scale layout of a quant with several (NVFP4:
     ``swizzled_128x4``, ``linear``; fp8_group: ``fp32``, ``fp32_column_major``,
-    ``ue8m0_packed``), ``None`` otherwise. fp8_group's group size is the call's, not the
-    pattern's (the signature carries it)."""
+    ``ue8m0_packed``; ``None`` there: the quant's default), ``None`` otherwise. fp8_group's
+    group size is the call's, not the pattern's (the signature carries it)."""
 
     epilogue: str = "none"
     quant: str | None = None
@@ -202,6 +202,9 @@ class Pattern:
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue={self.epilogue!r} is not valid; use one of "
                              f"{', '.join(EPILOGUES)}")
+        if self.layout is None and (self.quant, None) not in OUTPUTS:
+            # a quant with several layouts: its default, the first row (ValueError: no quant)
+            object.__setattr__(self, "layout", quant_output(self.quant, None).layout)
         if (self.quant, self.layout) not in OUTPUTS:
             raise ValueError(f"quant={self.quant!r} with layout={self.layout!r} is not a "
                              "quantised output; use " + ", ".join(

@@ -32,21 +32,27 @@ def _ds_all_reduce(ds: Any, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _then(after: Any, out: torch.Tensor) -> Any:
+    return out if after is None else after(out)
+
+
 def torch_row(work: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-              reset: Any) -> Row:
-    """``torch``: gloo's all-reduce of ``work`` in place, then the eager add + RMSNorm."""
+              reset: Any, after: Any = None) -> Row:
+    """``torch``: gloo's all-reduce of ``work`` in place, then the eager add + RMSNorm (and
+    ``after``: the quantisation step, with ``--quant``)."""
     import torch.distributed as dist
 
-    return (lambda w_=work, r=residual, w=weight: rmsnorm_add(_all_reduce(dist, w_), r, w),
-            reset)
+    return (lambda w_=work, r=residual, w=weight: _then(
+        after, rmsnorm_add(_all_reduce(dist, w_), r, w)), reset)
 
 
 def deepspeed_rows(ds: Any, work: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                   reset: Any) -> dict[str, Row]:
-    """``deepspeed`` (its all-reduce alone) and ``deepspeed+norm`` (with the add + RMSNorm)."""
+                   reset: Any, after: Any = None) -> dict[str, Row]:
+    """``deepspeed`` (its all-reduce alone) and ``deepspeed+norm`` (with the add + RMSNorm,
+    and ``after``, the quantisation step, with ``--quant``)."""
     return {"deepspeed": (lambda w_=work: ds.inference_all_reduce(w_), reset),
-            "deepspeed+norm": (lambda w_=work, r=residual, w=weight: rmsnorm_add(
-                _ds_all_reduce(ds, w_), r, w), reset)}
+            "deepspeed+norm": (lambda w_=work, r=residual, w=weight: _then(
+                after, rmsnorm_add(_ds_all_reduce(ds, w_), r, w)), reset)}
 
 
 def deepspeed_setup(rank: int) -> tuple[Any, str]:

@@ -96,8 +96,9 @@ def _resets(x: torch.Tensor, work: torch.Tensor, residual: torch.Tensor,
 
 def _shm_rows(comm: Any, replicated: Any, x: torch.Tensor, work: torch.Tensor,
               residual: torch.Tensor, res_work: torch.Tensor, weight: torch.Tensor,
-              resets: tuple[Any, Any]) -> dict[str, Row]:
-    """The fused op's rows: new outputs, in place, from the shared slot, replicated."""
+              resets: tuple[Any, Any], q: dict[str, Any]) -> dict[str, Row]:
+    """The fused op's rows: new outputs, in place, from the shared slot, replicated (``q``:
+    the quantisation's keywords, ``BenchOptions.quant_keywords``)."""
     reset, reset_both = resets
     slot: list[torch.Tensor] = []
 
@@ -110,15 +111,28 @@ def _shm_rows(comm: Any, replicated: Any, x: torch.Tensor, work: torch.Tensor,
 
     return {
         "shm": (lambda c=comm, x=work, r=residual, w=weight: c(
-            x, residual=r, weight=w, eps=EPS), reset),
+            x, residual=r, weight=w, eps=EPS, **q), reset),
         "shm-inplace": (lambda c=comm, x=work, r=res_work, w=weight: c(
-            x, residual=r, weight=w, eps=EPS, out=x, residual_out=r), reset_both),
+            x, residual=r, weight=w, eps=EPS, out=x, residual_out=r, **q), reset_both),
         "shm-slot": (lambda c=comm, s=slot, r=res_work, w=weight: c(
-            s[0], residual=r, weight=w, eps=EPS, residual_out=r), into_slot),
+            s[0], residual=r, weight=w, eps=EPS, residual_out=r, **q), into_slot),
         "shm-replicated": (lambda c=replicated, x=work, r=residual, w=weight: c(
-            x, residual=r, weight=w, eps=EPS), reset),
+            x, residual=r, weight=w, eps=EPS, **q), reset),
         "shm-inplace-replicated": (lambda c=replicated, x=work, r=res_work, w=weight: c(
-            x, residual=r, weight=w, eps=EPS, out=x, residual_out=r), reset_both)}
+            x, residual=r, weight=w, eps=EPS, out=x, residual_out=r, **q), reset_both)}
+
+
+def _unfused_quantisation(opts: BenchOptions) -> Any:
+    """What the unfused rows run after their RMSNorm with ``--quant``: the torch epilogue's
+    quantisation step (None without)."""
+    if opts.quant is None:
+        return None
+    from ..backends.torch.epilogue import quantize
+    from ..pattern import DEFAULT_GROUP_SIZE, quant_output
+
+    layout = quant_output(opts.quant, opts.scale_format).layout or ""
+    group = opts.group_size or DEFAULT_GROUP_SIZE
+    return lambda out, quant=opts.quant: quantize(out, quant, None, layout, group)
 
 
 def _entry(st: _Rank, dname: str, tokens: int, backend: str, size: int, times: list[float],
@@ -163,11 +177,12 @@ def _run_size(st: _Rank, dname: str, dtype: torch.dtype, tokens: int, weight: to
     if comm is not None:
         mode = comm.workspace.mode(tokens)
         candidates.update(_shm_rows(comm, replicated, x, work, residual, res_work, weight,
-                                    resets))
+                                    resets, opts.quant_keywords()))
+    after = _unfused_quantisation(opts)
     if "torch" in opts.backends:
-        candidates["torch"] = torch_row(work, residual, weight, reset)
+        candidates["torch"] = torch_row(work, residual, weight, reset, after)
     if st.ds is not None:
-        candidates.update(deepspeed_rows(st.ds, work, residual, weight, reset))
+        candidates.update(deepspeed_rows(st.ds, work, residual, weight, reset, after))
     # the shm rows warm up past the copy-mode trial: timed calls run the chosen mode
     workspace: Any = None if comm is None else comm.workspace
     trial = 0 if workspace is None else workspace.copy_trial_calls

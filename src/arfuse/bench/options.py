@@ -27,6 +27,18 @@ class BenchOptions:
     top_k: int = 8
     experts: int = 64
     threads: int = 1  # intra-op threads per rank (torch.set_num_threads), each on its own core
+    quant: str | None = None  # the quantised output every row makes (scale-free quants only)
+    group_size: int | None = None  # fp8_group's (None: its default)
+    scale_format: str | None = None  # the quant's scale layout (None: its default)
+
+    def quant_keywords(self) -> dict[str, object]:
+        """What the fused rows add to each call (``quant``, ``layout``, ``group_size``)."""
+        if self.quant is None:
+            return {}
+        kwargs: dict[str, object] = {"quant": self.quant, "layout": self.scale_format}
+        if self.group_size is not None:
+            kwargs["group_size"] = self.group_size
+        return kwargs
 
 
 BENCH_TOKENS_MOE = tuple(2**i for i in range(10))  # a MoE layer's decode and small prefills

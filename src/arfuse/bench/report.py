@@ -49,7 +49,13 @@ def _dtype_table(report: dict[str, Any], dname: str) -> list[str]:
 def _moe_words(options: dict[str, Any]) -> str:
     pattern = options.get("pattern", "residual_rmsnorm")
     if pattern == "residual_rmsnorm":
-        return ""
+        quant = options.get("quant")
+        if quant is None:
+            return ""
+        group = f" group_size {options.get('group_size') or 128}" if quant == "fp8_group" else ""
+        layout = f" {options['scale_format']}" if options.get("scale_format") else ""
+        return (f"; every row quantises: {quant}{layout}{group} (the unfused rows after "
+                "their RMSNorm)")
     fan_in = (f"top_k {options['top_k']} of {options['experts']} experts, a shared expert"
               if pattern == "moe_finalize" else f"{options['top_k']} experts' rows")
     return (f"; {pattern} ({fan_in}): shm = the fused call, the other rows run torch's expert "

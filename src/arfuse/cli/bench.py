@@ -46,6 +46,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--threads", type=cli_args.positive_int, default=1,
                    help="intra-op threads per rank, each rank pinned to this many cores (1)")
     cli_args.add_moe_flags(p)
+    p.add_argument("--quant", type=cli_args.quant, default=None,
+                   help="the quantised output every row makes: fp8_dynamic or fp8_group (none; "
+                   "the unfused rows quantise after their RMSNorm)")
+    cli_args.add_quant_format_flags(p)
     p.set_defaults(func=run)
 
 
@@ -78,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
     moe = args.pattern != "residual_rmsnorm"
     if moe:
         check_moe_sizes(args.pattern, args.top_k, args.experts)
+    if args.quant is not None and (moe or args.quant not in ("fp8_dynamic", "fp8_group")):
+        raise ValueError(f"--quant {args.quant}: bench times the scale-free quants "
+                         "(fp8_dynamic, fp8_group) after residual_rmsnorm only")
+    cli_args.check_quant_format(args.quant, args.group_size, args.scale_format, args.hidden)
     tokens = args.tokens or (BENCH_TOKENS_MOE if moe else BENCH_TOKENS)
     ranks = job_ranks(args.world_size)
     if ranks.world < 2:
@@ -90,14 +98,16 @@ def run(args: argparse.Namespace) -> int:
     shm = "shm" in backends
     for dtype in args.dtype:
         check_job("shm" if shm else None, True if shm else None, ranks, "cpu",
-                  Spec(max_tokens=max(tokens), hidden=args.hidden, dtype=dtype))
+                  Spec(max_tokens=max(tokens), hidden=args.hidden, dtype=dtype,
+                       quant=args.quant))
     check_memory(memory_needs(max(tokens), args.hidden, tuple(args.dtype), args.pattern,
                               args.top_k, args.experts), ranks)
     opts = BenchOptions(world_size=ranks.world, tokens=tuple(tokens),
                         hidden=args.hidden, dtypes=tuple(args.dtype), backends=backends,
                         out=args.out, min_seconds=args.min_seconds, pattern=args.pattern,
                         top_k=args.top_k, experts=args.experts,
-                        threads=args.threads)
+                        threads=args.threads, quant=args.quant,
+                        group_size=args.group_size, scale_format=args.scale_format)
     if "deepspeed" in backends and not _prebuild_deepspeed() and backends == ("deepspeed",):
         raise ValueError("--backends deepspeed: DeepSpeed is unavailable here (see above); "
                          "nothing to measure")

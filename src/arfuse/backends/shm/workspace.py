@@ -250,15 +250,18 @@ class ShmWorkspace(Workspace):
         pure-torch path). Every rank of the group calls, alike (it is collective)::
 
             outs = torch.ops.arfuse.shm_fused_allreduce(
-                handle, x, residual, weight, eps, weight_bias, quant, scale, out, residual_out)
+                handle, x, residual, weight, eps, weight_bias, quant, scale, out, residual_out,
+                group_size=0)
 
         ``residual``, ``weight``, ``out``, ``residual_out``: tensors or ``None``, with the
         rules of ``FusedAllReduce.__call__``; ``quant``: the code of the quantised output,
         ``arfuse.pattern.output_code(quant, layout)`` (0 none, 1 fp8, 2 nvfp4 swizzled_128x4,
-        3 nvfp4 linear, 4 fp8_dynamic; ``scale`` as there, any number where the output takes
-        none). Returns ``[out]``, then ``residual_out`` when ``weight`` is given, then
-        ``quant_out`` and ``scale_out`` where the output makes them (fp8: ``quant_out``;
-        nvfp4 and fp8_dynamic: both, fp8_dynamic's scales float32 ``[tokens, 1]``). The
+        3 nvfp4 linear, 4 fp8_dynamic, 5-7 fp8_group fp32, fp32_column_major, ue8m0_packed;
+        ``scale`` as there, any number where the output takes none); ``group_size``:
+        fp8_group's (32, 64, 128), 0 for the others. Returns ``[out]``, then ``residual_out``
+        when ``weight`` is given, then ``quant_out`` and ``scale_out`` where the output makes
+        them (fp8: ``quant_out``; the others: both, fp8_dynamic's scales float32
+        ``[tokens, 1]``, fp8_group's as ``FusedAllReduce`` returns them). The
         workspace's settings apply (``replicated_residual``; an op made with
         ``replicated_residual="check"`` refuses the operator with ``ValueError``, since the
         check across ranks is the op's: call the op). Bad
