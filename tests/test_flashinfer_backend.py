@@ -1099,6 +1099,14 @@ def test_fp8_group_descriptors_and_explain() -> None:
     notes = trtllm.notes(GROUP_TOPOLOGY, spec)
     assert "fp8_group fp32, fp32_column_major: norm fused, quantisation in torch" in notes
     assert any("pattern 9" in n and "32, 64, 128" in n for n in notes), notes
+    # doctor's and explain's summary: which formats run the quantisation in torch
+    lists = {name: policy.pattern_list(policy.resolve(
+        Settings(backend=name), GROUP_TOPOLOGY, spec).candidate(name).fuses)
+        for name in ("trtllm", "mnnvl")}
+    assert "fp8_group (fp32, fp32_column_major): norm fused, quantisation in torch" \
+        in lists["trtllm"], lists
+    assert "fp8_group (fp32, fp32_column_major, ue8m0_packed): norm fused, quantisation in " \
+        "torch" in lists["mnnvl"], lists
     for backend in ("trtllm", "mnnvl"):
         plan = policy.resolve(Settings(backend=backend), GROUP_TOPOLOGY, spec)
         text = plan.explain()

@@ -142,12 +142,36 @@ def pattern_list(names: tuple[str, ...]) -> str:
         return "no pattern (each step on its own)"
     if len(names) == len(ALL_PATTERNS):
         return f"all {len(names)}"
-    every_all_reduce = {p.name for p in ALL_REDUCE} <= set(names)
-    if not every_all_reduce:
+    fused = set(names)
+    missing = [p for p in ALL_REDUCE if p.name not in fused]
+    # a quantised pattern not fused whose unquantised one is runs in two steps (ops.run_on)
+    if any(not p.quantised or p.without_quant().name not in fused for p in missing):
         return ", ".join(names)
     moe = [name for name in names if name.startswith("moe_")]
-    return (f"every all-reduce pattern ({len(ALL_REDUCE)}); "
-            + (", ".join(moe) if moe else "no MoE pattern (its expert step runs on its own)"))
+    head = f"every all-reduce pattern ({len(ALL_REDUCE)})" if not missing else (
+        f"every all-reduce pattern ({len(ALL_REDUCE) - len(missing)} of {len(ALL_REDUCE)}; "
+        f"{_in_steps(missing)})")
+    return head + "; " + (", ".join(moe) if moe
+                          else "no MoE pattern (its expert step runs on its own)")
+
+
+def _in_steps(missing: list[Pattern]) -> str:
+    """The quantised all-reduce patterns a backend runs as its fused op and then the
+    quantisation in torch, in a few words: the outputs after RMSNorm, and any without it."""
+    layouts: dict[str, list[str]] = {}
+    for p in missing:
+        if p.norm and p.quant is not None:
+            kept = layouts.setdefault(p.quant, [])
+            if p.layout and p.layout not in kept:
+                kept.append(p.layout)
+    parts = []
+    if layouts:
+        parts.append(", ".join(q + (f" ({', '.join(lay)})" if lay else "")
+                               for q, lay in layouts.items())
+                     + ": norm fused, quantisation in torch")
+    if any(not p.norm for p in missing):
+        parts.append("a quantisation without RMSNorm: the all-reduce fused, then torch")
+    return "; ".join(parts)
 
 
 def resolve(settings: Settings, topology: Topology, spec: Spec,
