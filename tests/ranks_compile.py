@@ -545,7 +545,29 @@ def fp8_group(rank: int, world: int) -> dict[str, Any]:
                            _same(a, b) for result, mine in zip(got, again, strict=True)
                            for a, b in zip(result[:2], mine, strict=True)),
                        "nan": any(bool(t.float().isnan().any()) for t in want)}
+    found["dynamic tokens"] = _fp8_group_dynamic(rank)
     return found
+
+
+def _fp8_group_dynamic(rank: int) -> dict[str, Any]:
+    """The act_quant chain with its token dimension dynamic (``mark_dynamic``, as engines
+    do): one graph, fused, for 7 and then 4 tokens."""
+    fn, args, quant = _fp8_group_chains(rank)["act_quant bf16"]
+    fusion = _fusion_pass(7)
+    torch._dynamo.reset()
+    equal = quantised = True
+    with torch.no_grad():
+        want_fn = torch.compile(fn, backend=tm.post_grad_backend(None), fullgraph=True)
+        fused = torch.compile(fn, backend=tm.post_grad_backend(fusion), fullgraph=True)
+        for tokens in (7, 4):
+            inputs = (args[0][:tokens], args[1][:tokens], args[2])
+            for t in inputs[:2]:
+                torch._dynamo.mark_dynamic(t, 0)
+            want, got = want_fn(*inputs), fused(*inputs)
+            equal &= all(_same(a, b) for a, b in zip(want, got, strict=True))
+            quantised &= all(_same(a, b) for a, b in zip(got[:2], quant(got[2]), strict=True))
+    return {"fused": dict(fusion.fused), "left": dict(fusion.left), "equal": equal,
+            "quantised": quantised, "nan": False}
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -366,6 +366,20 @@ def _grouped_views(out: Node) -> dict[Node, int]:
     return found
 
 
+def _symbolic_groups(out: Node) -> bool:
+    """Whether ``out`` (or its fp32 convert) is viewed with a symbolic last dimension, then
+    its absolute values taken: a group amax whose group size is not fixed."""
+    sources = [out, *(u for u in out.users if _convert_to(u, torch.float32) is out)]
+    for source in sources:
+        for view in source.users:
+            held = val(view)
+            if _is(view, _VIEWS) and held is not None and held.dim() \
+                    and not isinstance(held.shape[-1], int) \
+                    and _users(view, (aten.abs.default,)):
+                return True
+    return False
+
+
 def _amax(node: Node) -> Node | None:
     """The keepdim amax over the last dimension of ``node`` (``amax``, or ``max.dim``'s values)."""
     ndim = val(node).dim()
@@ -403,6 +417,9 @@ def find_fp8_group(out: Node) -> tuple[Fp8Group | None, str]:
     group amax of ``out`` is computed but the rest rounds otherwise than arfuse's rule (``""``
     when there is no group amax at all)."""
     grouped = _grouped_views(out)
+    if not grouped and _symbolic_groups(out):
+        return None, ("the group size is symbolic (dynamic=True makes integers dynamic): the "
+                      "fused call needs it fixed; mark only the token dimension dynamic")
     for y, group in grouped.items():
         for absolute in _users(y, (aten.abs.default,)):
             amax = _amax(absolute)
