@@ -5,6 +5,7 @@ small chains written the ways models write them. Module level, so they can be pi
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import torch
@@ -440,3 +441,131 @@ def fp8(rank: int, world: int) -> dict[str, Any]:
             for result in got for a, b in zip(want, result, strict=True)),
             "python_calls": after[0] - before[0], "calls": after[1] - before[1]}
     return found
+
+
+def _group_quant(n: torch.Tensor, group: int, eps: float | None = 1e-10,
+                 reciprocal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's ``act_quant`` in torch with vLLM's eps clamp (``eps=None``: DeepSeek's
+    original, no clamp; ``reciprocal``: multiplied by the scale's reciprocal)."""
+    grouped = n.float().reshape(*n.shape[:-1], n.shape[-1] // group, group)
+    amax = grouped.abs().amax(dim=-1, keepdim=True)
+    if eps is not None:
+        amax = amax.clamp(min=eps)
+    scale = amax / 448.0
+    quotient = grouped * scale.reciprocal() if reciprocal else grouped / scale
+    codes = quotient.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return codes.reshape(n.shape), scale.squeeze(-1)
+
+
+def _vllm_group_quant(n: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's torch reference of ``per_token_group_quant_fp8`` (fp32 rows): flat groups,
+    ``max(...)[0]``, the eps clamp, the scales viewed ``[T, G]``."""
+    flat = n.reshape(n.numel() // group, group)
+    amax = flat.abs().max(dim=-1, keepdim=True)[0].clamp(min=1e-10).to(torch.float32)
+    scale = amax / 448.0
+    codes = (flat / scale).clamp(min=-448.0, max=448.0).to(torch.float8_e4m3fn)
+    return codes.reshape(n.shape), scale.reshape(*n.shape[:-1], n.shape[-1] // group)
+
+
+def _fp8_group_chains(rank: int) -> dict[str, tuple[Any, tuple[torch.Tensor, ...], Any]]:
+    """Chains ending in per-token-group FP8: name -> (fn(x, residual, weight) -> (codes,
+    scales, out, ...), inputs, the quantisation alone). The act_quant form after
+    ``F.rms_norm`` in bf16 (2-D and 3-D), vLLM's after HF's norm in fp32, without a residual,
+    with a NaN row, and the forms that round otherwise (left in the graph)."""
+    hidden = 256
+
+    def hf_norm(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        c = h.to(torch.float32)
+        c = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return w * c.to(h.dtype)
+
+    def chain(quant: Any, norm: str = "rms_norm", residual: bool = True) -> Any:
+        def fn(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            y = x * (rank + 1)
+            dist.all_reduce(y)
+            h = y + r if residual else y
+            n = F.rms_norm(h, (h.shape[-1],), w, 1e-5) if norm == "rms_norm" else hf_norm(h, w)
+            return (*quant(n), n, h)
+        return fn
+
+    def act_quant(group: int, **form: Any) -> Any:
+        return lambda n: _group_quant(n, group, **form)
+
+    generator = torch.Generator().manual_seed(6)
+    args = tuple(torch.randn(shape, generator=generator) * 4
+                 for shape in ((7, hidden), (7, hidden), (hidden,)))
+    args[0][3, :64] = 0.0  # a group of zeros on rank 0's row before the sum: not all zero
+    bf16 = tuple(a.to(torch.bfloat16) for a in args)
+    batched = (bf16[0].view(1, 7, hidden), bf16[1].view(1, 7, hidden), bf16[2])
+    nan = tuple(a.clone() for a in bf16)
+    nan[0][2, 5] = float("nan")  # row 2 of the sum, so of the norm output, is NaN
+    vllm = partial(_vllm_group_quant, group=64)
+    return {name: (chain(quant, *form), inputs, quant) for name, quant, form, inputs in (
+        ("act_quant bf16", act_quant(128), (), bf16),
+        ("act_quant 3-d", act_quant(64), (), batched),
+        ("vllm fp32", vllm, ("hf",), args),
+        ("no residual", act_quant(32), ("hf", False), args),
+        ("nan row", act_quant(128), (), nan),
+        ("eps 1e-4", act_quant(128, eps=1e-4), (), bf16),
+        ("no eps", act_quant(128, eps=None), (), bf16),
+        ("reciprocal", act_quant(128, reciprocal=True), (), bf16))}
+
+
+def fp8_group(rank: int, world: int) -> dict[str, Any]:
+    """Each per-token-group chain compiled with the pass against the same graph without it
+    (both up to the post-grad graph, then eagerly), the fused one called twice: what was
+    replaced, whether every output of both calls is the same to the bit (NaN as values: a
+    NaN's payload in ``out`` is the kernel's, docs/design.md 3.6), and whether the codes and
+    scales are, to the bit, the chain's own quantisation of the fused call's ``out`` (in fp32
+    the norm itself is the graph's only to the rounding of its sum order)."""
+    found: dict[str, Any] = {}
+    for name, (fn, args, quant) in _fp8_group_chains(rank).items():
+        fusion = _fusion_pass()
+        torch._dynamo.reset()
+        with torch.no_grad():
+            want = torch.compile(fn, backend=tm.post_grad_backend(None), fullgraph=True)(*args)
+            torch._dynamo.reset()
+            fused = torch.compile(fn, backend=tm.post_grad_backend(fusion), fullgraph=True)
+            got = [fused(*args), fused(*args)]
+            again = [quant(result[2]) for result in got]
+        found[name] = {"fused": dict(fusion.fused), "left": dict(fusion.left),
+                       "equal": all(_same(a, b) for result in got
+                                    for a, b in zip(want, result, strict=True)),
+                       "quantised": all(
+                           _same(a, b) for result, mine in zip(got, again, strict=True)
+                           for a, b in zip(result[:2], mine, strict=True)),
+                       "nan": any(bool(t.float().isnan().any()) for t in want)}
+    found["dynamic tokens"] = _fp8_group_dynamic(rank)
+    return found
+
+
+def _fp8_group_dynamic(rank: int) -> dict[str, Any]:
+    """The act_quant chain with its token dimension dynamic (``mark_dynamic``, as engines
+    do): one graph, fused, for 7 and then 4 tokens."""
+    fn, args, quant = _fp8_group_chains(rank)["act_quant bf16"]
+    fusion = _fusion_pass(7)
+    torch._dynamo.reset()
+    equal = quantised = True
+    with torch.no_grad():
+        want_fn = torch.compile(fn, backend=tm.post_grad_backend(None), fullgraph=True)
+        fused = torch.compile(fn, backend=tm.post_grad_backend(fusion), fullgraph=True)
+        for tokens in (7, 4):
+            inputs = (args[0][:tokens], args[1][:tokens], args[2])
+            for t in inputs[:2]:
+                torch._dynamo.mark_dynamic(t, 0)
+            want, got = want_fn(*inputs), fused(*inputs)
+            equal &= all(_same(a, b) for a, b in zip(want, got, strict=True))
+            quantised &= all(_same(a, b) for a, b in zip(got[:2], quant(got[2]), strict=True))
+    return {"fused": dict(fusion.fused), "left": dict(fusion.left), "equal": equal,
+            "quantised": quantised, "nan": False}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    nan = a.float().isnan()
+    if not torch.equal(nan, b.float().isnan()):
+        return False
+    bits = torch.uint8 if a.element_size() == 1 else torch.int16 if a.element_size() == 2 \
+        else torch.int32
+    return torch.equal(a.contiguous().view(bits)[~nan], b.contiguous().view(bits)[~nan])

@@ -216,3 +216,83 @@ def test_the_pass_logs_its_count_by_default_on_stderr(
     assert result.returncode == 0, result.stderr[-3000:]
     counts = [ln for ln in result.stderr.splitlines() if "all-reduces fused" in ln]
     assert counts == ([line + " (1 residual + RMSNorm)"] if line else []), result.stderr[-3000:]
+
+
+def test_per_token_group_fp8_after_the_norm_is_fused_bit_for_bit() -> None:
+    """DeepSeek's act_quant (with vLLM's eps clamp) after the norm: one fused call with
+    quant="fp8_group", whose codes and fp32 scales are the chain's own quantisation of the
+    fused norm output to the bit (a NaN row too: the operator quantises it as torch does), and
+    with bf16 rows every output the unfused graph's; forms that round otherwise stay in the
+    graph after the fused chain."""
+    found = values(run_ranks(ranks_compile.fp8_group, 2, timeout=300))
+    mine = found[0]
+    assert mine["act_quant bf16"]["fused"] == {"residual + RMSNorm + FP8 per 128-group": 1}
+    assert mine["act_quant 3-d"]["fused"] == {"residual + RMSNorm + FP8 per 64-group": 1}
+    assert mine["vllm fp32"]["fused"] == {"residual + RMSNorm + FP8 per 64-group": 1}
+    assert mine["no residual"]["fused"] == {"RMSNorm + FP8 per 32-group": 1}
+    assert mine["nan row"]["fused"] == {"residual + RMSNorm + FP8 per 128-group": 1}
+    assert mine["nan row"]["nan"]
+    # a dynamic token count: one graph for every count (both compiles count it)
+    assert set(mine["dynamic tokens"]["fused"]) == {"residual + RMSNorm + FP8 per 128-group"}
+    for name in ("eps 1e-4", "no eps", "reciprocal"):
+        assert mine[name]["fused"] == {"residual + RMSNorm": 1}, (name, mine[name])
+    for name, seen in mine.items():
+        assert seen["left"] == {} and seen["quantised"], (name, seen)
+        # fp32 rows: the fused norm is the graph's only to its sum order (docs/compile.md)
+        assert seen["equal"] or name in ("vllm fp32", "no residual"), (name, seen)
+    assert found[1] == mine
+
+
+def _group_quant_graph(quant: Any, dtype: torch.dtype) -> tuple[Any, str]:
+    """``find_fp8_group`` on the post-grad graph of ``quant(F.rms_norm(h, w))``."""
+    import torch.nn.functional as F
+
+    from arfuse.compile import match
+
+    import tp_models as tm
+
+    found: list[tuple[Any, str]] = []
+
+    def inspect(graph: torch.fx.Graph) -> None:
+        h = next(n for n in graph.nodes if n.op == "placeholder" and n.meta["val"].dim() == 2)
+        norm = match.find_norm(h)
+        assert norm is not None
+        found.append(match.find_fp8_group(norm.output))
+
+    def fn(h: torch.Tensor, w: torch.Tensor) -> Any:
+        return quant(F.rms_norm(h, (256,), w, 1e-6))
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=tm.post_grad_backend(inspect), fullgraph=True)(
+        torch.randn(4, 256, dtype=dtype), torch.ones(256, dtype=dtype))
+    return found[0]
+
+
+def _quant(n: torch.Tensor, eps: float | None = 1e-10, inverse: bool = False,
+           scale_by_product: bool = False, clamp_in: torch.dtype | None = None,
+           group: int = 128) -> Any:
+    grouped = (n if clamp_in is not None else n.float()).reshape(4, 256 // group, group)
+    amax = grouped.abs().amax(-1, keepdim=True)
+    if clamp_in is not None:
+        amax = amax.clamp(min=eps).to(torch.float32)  # clamped in the rows' dtype
+    elif eps is not None:
+        amax = amax.clamp(min=eps)
+    scale = amax * (1 / 448.0) if scale_by_product else amax / 448.0
+    quotient = grouped * scale.reciprocal() if inverse else grouped / scale
+    return quotient.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).reshape(4, 256), scale
+
+
+@pytest.mark.parametrize(("form", "dtype", "group", "why"), [
+    ({}, torch.bfloat16, 128, ""),
+    ({"group": 32}, torch.float32, 32, ""),
+    ({"eps": 1e-4}, torch.bfloat16, 0, "eps 0.0001 is not fp8_group's 1e-10"),
+    ({"eps": None}, torch.bfloat16, 0, "no eps clamp before the division by 448"),
+    ({"inverse": True}, torch.bfloat16, 0, "not divided by the scale"),
+    ({"scale_by_product": True}, torch.bfloat16, 0, "a multiplication by 1/448"),
+    ({"clamp_in": torch.bfloat16}, torch.bfloat16, 0, "rounded to another dtype"),
+])
+def test_per_token_group_forms_the_matcher_takes_and_why_it_leaves_the_others(
+        form: dict[str, Any], dtype: torch.dtype, group: int, why: str) -> None:
+    found, reason = _group_quant_graph(lambda n: _quant(n, **form), dtype)
+    assert (found.group_size if found is not None else 0) == group, (found, reason)
+    assert why in reason and bool(reason) == bool(why), reason

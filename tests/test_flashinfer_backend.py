@@ -221,6 +221,36 @@ def kernel_reduction_rows(kw: dict[str, Any]) -> torch.Tensor:
 KERNEL_MOE_ROWS = {6: kernel_reduction_rows, 7: kernel_finalize_rows}
 
 
+def kernel_group_fp8(kw: dict[str, Any]) -> None:
+    """Pattern 9's quantisation as FlashInfer's kernel writes it, from its source: the
+    unified API's checks of ``scale_out`` (ValueError), then per token and group of
+    ``block_quant_group_size`` the amax of the norm output, ``s = max(amax / 448, 1e-10)``
+    rounded up to a power of two by its bits, ``q = e4m3(clamp(y / s))``, and the exponent
+    byte of group j at byte ``j % 4`` of int32 ``(j // 4) * ceil(T/4)*4 + t``."""
+    y, scale_out, group = kw["norm_out"], kw["scale_out"], kw["block_quant_group_size"]
+    tokens, hidden = y.shape
+    if group is None or group <= 0 or hidden % group:
+        raise ValueError(f"block_quant_group_size {group} with hidden_dim {hidden}")
+    groups = hidden // group
+    packs, aligned = (groups + 3) // 4, (tokens + 3) // 4 * 4
+    if scale_out.shape != (tokens, packs) or scale_out.stride() != (1, aligned) \
+            or scale_out.dtype != torch.int32:
+        raise ValueError(f"scale_out {tuple(scale_out.shape)} {scale_out.stride()} "
+                         f"{scale_out.dtype}")
+    storage = scale_out.as_strided(((packs - 1) * aligned + tokens,), (1,)).view(torch.uint8)
+    quant = kw["quant_out"]
+    for t in range(tokens):
+        for j in range(groups):
+            row = y[t, j * group:(j + 1) * group].float()
+            amax = torch.tensor(max(abs(float(v)) for v in row), dtype=torch.float32)
+            s = torch.clamp_min(amax / 448.0, 1e-10).view(torch.int32)
+            if int(s) & 0x7FFFFF:
+                s = (s + 0x800000) & 0x7F800000
+            storage[((j // 4) * aligned + t) * 4 + j % 4] = int(s) >> 23
+            quant[t, j * group:(j + 1) * group] = (row / s.view(torch.float32)).clamp(
+                -448.0, 448.0).to(torch.float8_e4m3fn)
+
+
 class FakeFlashInfer:
     def __init__(self, mc_ptr: int = 0xABC, buffer_scale: float = 1.0, version: str = NEW,
                  multicast: Callable[[int], bool] | None = None,
@@ -277,6 +307,8 @@ class FakeFlashInfer:
                 return kw["output"]
             kw["residual_out"].copy_(total + kw["residual_in"])
             kw["norm_out"].copy_(kw["residual_out"])
+            if kw["pattern"] == 9:
+                kernel_group_fp8(kw)
             return kw["norm_out"]
 
         allreduce.create_allreduce_fusion_workspace = create_allreduce_fusion_workspace  # type: ignore[attr-defined]
@@ -948,3 +980,137 @@ def test_unknown_quant_is_refused_not_claimed_fused() -> None:
     for name in ("mnnvl", "trtllm"):
         with pytest.raises(ValueError, match=r"quant='int4'.*fp8"):
             catalog.get(name).fuses(topo, spec, pattern)
+
+
+# --- fp8_group (group_rules) ------------------------------------------------------------------
+
+GROUP_TOPOLOGY = Topology(device="cuda", world_size=2, sm=90, multicast=True,
+                          nvlink_all_pairs=True, flashinfer=NEW)
+
+
+def _group_inputs(tokens: int, hidden: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(tokens * hidden)
+    x, res = (torch.randn(2, tokens, hidden, generator=generator) * 3).bfloat16()
+    return x, res, torch.ones(hidden, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(("tokens", "group"), [(1, 128), (3, 32), (6, 64), (5, 128)])
+def test_fp8_group_ue8m0_packed_runs_flashinfers_pattern_9(
+        fake: FakeFlashInfer, tokens: int, group: int) -> None:
+    """trtllm quantises ue8m0_packed in FlashInfer's kernel: pattern 9 (8 writes no norm
+    output), ``block_quant_group_size``, e4m3 ``[T, H]``, int32 ``[T, ceil(G/4)]`` with strides
+    ``(1, ceil(T/4)*4)`` as the unified API checks them; the kernel's packing (the stand-in
+    writes it as FlashInfer's source does) is the reference's byte for byte."""
+    from arfuse import quant as q
+
+    hidden = 640  # 20, 10 or 5 groups: packs with padding bytes, tokens with padding rows
+    ws = TrtllmBackend().create(context(), Spec(max_tokens=8, hidden=hidden))
+    assert ws is not None
+    x, res, w = _group_inputs(tokens, hidden)
+    call = CallArgs(x, res, w, 1e-6, 0.0, "fp8_group", None, "ue8m0_packed", group_size=group)
+    assert ws.takes(GROUP_TOPOLOGY, call.pattern)
+    out = ws.run(call)
+    kw = fake.calls[-1]
+    assert kw["pattern"] == 9 and kw["block_quant_group_size"] == group
+    assert "scale_factor" not in kw and "layout_code" not in kw
+    assert kw["norm_out"] is out.out and out.quant_out is kw["quant_out"]
+    assert out.scale_out is kw["scale_out"]
+    codes, scales = q.fp8_group_quantize(out.out, group, "ue8m0_packed")
+    assert out.quant_out is not None and out.scale_out is not None
+    assert torch.equal(out.quant_out.view(torch.uint8), codes.view(torch.uint8))
+    assert out.scale_out.shape == scales.shape and out.scale_out.stride() == scales.stride()
+    assert out.scale_out.dtype == torch.int32 and torch.equal(out.scale_out, scales)
+
+
+@pytest.mark.parametrize(("backend", "layout"), [
+    ("trtllm", "fp32"), ("trtllm", "fp32_column_major"), ("mnnvl", "fp32"),
+    ("mnnvl", "fp32_column_major"), ("mnnvl", "ue8m0_packed")])
+def test_fp8_group_formats_flashinfer_lacks_quantise_in_torch_after_the_fused_norm(
+        fake: FakeFlashInfer, backend: str, layout: str) -> None:
+    """FlashInfer writes UE8M0 scales only, and on trtllm only: the descriptor does not take
+    the other formats (nor any on mnnvl), so the op runs pattern 1 and then arfuse's
+    quantisation of its norm output, in the format asked for."""
+    from arfuse.backends.torch.epilogue import quantize
+    from arfuse.ops import run_on
+
+    ws = BACKENDS[backend]().create(context(), Spec(max_tokens=8, hidden=256))
+    assert ws is not None
+    x, res, w = _group_inputs(5, 256)
+    call = CallArgs(x, res, w, 1e-6, 0.0, "fp8_group", None, layout, group_size=64)
+    assert not ws.takes(GROUP_TOPOLOGY, call.pattern)
+    got = run_on(ws, call, lambda pattern: ws.takes(GROUP_TOPOLOGY, pattern))
+    assert fake.calls[-1]["pattern"] == 1 and "block_quant_group_size" not in fake.calls[-1]
+    codes, scales = quantize(got.out, "fp8_group", None, layout, 64)
+    assert got.quant_out is not None and got.scale_out is not None and scales is not None
+    assert torch.equal(got.quant_out.view(torch.uint8), codes.view(torch.uint8))
+    assert got.scale_out.shape == scales.shape and got.scale_out.stride() == scales.stride()
+    assert torch.equal(got.scale_out, scales)
+
+
+def test_fp8_group_block_threads_follow_flashinfers_launcher() -> None:
+    """The launcher's block for patterns 8/9 (SM >= 90): clusters of up to 8, blocks of at
+    least 128 threads, widened until a block holds whole groups; over 1024 threads it refuses
+    (a raise inside the call on a GPU), which arfuse predicts and runs apart."""
+    from arfuse.backends.flashinfer import group_rules as g
+
+    assert g.block_threads(7168, 2, 128) == 224    # DeepSeek-V3: 896 threads, clusters of 4
+    assert g.block_threads(4096, 2, 128) == 128
+    assert g.block_threads(7168, 4, 128) == 224    # fp32: 4 values a thread
+    assert g.block_threads(640, 2, 32) == 80       # a token in one small block
+    # 65 groups of 128: only a whole row is whole groups, 1040 threads
+    assert g.block_threads(8320, 2, 128) == 1040 and g.launch_refusal(8320, 2, 128)
+    assert g.block_threads(8320, 2, 64) == 520 and not g.launch_refusal(8320, 2, 64)
+    assert not g.launch_refusal(7168, 2, 128) and not g.launch_refusal(4096, 4, 32)
+
+
+def test_fp8_group_a_group_size_the_launcher_refuses_runs_the_quantisation_apart(
+        fake: FakeFlashInfer) -> None:
+    from arfuse import quant as q
+
+    hidden = 8320
+    ws = TrtllmBackend().create(context(), Spec(max_tokens=8, hidden=hidden))
+    assert ws is not None
+    x, res, w = _group_inputs(2, hidden)
+    for group, pattern in ((128, 1), (64, 9)):
+        out = ws.run(CallArgs(x, res, w, 1e-6, 0.0, "fp8_group", None, "ue8m0_packed",
+                              group_size=group))
+        assert fake.calls[-1]["pattern"] == pattern, group
+        codes, scales = q.fp8_group_quantize(out.out, group, "ue8m0_packed")
+        assert out.quant_out is not None and out.scale_out is not None
+        assert torch.equal(out.quant_out.view(torch.uint8), codes.view(torch.uint8))
+        assert out.scale_out.stride() == scales.stride() and torch.equal(out.scale_out, scales)
+
+
+def test_fp8_group_descriptors_and_explain() -> None:
+    """trtllm fuses fp8_group with RMSNorm in ue8m0_packed only, mnnvl none; ``explain`` says
+    which format runs where."""
+    from arfuse import policy
+    from arfuse.backends.flashinfer import group_rules
+
+    spec = Spec(max_tokens=8, hidden=7168, quant="fp8_group")
+    trtllm, mnnvl = catalog.get("trtllm"), catalog.get("mnnvl")
+    for layout in ("fp32", "fp32_column_major", "ue8m0_packed"):
+        for epilogue in ("rmsnorm", "residual_rmsnorm", "none"):
+            pattern = Pattern(epilogue, "fp8_group", layout)
+            fused = layout == "ue8m0_packed" and epilogue != "none"
+            assert trtllm.fuses(GROUP_TOPOLOGY, spec, pattern) is fused, pattern
+            assert mnnvl.fuses(GROUP_TOPOLOGY, spec, pattern) is False, pattern
+    assert mnnvl.notes(GROUP_TOPOLOGY, spec) == (group_rules.NOT_IN_FLASHINFER,)
+    notes = trtllm.notes(GROUP_TOPOLOGY, spec)
+    assert "fp8_group fp32, fp32_column_major: norm fused, quantisation in torch" in notes
+    assert any("pattern 9" in n and "32, 64, 128" in n for n in notes), notes
+    # doctor's and explain's summary: which formats run the quantisation in torch
+    lists = {name: policy.pattern_list(policy.resolve(
+        Settings(backend=name), GROUP_TOPOLOGY, spec).candidate(name).fuses)
+        for name in ("trtllm", "mnnvl")}
+    assert "fp8_group (fp32, fp32_column_major): norm fused, quantisation in torch" \
+        in lists["trtllm"], lists
+    assert "fp8_group (fp32, fp32_column_major, ue8m0_packed): norm fused, quantisation in " \
+        "torch" in lists["mnnvl"], lists
+    for backend in ("trtllm", "mnnvl"):
+        plan = policy.resolve(Settings(backend=backend), GROUP_TOPOLOGY, spec)
+        text = plan.explain()
+        assert "norm fused, quantisation in torch" in text, text
+        assert ("not in FlashInfer" in text) is (backend == "mnnvl"), text
+        assert ("quantisation (fp8_group): fused in ue8m0_packed; a separate step after the "
+                "fused op in fp32, fp32_column_major" in text) is (backend == "trtllm"), text

@@ -12,7 +12,7 @@ from typing import Any
 
 from . import catalog
 from .pattern import ALL as ALL_PATTERNS
-from .pattern import ALL_REDUCE, Pattern
+from .pattern import ALL_REDUCE, QUANT_OUTPUTS, Pattern
 from .settings import Settings
 from .spec import Spec
 from .topology import Topology
@@ -111,8 +111,11 @@ class Plan:
         lines.append(f"chosen: {self.backend} ({kind}); fallback to another fused backend: "
                      f"{'allowed' if self.allow_fallback else 'no'}")
         if spec.quant:
-            lines.append(f"quantisation ({spec.quant}): "
-                         f"{'fused' if self.quant_fusion else 'separate step after the fused op'}")
+            fused, apart = quant_layouts(spec.quant, self.candidate(self.backend).fuses)
+            how = ("fused" if not apart else "separate step after the fused op" if not fused
+                   else f"fused in {', '.join(fused)}; a separate step after the fused op in "
+                   f"{', '.join(apart)}")
+            lines.append(f"quantisation ({spec.quant}): {how}")
         mib = self.workspace_bytes / 2**20
         lines.append(f"workspace: {mib:.2f} MiB per rank; fused capacity: "
                      f"{self.max_fused_tokens} tokens per call")
@@ -121,18 +124,54 @@ class Plan:
         return "\n".join(lines)
 
 
+def quant_layouts(quant: str, fuses: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """The scale layouts of ``quant`` (``["-"]`` for a quant with one) whose pattern after
+    residual + RMSNorm is among ``fuses``, and the others."""
+    fused: list[str] = []
+    apart: list[str] = []
+    for output in QUANT_OUTPUTS:
+        if output.quant == quant:
+            name = Pattern("residual_rmsnorm", quant, output.layout).name
+            (fused if name in fuses else apart).append(output.layout or "-")
+    return fused, apart
+
+
 def pattern_list(names: tuple[str, ...]) -> str:
     """The patterns a backend fuses, in a few words (``explain``, ``doctor``)."""
     if not names:
         return "no pattern (each step on its own)"
     if len(names) == len(ALL_PATTERNS):
         return f"all {len(names)}"
-    every_all_reduce = {p.name for p in ALL_REDUCE} <= set(names)
-    if not every_all_reduce:
+    fused = set(names)
+    missing = [p for p in ALL_REDUCE if p.name not in fused]
+    # a quantised pattern not fused whose unquantised one is runs in two steps (ops.run_on)
+    if any(not p.quantised or p.without_quant().name not in fused for p in missing):
         return ", ".join(names)
     moe = [name for name in names if name.startswith("moe_")]
-    return (f"every all-reduce pattern ({len(ALL_REDUCE)}); "
-            + (", ".join(moe) if moe else "no MoE pattern (its expert step runs on its own)"))
+    head = f"every all-reduce pattern ({len(ALL_REDUCE)})" if not missing else (
+        f"every all-reduce pattern ({len(ALL_REDUCE) - len(missing)} of {len(ALL_REDUCE)}; "
+        f"{_in_steps(missing)})")
+    return head + "; " + (", ".join(moe) if moe
+                          else "no MoE pattern (its expert step runs on its own)")
+
+
+def _in_steps(missing: list[Pattern]) -> str:
+    """The quantised all-reduce patterns a backend runs as its fused op and then the
+    quantisation in torch, in a few words: the outputs after RMSNorm, and any without it."""
+    layouts: dict[str, list[str]] = {}
+    for p in missing:
+        if p.norm and p.quant is not None:
+            kept = layouts.setdefault(p.quant, [])
+            if p.layout and p.layout not in kept:
+                kept.append(p.layout)
+    parts = []
+    if layouts:
+        parts.append(", ".join(q + (f" ({', '.join(lay)})" if lay else "")
+                               for q, lay in layouts.items())
+                     + ": norm fused, quantisation in torch")
+    if any(not p.norm for p in missing):
+        parts.append("a quantisation without RMSNorm: the all-reduce fused, then torch")
+    return "; ".join(parts)
 
 
 def resolve(settings: Settings, topology: Topology, spec: Spec,
@@ -192,13 +231,12 @@ def _candidate(descriptor: catalog.BackendDescriptor, topology: Topology, spec: 
         why = descriptor.auto_skip(topology, spec)
     if not why and descriptor.footprint(topology.world_size, spec, topology).capacity < 1:
         why = "its workspace would hold no call of this spec (fused capacity 0 tokens)"
-    fuses = catalog.fused_patterns(descriptor, topology, spec)
-    # the spec's quantisation as FlashInfer fuses it: after (residual and) RMSNorm
-    quantised = Pattern("residual_rmsnorm", spec.quant,
-                        "swizzled_128x4" if spec.quant == "nvfp4" else None)
+    fuses = tuple(p.name for p in catalog.fused_patterns(descriptor, topology, spec))
+    # the spec's quantisation as FlashInfer fuses it: after (residual and) RMSNorm, in some
+    # scale layout of it (explain names the layouts)
     return Candidate(name, not why, why or "meets every requirement",
-                     not why and spec.quant is not None and quantised in fuses,
-                     tuple(p.name for p in fuses),
+                     not why and spec.quant is not None
+                     and bool(quant_layouts(spec.quant, fuses)[0]), fuses,
                      () if why else descriptor.notes(topology, spec))
 
 

@@ -14,6 +14,10 @@ needed: FlashInfer's own Python code runs for real, and only what needs a device
    MoE (patterns 6/7 on trtllm): each rule of ``moe_rules`` against the real package, what
    arfuse hands the kernel bindings (index shape, scale dtypes, no routed scaling), what the
    unified API drops or skips, the wrappers' one-shot checks, and the kernel sources' numbers.
+   fp8_group (pattern 9 on trtllm, ``group_rules``): the codes, the unified API's checks of
+   ``scale_out`` (shape, strides, dtype) passed by arfuse's own run for every dtype, group
+   size and token count tried, the formats and backends that run the quantisation in torch,
+   and the kernel sources' scale rule, packing and launcher numbers.
 3. Bytes: FlashInfer's real workspace constructors run with their allocations recorded, for a
    grid of (world, tokens, hidden, dtype); the sizes asked for, the sizes allocated (its real
    ``SymmDeviceMemory._get_allocation_prop`` at arfuse's assumed granularity) and the buffer
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import glob
 import inspect
 import itertools
@@ -136,6 +141,7 @@ def main() -> int:
     section("constants", lambda: constants(env))
     section("calls", lambda: calls(env))
     section("moe", lambda: moe_patterns(env))
+    section("fp8_group", lambda: group_patterns(env))
     section("bytes", lambda: bytes_grid(env))
     failed = sum(1 for _, ok, _ in RESULTS if not ok)
     print(f"flashinfer {version}: contract checked in {time.monotonic() - started:.1f} s")
@@ -697,6 +703,176 @@ def moe_runs(env: Any, kernels: list[tuple[str, dict[str, Any]]]) -> None:
                   "the plain kernel (moe_rules.ROUTED)",
                   [k for k, _ in kernels[before:]] == ["trtllm_allreduce_fusion"])
         ws.destroy()
+
+
+# --- 2c. fp8_group (group_rules) ----------------------------------------------------------------
+
+
+def group_patterns(env: Any) -> None:
+    group_constants(env)
+    group_api_checks(env)
+    with recorded(env) as rec:
+        group_runs(env, rec.kernels)
+
+
+def group_constants(env: Any) -> None:
+    """The codes, arguments and kernel facts ``group_rules`` states, in the installed package
+    and the kernel sources it ships."""
+    import re
+
+    from arfuse import quant
+    from arfuse.backends.flashinfer import group_rules as g
+    from arfuse.backends.flashinfer import moe_rules
+
+    pattern = env.trtllm_ar.AllReduceFusionPattern
+    check("kARResidualRMSNorm(Out)PerTokenGroupFP8PackedQuant == 8, 9",
+          (pattern.kARResidualRMSNormPerTokenGroupFP8PackedQuant,
+           pattern.kARResidualRMSNormOutPerTokenGroupFP8PackedQuant)
+          == (g.K_GROUP_FP8, g.K_OUT_GROUP_FP8))
+    for name, fn in (("allreduce_fusion", env.ar.allreduce_fusion),
+                     ("trtllm_allreduce_fusion", env.trtllm_ar.trtllm_allreduce_fusion)):
+        check(f"{name} takes block_quant_group_size",
+              "block_quant_group_size" in inspect.signature(fn).parameters)
+    header = kernel_source(env, "include", "flashinfer", "comm", "trtllm_allreduce_fusion.cuh")
+    flat = " ".join(header.replace("\\\n", "\n").split())  # macros' line ends too
+    facts = {
+        "the scale: max(amax / 448, 1e-10) in fp32": "float y_s = fmaxf(group_absmax / "
+        "FP8_E4M3_MAX, 1e-10f);" in flat and "constexpr float FP8_E4M3_MAX = 448.0f;" in flat,
+        "rounded up to a power of two by its bits": "if (y_s_bits & 0x7fffff) { y_s_bits = "
+        "(y_s_bits + 0x800000) & 0x7f800000; }" in flat,
+        "q = clamp(y / s, +-448) to e4m3": "float q = static_cast<float>(reinterpret_cast<T*>"
+        "(&val)[i]) / y_s; q = fminf(fmaxf(q, -FP8_E4M3_MAX), FP8_E4M3_MAX);" in flat,
+        "y is the norm output in the activation dtype": bool(re.search(
+            r"vec_t<T, VEC_SIZE> rms_norm\(vec_t<T, VEC_SIZE> const& residual", flat))
+        and "val = rms_norm(val, m_gamma_val);" in flat,
+        "group j's exponent byte at j % 4 of int32 (j / 4) * ceil(T/4)*4 + t":
+        "int elem_idx = pack_idx * m_params.tma_aligned_mn + token_id;" in flat
+        and "reinterpret_cast<uint8_t*>(m_params.scale_out)[elem_idx * 4 + pos] = exponent;"
+        in flat and "int pack_idx = group_idx_in_row / 4; int pos = group_idx_in_row % 4;"
+        in flat,
+        "blocks widened until they hold whole groups": "while (cluster_size > 1 && "
+        "(threads_per_block * VEC_SIZE) % params.block_quant_group_size != 0) { "
+        "threads_per_block *= 2; cluster_size /= 2; }" in flat,
+        "at most 1024 threads a block": f"FLASHINFER_CHECK(block_size <= "
+        f"{moe_rules.MAX_BLOCK_THREADS} && cluster_size > 0," in flat,
+        f"blocks of at least {g.MIN_BLOCK_THREADS} threads": f"while (threads_per_block < "
+        f"{g.MIN_BLOCK_THREADS} && cluster_size >= 2)" in flat,
+        "patterns 8/9 dispatched for every dtype (fp32 included)": bool(re.search(
+            r"case AllReduceFusionPattern::kARResidualRMSNormOutPerTokenGroupFP8PackedQuant: "
+            r"DISPATCH_ACC_TYPE\(", flat)),
+    }
+    for fact, ok in facts.items():
+        check(f"pattern 9's kernel: {fact}", ok)
+    eps = env.torch.tensor(1e-10, dtype=env.torch.float32).item()
+    check("arfuse's fp8_group eps is the kernel's 1e-10f", eps == quant.FP8_GROUP_EPS,
+          str(quant.FP8_GROUP_EPS))
+
+
+def group_api_checks(env: Any) -> None:
+    """What the unified API checks before pattern 9's kernel (ValueError), on a real trtllm
+    workspace: arfuse's scale_out passes, the contiguous one of the same shape does not."""
+    torch = env.torch
+    ws = real_trtllm_workspace(env, {"world_size": 2, "rank": 0, "max_token_num": 8,
+                                     "hidden_dim": 640, "dtype": torch.bfloat16})
+    tokens, hidden, group = 3, 640, 128
+    base = {"input": torch.zeros(tokens, hidden, dtype=torch.bfloat16), "workspace": ws,
+            "pattern": 9, "launch_with_pdl": False, "residual_in": torch.zeros(
+                tokens, hidden, dtype=torch.bfloat16),
+            "residual_out": torch.empty(tokens, hidden, dtype=torch.bfloat16),
+            "norm_out": torch.empty(tokens, hidden, dtype=torch.bfloat16),
+            "quant_out": torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn),
+            "rms_gamma": torch.ones(hidden, dtype=torch.bfloat16)}
+    good = torch.zeros(7, dtype=torch.int32).as_strided((tokens, 2), (1, 4))
+    cases = {"arfuse's strides (1, ceil(T/4)*4)": ({"scale_out": good,
+                                                    "block_quant_group_size": group}, True),
+             "a contiguous scale_out": ({"scale_out": torch.zeros(tokens, 2, dtype=torch.int32),
+                                         "block_quant_group_size": group}, False),
+             "a float32 scale_out": ({"scale_out": torch.zeros(7).as_strided((tokens, 2), (1, 4)),
+                                      "block_quant_group_size": group}, False),
+             "no block_quant_group_size": ({"scale_out": good}, False),
+             "a group not dividing hidden": ({"scale_out": good,
+                                              "block_quant_group_size": 96}, False)}
+    kernels: list[tuple[str, dict[str, Any]]] = []
+    with contextlib.ExitStack() as stack:
+        for p in fake_kernels(env, kernels):
+            stack.enter_context(p)
+        for name, (extra, accepted) in cases.items():
+            try:
+                env.ar.allreduce_fusion(**base, **extra)
+                ok, detail = accepted, "accepted"
+            except ValueError as exc:
+                ok, detail = not accepted, f"ValueError: {exc}"
+            check(f"pattern 9, {name}: {'accepted' if accepted else 'ValueError'}", ok, detail)
+    mnnvl = mnnvl_workspace(env, {"world_size": 2, "rank": 0, "max_token_num": 8,
+                                  "hidden_dim": hidden, "dtype": torch.bfloat16,
+                                  "comm_backend": fake_comm(env, 2)},
+                            sizes_g(env), sizes_g(env))[0]
+    try:
+        env.ar.allreduce_fusion(**{**base, "workspace": mnnvl, "scale_out": good,
+                                   "block_quant_group_size": group})
+        refused = False
+    except ValueError:
+        refused = True
+    check("mnnvl has no pattern 9 (group_rules.NOT_IN_FLASHINFER)", refused)
+
+
+def group_runs(env: Any, kernels: list[tuple[str, dict[str, Any]]]) -> None:
+    """arfuse's own fp8_group calls through the real unified API to the kernel bindings."""
+    torch = env.torch
+    from arfuse.backends.flashinfer import group_rules as g
+    from arfuse.call_checks import CallArgs
+    from arfuse.ops import run_on
+    from arfuse.spec import Spec
+    from arfuse.topology import Topology
+    from arfuse.torch_types import TORCH_DTYPES
+
+    topology = Topology(device="cuda", world_size=2, sm=90, multicast=True,
+                        nvlink_all_pairs=True, flashinfer=env.version)
+    hidden = 640
+    wrong: list[str] = []
+    for backend_name, backend in (("trtllm", env.workspace.TrtllmBackend()),
+                                  ("mnnvl", env.workspace.MnnvlBackend())):
+        for dtype in ("bf16", "fp16", "fp32"):
+            t = TORCH_DTYPES[dtype]
+            ws = backend.create(context(env, 2), Spec(max_tokens=8, hidden=hidden, dtype=dtype))
+            for tokens, group, layout in itertools.product(
+                    (1, 3, 8), g.GROUP_SIZES, ("ue8m0_packed", "fp32", "fp32_column_major")):
+                x, res = torch.randn(tokens, hidden).to(t), torch.randn(tokens, hidden).to(t)
+                call = CallArgs(x, res, torch.ones(hidden).to(t), 1e-6, 0.0, "fp8_group",
+                                None, layout, group_size=group)
+                label = f"{backend_name} {dtype} T={tokens} g={group} {layout}"
+                before = len(kernels)
+                try:
+                    out = run_on(ws, call, functools.partial(ws.takes, topology))
+                except Exception as exc:
+                    wrong.append(f"{label}: {type(exc).__name__}: {exc}")
+                    continue
+                if len(kernels) != before + 1:
+                    wrong.append(f"{label}: {len(kernels) - before} kernel calls")
+                    continue
+                name, args = kernels[-1]
+                if backend_name == "mnnvl" or layout != g.FUSED_LAYOUT:
+                    # the norm fused (pattern 1), the quantisation in torch
+                    plain = (name == "trtllm_mnnvl_allreduce_fusion" if backend_name == "mnnvl"
+                             else args.get("pattern_code") == 1)
+                    if not plain or out.scale_out is None:
+                        wrong.append(f"{label}: {name} {args.get('pattern_code')}")
+                    continue
+                scale = args.get("scale_out")
+                packs, aligned = -(-hidden // group // 4), -(-tokens // 4) * 4
+                ok = (args.get("pattern_code") == g.K_OUT_GROUP_FP8
+                      and args.get("block_quant_group_size") == group
+                      and scale is out.scale_out and scale.dtype == torch.int32
+                      and tuple(scale.shape) == (tokens, packs)
+                      and scale.stride() == (1, aligned)
+                      and args["quant_out"].data_ptr() == out.quant_out.data_ptr()
+                      and args["norm_out"].data_ptr() == out.out.data_ptr())
+                if not ok:
+                    wrong.append(f"{label}: {sorted(args)}")
+            ws.destroy()
+    check("fp8_group: arfuse's calls reach the kernel bindings (trtllm ue8m0_packed: pattern 9 "
+          "with FlashInfer's shapes and strides; the rest pattern 1, then torch)", not wrong,
+          "; ".join(wrong[:5]))
 
 
 # --- 3. bytes -----------------------------------------------------------------------------------

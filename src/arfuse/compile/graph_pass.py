@@ -9,7 +9,11 @@ group_name))``; the pattern matcher finds that pair, and the handler looks after
   ``residual_out`` replaces ``h``;
 * or an RMSNorm of the sum itself: ``residual_out`` (the sum) replaces the sum's other uses;
 * either, when static FP8 quantisation of the norm's output follows (``match.find_fp8``),
-  with the quantisation: the fused call's ``quant_out`` replaces the fp8 tensor.
+  with the quantisation: the fused call's ``quant_out`` replaces the fp8 tensor;
+* or, when per-token-group FP8 follows in the form of DeepSeek's ``act_quant``
+  (``match.find_fp8_group``), with ``quant="fp8_group"``: ``quant_out`` and ``scale_out``
+  (fp32) replace the fp8 tensor and the scale, viewed to their shapes. A form that would
+  round otherwise stays in the graph after the fused chain, and the debug log says why.
 
 Chains of other groups, other reductions, sums used elsewhere, norms ``find_norm`` does not
 know, an ``eps`` the fused call would refuse (``call_checks.fp32_number``) and weights
@@ -122,16 +126,23 @@ class FusionPass(CustomGraphPass):
         if why:  # the fused call would refuse it on every rank; the graph's own norm runs it
             seen.left[why] += 1
             return
-        fp8 = match.find_fp8(norm.output)
+        quant: match.Fp8 | match.Fp8Group | None = match.find_fp8(norm.output)
         inputs = [norm.weight] + ([norm.eps] if isinstance(norm.eps, Node) else [])
-        if fp8 is not None and seen.order.get(fp8.scale, len(seen.order)) > seen.order[h]:
-            fp8 = None  # a scale computed after the chain starts: fuse the chain without it
+        if isinstance(quant, match.Fp8) and \
+                seen.order.get(quant.scale, len(seen.order)) > seen.order[h]:
+            quant = None  # a scale computed after the chain starts: fuse the chain without it
+        if quant is None:
+            quant, why = match.find_fp8_group(norm.output)
+            if why:  # the chain is fused; the quantisation stays as the graph wrote it
+                log.logger.debug("arfuse compile: a per-token-group FP8 quantisation is left "
+                                 "in the graph: %s", why)
         if any(seen.order.get(node, len(seen.order)) > seen.order[h] for node in inputs):
             seen.left["weight computed after the sum"] += 1
             return
-        _rewrite(wait.graph, wait, x, residual, h, norm, fp8, self._capacity(x))
-        seen.replaced[("residual + RMSNorm" if residual is not None else "RMSNorm")
-                      + (" + FP8" if fp8 is not None else "")] += 1
+        _rewrite(wait.graph, wait, x, residual, h, norm, quant, self._capacity(x))
+        seen.replaced[("residual + RMSNorm" if residual is not None else "RMSNorm") + (
+            "" if quant is None else " + FP8" if isinstance(quant, match.Fp8)
+            else f" + FP8 per {quant.group_size}-group")] += 1
 
     def _why_not(self, wait: Node, group_name: str) -> str:
         if group_name != self.group_name:
@@ -185,9 +196,10 @@ def _residual_add(wait: Node) -> tuple[Node | None, Node]:
 
 
 def _rewrite(graph: Graph, wait: Node, x: Node, residual: Node | None, h: Node,
-             norm: match.Norm, fp8: match.Fp8 | None, capacity: int) -> None:
+             norm: match.Norm, quant: match.Fp8 | match.Fp8Group | None,
+             capacity: int) -> None:
     """Put one fused call before ``h``; its outputs take the uses of the norm's output, of
-    ``h`` and (with ``fp8``) of the quantised output."""
+    ``h`` and (with ``quant``) of the quantised output (and the group scale)."""
     reduce = wait.args[0]
     assert isinstance(reduce, Node)
     group_name = reduce.args[2]
@@ -195,22 +207,52 @@ def _rewrite(graph: Graph, wait: Node, x: Node, residual: Node | None, h: Node,
         eps, eps_input = (0.0, norm.eps) if isinstance(norm.eps, Node) else (norm.eps, None)
         args = (x, residual, norm.weight, eps, norm.weight_bias, group_name, capacity,
                 norm.form)
-        if fp8 is None:
+        if quant is None:
             fused = graph.call_function(runtime.register(), (*args, eps_input))
-        else:
-            fused = graph.call_function(runtime.register(runtime.FP8), (*args, fp8.scale,
+        elif isinstance(quant, match.Fp8):
+            fused = graph.call_function(runtime.register(runtime.FP8), (*args, quant.scale,
                                                                         eps_input))
+        else:
+            fused = graph.call_function(runtime.register(runtime.FP8_GROUP),
+                                        (*args, quant.group_size, eps_input))
+        fused.meta["val"] = (match.val(norm.output), match.val(h), *_quant_vals(x, quant))
         outputs = [graph.call_function(operator.getitem, (fused, i))
-                   for i in range(2 if fp8 is None else 3)]
-    replaced = [norm.output, h] + ([fp8.output] if fp8 is not None else [])
-    fused.meta["val"] = tuple(match.val(node) for node in replaced)
+                   for i in range(len(fused.meta["val"]))]
+        for output, value in zip(outputs, fused.meta["val"], strict=True):
+            output.meta["val"] = value
+        replaced = [norm.output, h]
+        if isinstance(quant, match.Fp8):
+            replaced.append(quant.output)
+        elif quant is not None and quant.shape is None:  # rows of one group: as they are
+            replaced += [quant.output, quant.scale]
+        elif quant is not None:  # [..., H] codes and [..., G] scales in the graph's groups
+            view, unsqueeze = torch.ops.aten.view.default, torch.ops.aten.unsqueeze.default
+            grouped = list(quant.shape)
+            scales = graph.call_function(view, (outputs[3], grouped[:-1]))
+            scales.meta["val"] = match.val(quant.scale).squeeze(-1)
+            outputs[2:] = [graph.call_function(view, (outputs[2], grouped)),
+                           graph.call_function(unsqueeze, (scales, -1))]
+            replaced += [quant.output, quant.scale]
     for output, old in zip(outputs, replaced, strict=True):
         output.meta.update(old.meta)
         old.replace_all_uses_with(output)
-    quant_nodes = fp8.nodes if fp8 is not None else ()
+    quant_nodes = quant.nodes if quant is not None else ()
     for node in (*reversed(quant_nodes), *reversed(norm.nodes), h, wait, reduce):
         if not node.users and not node._erased:
             graph.erase_node(node)
+
+
+def _quant_vals(x: Node, quant: match.Fp8 | match.Fp8Group | None) -> tuple[Any, ...]:
+    """The fake values of the fused call's quantised outputs: static FP8's as the graph's;
+    per group the operator's own ``[..., H]`` codes and ``[..., G]`` scales."""
+    if quant is None:
+        return ()
+    if isinstance(quant, match.Fp8):
+        return (match.val(quant.output),)
+    held = match.val(x)
+    groups = held.shape[-1] // quant.group_size
+    return (held.new_empty(held.shape, dtype=torch.float8_e4m3fn),
+            held.new_empty((*held.shape[:-1], groups), dtype=torch.float32))
 
 
 def _upper_bound(expr: Any) -> int | None:

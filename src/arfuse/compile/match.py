@@ -19,6 +19,20 @@ Then, optionally, static FP8 quantisation of ``out`` as vLLM's ``QuantFP8`` writ
 one-element fp32 tensor: the dequantisation scale). That is arfuse's ``quant="fp8"`` to the
 bit. ``out / scale`` rounds differently from ``out * (1 / scale)`` and is left alone.
 
+Or per-token-group FP8 of ``out`` as DeepSeek's ``act_quant`` writes it in torch, with the eps
+clamp of vLLM's ``per_token_group_quant_fp8`` reference (``find_fp8_group``):
+
+    y = view(out | convert(out, float32), [..., g])          (g in 32, 64, 128, dividing H)
+    s = div(clamp_min(amax(abs(y), [-1], keepdim), eps), 448)   (amax in fp32, eps 1e-10)
+    q = convert(clamp(div(y, s), -448, 448), float8_e4m3fn)
+
+(``amax`` or ``max(...)[0]``; the view and the convert in either order). That is arfuse's
+``quant="fp8_group"`` with fp32 scales to the bit, except where a group holds a NaN: torch's
+``amax`` is NaN there, arfuse's leaves NaN out (the operator then quantises those rows as the
+graph does, ``runtime``). Forms that round otherwise are left in the graph, with why in the
+debug log: another eps, no eps, the clamp after the division by 448 or in the activation
+dtype, a multiplication by ``1/448`` or by the scale's reciprocal.
+
 With ``T`` float32 the converts vanish and both forms read ``mul(n, w)``. The first form is
 arfuse's epilogue to the bit; the second rounds once more (to ``T`` before the weight), which
 arfuse does not: with ``T`` bf16 or fp16 the fused output may differ from the graph's in the
@@ -29,13 +43,15 @@ Pure FX: no torch.distributed, no arfuse backend, so the tests can feed it any g
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.fx import Node
 
-from ..quant import FP8_MAX
+from ..pattern import GROUP_SIZES
+from ..quant import FP8_GROUP_EPS, FP8_MAX
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -307,3 +323,175 @@ def find_fp8(out: Node) -> Fp8 | None:
             chain.append(next(iter(chain[-1].users)))
         return Fp8(q, scale, (*nodes, *chain, q))
     return None
+
+
+@dataclass(frozen=True)
+class Fp8Group:
+    """Per-token-group FP8 of a norm's output: the e4m3 node, the scale node (the grouped
+    shape with a last dimension of 1), the group size, and every node of it after the
+    output."""
+
+    output: Node
+    scale: Node
+    group_size: int
+    nodes: tuple[Node, ...]
+    shape: Any  # the grouped view's size argument (ints, or nodes of symbolic sizes); None:
+    # rows of one group, no view
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _grouped_views(out: Node) -> dict[Node, int]:
+    """Nodes holding ``out``'s values (exactly: fp32 converts of it) viewed as groups of g
+    consecutive columns, g a group size dividing the hidden size: node -> g. A row of one
+    group needs no view (``out`` and its convert are grouped already)."""
+    hidden = val(out).shape[-1]
+    whole = hidden if isinstance(hidden, int) and hidden in GROUP_SIZES else 0
+    found: dict[Node, int] = {out: whole} if whole else {}
+    frontier: list[tuple[Node, int]] = [(out, whole)]
+    for _ in range(2):  # a view and a convert, in either order
+        step: list[tuple[Node, int]] = []
+        for node, group in frontier:
+            for user in node.users:
+                if _convert_to(user, torch.float32) is node:
+                    step.append((user, group))
+                elif _is(user, _VIEWS) and user.args[0] is node:
+                    shape = val(user).shape if val(user) is not None else ()
+                    g = shape[-1] if shape else 0
+                    if isinstance(g, int) and g in GROUP_SIZES and not hidden % g:
+                        step.append((user, g))
+        frontier = step
+        found.update((node, group) for node, group in step if group)
+    return found
+
+
+def _symbolic_groups(out: Node) -> bool:
+    """Whether ``out`` (or its fp32 convert) is viewed with a symbolic last dimension, then
+    its absolute values taken: a group amax whose group size is not fixed."""
+    sources = [out, *(u for u in out.users if _convert_to(u, torch.float32) is out)]
+    for source in sources:
+        for view in source.users:
+            held = val(view)
+            if _is(view, _VIEWS) and held is not None and held.dim() \
+                    and not isinstance(held.shape[-1], int) \
+                    and _users(view, (aten.abs.default,)):
+                return True
+    return False
+
+
+def _amax(node: Node) -> Node | None:
+    """The keepdim amax over the last dimension of ``node`` (``amax``, or ``max.dim``'s values)."""
+    ndim = val(node).dim()
+    for user in node.users:
+        if _is(user, (aten.amax.default,)):
+            dims = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim")
+            keep = user.args[2] if len(user.args) > 2 else user.kwargs.get("keepdim", False)
+            if isinstance(dims, (list, tuple)) and len(dims) == 1 and keep \
+                    and dims[0] % ndim == ndim - 1:
+                return user
+        if _is(user, (aten.max.dim,)):
+            dim = user.args[1]
+            keep = user.args[2] if len(user.args) > 2 else user.kwargs.get("keepdim", False)
+            values = [u for u in user.users if u.target is operator.getitem and u.args[1] == 0]
+            if isinstance(dim, int) and dim % ndim == ndim - 1 and keep and len(values) == 1:
+                return values[0]
+    return None
+
+
+def _clamp_min_of(node: Node) -> tuple[Node, float] | None:
+    """``(clamp node, its lower bound)`` when ``node``'s one use clamps it from below only."""
+    user = _only_user(node)
+    if user is None or not _is(user, (aten.clamp_min.default, aten.clamp.default)) \
+            or user.args[0] is not node:
+        return None
+    low = constant(user.args[1]) if len(user.args) > 1 else None
+    high = user.args[2] if len(user.args) > 2 else user.kwargs.get("max")
+    if low is None or high is not None:
+        return None
+    return user, low
+
+
+def find_fp8_group(out: Node) -> tuple[Fp8Group | None, str]:
+    """Per-token-group FP8 of ``out`` (the module docstring's form), or ``(None, why)`` where a
+    group amax of ``out`` is computed but the rest rounds otherwise than arfuse's rule (``""``
+    when there is no group amax at all)."""
+    grouped = _grouped_views(out)
+    if not grouped and _symbolic_groups(out):
+        return None, ("the group size is symbolic (dynamic=True makes integers dynamic): the "
+                      "fused call needs it fixed; mark only the token dimension dynamic")
+    for y, group in grouped.items():
+        for absolute in _users(y, (aten.abs.default,)):
+            amax = _amax(absolute)
+            if amax is None:
+                continue
+            found, why = _group_scale(out, grouped, y, group, absolute, amax)
+            if found is not None or why:
+                return found, why
+    return None, ""
+
+
+def _group_scale(out: Node, grouped: dict[Node, int], y: Node, group: int, absolute: Node,
+                 amax: Node) -> tuple[Fp8Group | None, str]:
+    nodes: list[Node] = [absolute]
+    if amax.target is operator.getitem and isinstance(amax.args[0], Node):
+        nodes.append(amax.args[0])  # the max.dim node
+    nodes.append(amax)
+    start = amax
+    if val(amax).dtype != torch.float32:
+        widened = next((u for u in amax.users if _convert_to(u, torch.float32) is amax), None)
+        if widened is None:
+            return None, "the group amax is clamped in the activation dtype, not in fp32"
+        nodes.append(widened)
+        start = widened
+    clamped = _clamp_min_of(start)
+    if clamped is None:
+        after = _only_user(start)
+        if _is(after, (aten.div.Tensor,)) and after is not None:
+            return None, ("no eps clamp before the division by 448 (a group of zeros divides "
+                          "by zero; arfuse's rule takes max(amax, 1e-10))")
+        return None, ""
+    clamp, eps = clamped
+    if torch.tensor(eps, dtype=torch.float32).item() != FP8_GROUP_EPS:
+        return None, f"eps {eps:g} is not fp8_group's {FP8_GROUP_EPS:g}"
+    nodes.append(clamp)
+    scale = _only_user(clamp)
+    if scale is not None and _convert_to(scale, torch.float32) is None \
+            and _is(scale, (prims.convert_element_type.default,)):
+        return None, "the clamped amax is rounded to another dtype before the division"
+    if scale is None or not _is(scale, (aten.div.Tensor,)) or scale.args[0] is not clamp \
+            or constant(scale.args[1]) != FP8_MAX:
+        return None, ("the scale is not max(amax, eps) / 448 as one fp32 division (a "
+                      "multiplication by 1/448 rounds otherwise)")
+    nodes.append(scale)
+    divided = [u for u in scale.users if _is(u, (aten.div.Tensor,)) and u.args[1] is scale
+               and isinstance(u.args[0], Node) and grouped.get(u.args[0]) == group]
+    if len(divided) != 1:
+        return None, ("the group values are not divided by the scale (a multiplication by its "
+                      "reciprocal rounds otherwise)")
+    clamped_q = _clamped(divided[0])
+    q = _only_user(clamped_q) if clamped_q is not None else None
+    if q is None or _convert_to(q, torch.float8_e4m3fn) is not clamped_q:
+        return None, "the quotient is not clamped to +-448 and cast to float8_e4m3fn"
+    chain = [divided[0]]
+    while chain[-1] is not clamped_q:
+        chain.append(next(iter(chain[-1].users)))
+    dividend = divided[0].args[0]
+    assert isinstance(dividend, Node)
+    view = next((n for n in _between(out, [dividend]) if _is(n, _VIEWS)), None)
+    between = _between(out, [y, dividend])
+    return Fp8Group(q, scale, group, (*between, *nodes, *chain, q),
+                    None if view is None else view.args[1]), ""
+
+
+def _between(out: Node, ends: list[Node]) -> list[Node]:
+    """The nodes from ``out`` (excluded) to each of ``ends`` (included), in graph order."""
+    found: list[Node] = []
+    for end in ends:
+        node: Any = end
+        path: list[Node] = []
+        while node is not out:
+            path.append(node)
+            node = node.args[0]
+        found.extend(n for n in reversed(path) if n not in found)
+    return found

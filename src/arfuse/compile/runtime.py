@@ -3,7 +3,9 @@
 ``torch.ops.arfuse.compiled_fused_allreduce(x, residual, weight, eps, weight_bias, group_name,
 capacity, form) -> (out, residual_out)``, both shaped as ``x``, and
 ``compiled_fused_allreduce_fp8(..., scale) -> (out, residual_out, quant_out)`` for a chain that
-ends in static FP8 quantisation. At its first call for a
+ends in static FP8 quantisation, and ``compiled_fused_allreduce_fp8_group(..., group_size) ->
+(out, residual_out, quant_out, scale_out)`` for one that ends in per-token-group FP8 (codes
+shaped as ``x``, fp32 scales ``[..., H / group_size]``). At its first call for a
 (group, dtype, hidden size, device) it creates, on every rank (collectively, as every
 ``FusedAllReduce``), the op that serves every chain of that key, sized to ``capacity``; a
 later graph that needs more capacity replaces it (the same on every rank: ranks run the same
@@ -29,17 +31,21 @@ import torch
 from .. import log
 from ..call_checks import fp32_number
 from ..ops import FusedAllReduce
-from ..quant import FP8_MAX
+from ..quant import FP8_GROUP_EPS, FP8_MAX
 from . import match
 
 OP_NAME = "compiled_fused_allreduce"
 FP8 = "compiled_fused_allreduce_fp8"
+FP8_GROUP = "compiled_fused_allreduce_fp8_group"
 _ARGS = ("Tensor x, Tensor? residual, Tensor weight, float eps, float weight_bias, "
          "str group_name, int capacity, int form")
 _SCHEMAS = {
     OP_NAME: f"{OP_NAME}({_ARGS}, Tensor? eps_input=None) -> (Tensor, Tensor)",
     # static FP8 after the norm: also the e4m3 codes of out / scale (scale: one fp32 element)
     FP8: f"{FP8}({_ARGS}, Tensor scale, Tensor? eps_input=None) -> (Tensor, Tensor, Tensor)",
+    # per-token-group FP8 after the norm (DeepSeek's act_quant): codes and fp32 group scales
+    FP8_GROUP: f"{FP8_GROUP}({_ARGS}, int group_size, Tensor? eps_input=None) -> "
+               "(Tensor, Tensor, Tensor, Tensor)",
 }
 
 _lock = threading.Lock()
@@ -100,35 +106,50 @@ class _Chains:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float, weight_bias: float, form: int,
-                 scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                 scale: torch.Tensor | None = None,
+                 group_size: int = 0) -> tuple[torch.Tensor, ...]:
         self._calls += 1
         comm = self.comm
         if comm is None or not _eps_valid(eps):
-            return self._unfused(x, residual, weight, eps, weight_bias, form, scale)
+            return self._unfused(x, residual, weight, eps, weight_bias, form, scale, group_size)
         shape = x.shape
         rows = len(shape) == 2
         if not rows:  # [batch, sequence, hidden] and the like: the op takes [tokens, hidden]
             x = x.reshape(-1, shape[-1])
             residual = None if residual is None else residual.reshape(-1, shape[-1])
         # the op reads its inputs in place: they must be contiguous (a no-op when they are)
-        result = comm(x.contiguous(), None if residual is None else residual.contiguous(),
-                      weight, eps, weight_bias, None if scale is None else "fp8", scale)
+        x, residual = x.contiguous(), None if residual is None else residual.contiguous()
+        if group_size:
+            result = comm(x, residual, weight, eps, weight_bias, "fp8_group", None, "fp32",
+                          group_size=group_size)
+        else:
+            result = comm(x, residual, weight, eps, weight_bias,
+                          None if scale is None else "fp8", scale)
         assert result.residual_out is not None
         found: tuple[torch.Tensor, ...] = (result.out, result.residual_out)
-        if scale is not None:
+        if group_size:
+            assert result.quant_out is not None and result.scale_out is not None
+            found += nan_groups_as_torch(result.out, result.quant_out, result.scale_out,
+                                         group_size)
+        elif scale is not None:
             assert result.quant_out is not None
             found += (result.quant_out,)
-        return found if rows else tuple(t.view(shape) for t in found)
+        if rows:
+            return found
+        lead = shape[:-1]
+        return tuple(t.view(*lead, t.shape[-1]) for t in found)
 
     def _unfused(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float, weight_bias: float, form: int,
-                 scale: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+                 scale: torch.Tensor | None, group_size: int = 0) -> tuple[torch.Tensor, ...]:
         """The chain as the graph had it, op for op in eager aten: the same functional
         collective, the add, the norm in its form, the quantisation."""
         c10d = torch.ops._c10d_functional
         summed = c10d.wait_tensor(c10d.all_reduce(x, "sum", self.group.group_name))
         h = summed if residual is None else summed + residual
         out = eager_norm(h, weight, eps, weight_bias, form)
+        if group_size:
+            return (out, h, *act_quant(out, group_size))
         if scale is None:
             return out, h
         codes = (out.float() * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX)
@@ -169,20 +190,46 @@ def eager_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, weight_bias: f
     return (n * factor).to(h.dtype)
 
 
+def act_quant(out: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group FP8 of ``out`` as the graph wrote it (``match.find_fp8_group``):
+    codes shaped as ``out``, fp32 scales ``[..., H / group_size]``."""
+    grouped = out.float().reshape(*out.shape[:-1], out.shape[-1] // group_size, group_size)
+    scale = grouped.abs().amax(-1, keepdim=True).clamp_min(FP8_GROUP_EPS) / FP8_MAX
+    codes = (grouped / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.view(out.shape), scale.squeeze(-1)
+
+
+def nan_groups_as_torch(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                        group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused call's codes and fp32 scales, with the rows whose norm output holds a NaN
+    quantised as the graph does (torch's ``amax`` is NaN there; arfuse's leaves NaN out), so
+    the operator's bytes are the graph's for every input. A NaN in ``out`` always gives a NaN
+    code (its quotient is NaN), so the codes say which rows to look at."""
+    nan_rows = (codes.view(torch.uint8) & 0x7F).eq(0x7F).any(-1)
+    if not bool(nan_rows.any()):
+        return codes, scales
+    rows = nan_rows.nonzero().squeeze(-1)
+    again, scale = act_quant(out.index_select(0, rows), group_size)
+    codes, scales = codes.clone(), scales.clone()
+    codes.view(torch.uint8).index_copy_(0, rows, again.view(torch.uint8))
+    scales.index_copy_(0, rows, scale)
+    return codes, scales
+
+
 _chains: dict[tuple[str, torch.dtype, int, torch.device], _Chains] = {}
 
 
 def _run(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
          weight_bias: float, group_name: str, capacity: int, form: int,
          eps_input: torch.Tensor | None = None,
-         scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+         scale: torch.Tensor | None = None, group_size: int = 0) -> tuple[torch.Tensor, ...]:
     if eps_input is not None:  # a graph input (dynamic shapes), read as the graph did: fp32
         eps = float(eps_input.to(torch.float32))
     key = (group_name, x.dtype, x.shape[-1], x.device)
     chains = _chains.get(key)
     if chains is None or chains.capacity < capacity:
         chains = _open(key, x, capacity)
-    return chains(x, residual, weight, eps, weight_bias, form, scale)
+    return chains(x, residual, weight, eps, weight_bias, form, scale, group_size)
 
 
 def _run_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -191,6 +238,14 @@ def _run_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
              eps_input: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     return _run(x, residual, weight, eps, weight_bias, group_name, capacity, form, eps_input,
                 scale)
+
+
+def _run_fp8_group(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                   eps: float, weight_bias: float, group_name: str, capacity: int, form: int,
+                   group_size: int,
+                   eps_input: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    return _run(x, residual, weight, eps, weight_bias, group_name, capacity, form, eps_input,
+                None, group_size)
 
 
 def _open(key: tuple[str, torch.dtype, int, torch.device], x: torch.Tensor,
@@ -217,13 +272,22 @@ def _fake_fp8(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor,
             torch.empty_like(x, dtype=torch.float8_e4m3fn))
 
 
+def _fake_fp8_group(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    group_size = kwargs["group_size"] if "group_size" in kwargs else args[7]
+    groups = x.shape[-1] // group_size
+    return (torch.empty_like(x), torch.empty_like(x),
+            torch.empty_like(x, dtype=torch.float8_e4m3fn),
+            x.new_empty((*x.shape[:-1], groups), dtype=torch.float32))
+
+
 def register(name: str = OP_NAME) -> Any:
     """Define the operators (once per process) and return ``name``'s."""
     with _lock:
         if not _library:
             library: Any = torch.library.Library  # untyped in torch's stubs
             library = library("arfuse", "FRAGMENT")
-            for op, run, fake in ((OP_NAME, _run, _fake), (FP8, _run_fp8, _fake_fp8)):
+            for op, run, fake in ((OP_NAME, _run, _fake), (FP8, _run_fp8, _fake_fp8),
+                                  (FP8_GROUP, _run_fp8_group, _fake_fp8_group)):
                 library.define(_SCHEMAS[op])
                 library.impl(op, run, "CompositeExplicitAutograd")
                 torch.library.register_fake(f"arfuse::{op}", fake, lib=library)

@@ -13,7 +13,7 @@ from ...pattern import Pattern
 from ...sizing import largest_fitting
 from ...spec import QUANTS, Spec
 from ...topology import Topology
-from . import moe_rules
+from . import group_rules, moe_rules
 from .sizes import (
     MIN_VERSION,
     UINT32_MAX,
@@ -111,7 +111,7 @@ def _fusable(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
     """FlashInfer's patterns: the all-reduce alone, or with (residual and) RMSNorm, then
     optionally quantised (it has no quantisation without RMSNorm). NVFP4 needs SM >= 100 and a
     16-bit dtype; ``fp8_dynamic`` (patterns 10/11) needs a FlashInfer that has the patterns
-    (``FP8_DYNAMIC_FROM``)."""
+    (``FP8_DYNAMIC_FROM``); ``fp8_group`` is trtllm's alone (``group_rules``), so not here."""
     if pattern.quant is None:
         return True
     if not pattern.norm:
@@ -122,6 +122,8 @@ def _fusable(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
         return version_tuple(topology.flashinfer) >= FP8_DYNAMIC_FROM
     if pattern.quant == "fp8":
         return True
+    if pattern.quant == group_rules.QUANT:
+        return False
     raise ValueError(f"quant={pattern.quant!r} is not valid; use one of none, {', '.join(QUANTS)}")
 
 
@@ -135,14 +137,22 @@ def mnnvl_fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
 def trtllm_fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
     """The MoE patterns as FlashInfer's 6/7 run them (``moe_rules.pattern_refusal``: bf16 or
     fp16, with RMSNorm, the quantisation after); a call of one may still run its expert step
-    apart (``moe_rules.call_refusal``, which ``explain`` lists as ``trtllm_notes``)."""
+    apart (``moe_rules.call_refusal``, which ``explain`` lists as ``trtllm_notes``).
+    ``fp8_group`` in the ``ue8m0_packed`` format as FlashInfer's pattern 9 runs it
+    (``group_rules``; a call whose group size the launcher refuses quantises in torch)."""
     if pattern.moe:
         return not moe_rules.pattern_refusal(spec, pattern)
+    if pattern.quant == group_rules.QUANT:
+        return not group_rules.pattern_refusal(pattern)
     return _fusable(topology, spec, pattern)
 
 
 def trtllm_notes(topology: Topology, spec: Spec) -> tuple[str, ...]:
-    return moe_rules.explain_notes(spec)
+    return moe_rules.explain_notes(spec) + group_rules.explain_notes(spec, fused=True)
+
+
+def mnnvl_notes(topology: Topology, spec: Spec) -> tuple[str, ...]:
+    return group_rules.explain_notes(spec, fused=False)
 
 
 # --- bytes per rank, for the topology's FlashInfer version (formulas and sources: sizes.py) ----
@@ -178,7 +188,7 @@ DESCRIPTORS = (
     BackendDescriptor(
         name="mnnvl", fused=True, devices=("cuda",), auto_rank=0,
         implementation="arfuse.backends.flashinfer.workspace:MnnvlBackend",
-        unmet=mnnvl_unmet, fuses=mnnvl_fuses, footprint=mnnvl_footprint),
+        unmet=mnnvl_unmet, fuses=mnnvl_fuses, notes=mnnvl_notes, footprint=mnnvl_footprint),
     BackendDescriptor(
         name="trtllm", fused=True, devices=("cuda",), auto_rank=1,
         implementation="arfuse.backends.flashinfer.workspace:TrtllmBackend",

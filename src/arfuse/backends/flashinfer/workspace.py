@@ -39,7 +39,8 @@ from ...spec import Spec
 from ...topology import Topology, flashinfer_version
 from ...torch_types import TORCH_DTYPES, device_of
 from ..base import Backend, Workspace
-from . import MNNVL_WORLD_SIZES, TRTLLM_WORLD_SIZES, moe_rules
+from ..torch.epilogue import quantize
+from . import MNNVL_WORLD_SIZES, TRTLLM_WORLD_SIZES, group_rules, moe_rules
 from .comm import agree_to_enter, channel_comm
 from .probe import confidential_compute, fabric_handles, multicast_support
 from .sizes import SYMM_DEVICE_MEMORY_FROM, sizing_version, trtllm_capacity, version_tuple
@@ -49,6 +50,7 @@ K_ALLREDUCE, K_RESIDUAL_RMSNORM = 0, 1
 K_FP8_QUANT, K_FP4_QUANT = 2, 3
 K_OUT_FP8_QUANT, K_OUT_FP4_QUANT = 4, 5
 K_DYNAMIC_FP8_QUANT, K_OUT_DYNAMIC_FP8_QUANT = 10, 11   # FlashInfer >= 0.6.15
+K_OUT_GROUP_FP8_QUANT = group_rules.K_OUT_GROUP_FP8      # trtllm, ue8m0_packed scales
 # QuantizationSFLayout
 LAYOUT_CODE = {"swizzled_128x4": 0, "linear": 2}
 # trtllm's one-shot heuristic covers only these world sizes (MiB of traffic per call)
@@ -99,7 +101,7 @@ class FlashInferWorkspace(Workspace):
         self._poisoned = self._detached = False
         self._scope = str(getattr(ctx.channel, "scope", "-"))
         self._checkpoints = 0
-        self._apart: set[str] = set()  # why MoE calls ran their expert step apart (logged)
+        self._apart: set[str] = set()  # why calls ran a step apart (logged once each)
         super().__init__(ctx, spec, nbytes=0, capacity=0)
         try:
             self._measure(ctx, spec, version)
@@ -230,7 +232,7 @@ class FlashInferWorkspace(Workspace):
         return self._run_all_reduce(call)
 
     def _kwargs(self, call: CallArgs) -> dict[str, Any]:
-        """The mode arguments of a call of patterns 0-5, 10, 11."""
+        """The mode arguments of a call of patterns 0-5, 9-11."""
         kwargs: dict[str, Any] = {"launch_with_pdl": False}
         if self.backend == "trtllm":
             tokens, hidden = call.x.shape
@@ -267,7 +269,22 @@ class FlashInferWorkspace(Workspace):
         norm = self._norm_tensors(call)
         quant_out = scale_out = scale_result = None
         pattern = K_RESIDUAL_RMSNORM
-        if call.quant == "fp8_dynamic":
+        if call.quant == group_rules.QUANT:
+            why = group_rules.call_refusal(self.backend, call.layout, hidden,
+                                           x.element_size(), call.group_size)
+            if why:  # the kernel would not take it (a group size its launcher refuses)
+                return self._quantised_apart(call, why)
+            # pattern 9 (8 writes no norm output); UE8M0 exponents, four groups per int32, in
+            # the strides FlashInfer checks; zeroed so that padding reads zero
+            pattern = K_OUT_GROUP_FP8_QUANT
+            kwargs["block_quant_group_size"] = call.group_size
+            quant_out = torch.empty((tokens, hidden), dtype=torch.float8_e4m3fn,
+                                    device=x.device)
+            packed, strides, storage = quant_output(call.quant, call.layout).scale_geometry(
+                tokens, hidden, call.group_size)
+            scale_out = scale_result = torch.zeros(storage, dtype=torch.int32,
+                                                   device=x.device).as_strided(packed, strides)
+        elif call.quant == "fp8_dynamic":
             # per-token scales [T, 1] fp32, computed by the kernel: no scale_factor
             pattern = K_OUT_DYNAMIC_FP8_QUANT
             quant_out = torch.empty((tokens, hidden), dtype=torch.float8_e4m3fn,
@@ -296,6 +313,21 @@ class FlashInferWorkspace(Workspace):
                                     quant_out=quant_out, scale_out=scale_out, **norm, **kwargs)
         return FusedOutput(norm["norm_out"], norm["residual_out"], quant_out, scale_result)
 
+    def _quantised_apart(self, call: CallArgs, why: str) -> FusedOutput:
+        """The call without its quantisation in the kernel, then the quantisation in torch
+        (the same bytes as the reference's for the kernel's norm output)."""
+        self._log_apart(why)
+        result = self._run_all_reduce(call.without_quant())
+        quant_out, scale_out = quantize(result.out, call.quant, call.scale, call.layout,
+                                        call.group_size)
+        return FusedOutput(result.out, result.residual_out, quant_out, scale_out)
+
+    def _log_apart(self, why: str) -> None:
+        if why not in self._apart:  # once per workspace and reason
+            self._apart.add(why)
+            log.logger.info("arfuse group %s: %s runs a step of a call apart: %s",
+                            self.ctx.key, self.backend, why)
+
     def moe_refusal(self, call: CallArgs) -> str:
         """Why this MoE call runs its expert step apart ("" when FlashInfer's kernel takes it):
         ``moe_rules``, the one home of these rules."""
@@ -317,10 +349,7 @@ class FlashInferWorkspace(Workspace):
         assert step is not None
         why = self.moe_refusal(call)
         if why:
-            if why not in self._apart:  # once per workspace and reason
-                self._apart.add(why)
-                log.logger.info("arfuse group %s: %s runs a MoE call's expert step apart, then "
-                                "the fused all-reduce: %s", self.ctx.key, self.backend, why)
+            self._log_apart(f"a MoE call's expert step, then the fused all-reduce: {why}")
             moe.local_rows(step, call.x)
             return self._run_all_reduce(call.without_moe())
         problem = moe.index_problem(step)
