@@ -27,6 +27,12 @@
 
 namespace arfuse {
 
+// What recovers a broken workspace: the same advice as errors.WorkspaceBroken.ADVICE
+// (tests/test_negotiation.py checks it).
+inline constexpr char kAdvice[] =
+    "close every FusedAllReduce of this group on every rank (arfuse.destroy_all() closes all), "
+    "then create new ones";
+
 // Free buffers by size; bounded, thread-safe (tensors may die on any thread). At most kKeep
 // buffers and max_free_bytes in all (the oldest freed first): the pool saves page faults for
 // the calls of a step, it must not hold many calls' worth of idle memory.

@@ -5,6 +5,7 @@
 #include "bindings.cpp"
 #include "comm.cpp"
 #include "comm_checks.cpp"
+#include "comm_life.cpp"
 #include "moe.cpp"
 #include "operators.cpp"
 #include "protocol.cpp"

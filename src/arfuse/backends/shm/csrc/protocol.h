@@ -52,7 +52,7 @@
 
 #include "conversions.h"
 #include "signature.h"
-#include "epilogue.h"
+#include "rows.h"
 #include "layout.h"
 #include "liveness.h"
 #include "memory_access.h"
