@@ -186,6 +186,22 @@ def torch_peer_never_calls(rank: int, world: int, timeout_s: float) -> dict[str,
     return {**first, "second": second}
 
 
+def torch_peer_late(rank: int, world: int, late_s: float) -> dict[str, Any]:
+    """Rank 1 joins a torch-backend call ``late_s`` after rank 0 (well within the timeout):
+    what each call gave."""
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,
+                                 backend="torch", timeout_s=30)
+    if rank == 1:
+        time.sleep(late_s)
+    value: list[float] = []
+    got = outcome(lambda: value.append(float(comm(torch.full((2, 64),
+                                                           float(rank + 1))).out[0, 0])))
+    comm.close()
+    return {**got, "value": value[0] if value else None}
+
+
 def one_rank_refuses_a_plain_call(rank: int, world: int, backend: str,
                                   case: str) -> list[dict[str, Any]]:
     """Rank 1 passes an argument its own checks refuse (``dtype``: x in float64; ``eps``: a

@@ -22,6 +22,14 @@ def test_torch_backend_keeps_the_timeout_and_names_the_silent_rank() -> None:
     assert "process group" in caller["second"]["error"], caller  # what it advises: a new group
 
 
+def test_a_late_peer_within_the_timeout_is_waited_for() -> None:
+    """A CPU collective's wait blocks in slices that run out long before the deadline: a
+    slice that runs out is not the call's timeout."""
+    got = values(run_ranks(ranks_call_pairing.torch_peer_late, 2, 2.5, timeout=60))
+    assert [g["type"] for g in got] == ["", ""], got
+    assert [g["value"] for g in got] == [3.0, 3.0], got
+
+
 @pytest.mark.parametrize("victim", [1, 0])
 def test_torch_backend_names_a_killed_peer_at_once_not_a_timeout(victim: int) -> None:
     """A peer SIGKILLed during a call: gloo sees its connection close; the survivor says so
