@@ -117,6 +117,9 @@ def mismatched(rank: int, world: int, kind: str) -> dict[str, Any]:
     x = torch.ones(tokens, 64)
     weight = torch.ones(64)
     error = ""
+    # a matched call of 4 tokens first: in the odd call, the ranks whose chunk has its size
+    # send their data with the verdicts, the odd rank (other tokens) its verdict alone
+    comm(torch.ones(4, 64))
     try:
         if odd and kind == "pattern":
             comm(x, weight=weight)
@@ -128,6 +131,46 @@ def mismatched(rank: int, world: int, kind: str) -> dict[str, Any]:
     backend = comm.backend
     comm.close()
     return {"backend": backend, "error": error, "after": float(after[0, 0])}
+
+
+def crossings(rank: int, world: int, tokens: list[int]) -> dict[str, Any]:
+    """Calls of ``tokens`` in turn (bf16, with a residual and RMSNorm): how many exchanges
+    between hosts each one made (the data rides with the verdicts when its size is the last
+    call's), how many ran the torch epilogue (none: the kernel runs it), the residual_out
+    value each gave."""
+    import arfuse
+    from arfuse import collective
+    from arfuse.backends.hier import workspace
+
+    comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=64, dtype=torch.bfloat16,
+                                 timeout_s=20)
+    real, real_apply, phases, epilogues = collective.gather, workspace.apply, [], []
+
+    def counted(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int) -> Any:
+        phases.append(phase)
+        return real(x, ctx, phase, backend, call)
+
+    def counted_apply(*args: Any) -> Any:
+        epilogues.append(1)
+        return real_apply(*args)
+
+    collective.gather, workspace.apply = counted, counted_apply
+    counts, values = [], []
+    try:
+        for t in tokens:
+            before = len(phases)
+            got = comm(torch.full((t, 64), float(rank + 1), dtype=torch.bfloat16),
+                       residual=torch.ones(t, 64, dtype=torch.bfloat16),
+                       weight=torch.ones(64, dtype=torch.bfloat16))
+            counts.append(len(phases) - before)
+            assert got.residual_out is not None
+            values.append(float(got.residual_out.float().mean()))
+    finally:
+        collective.gather, workspace.apply = real, real_apply
+    backend = comm.backend
+    comm.close()
+    return {"backend": backend, "counts": counts, "values": values,
+            "torch_epilogues": len(epilogues)}
 
 
 def killed(rank: int, world: int, victim: int) -> dict[str, Any]:

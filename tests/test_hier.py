@@ -44,6 +44,18 @@ def test_a_mismatched_call_raises_on_every_rank_of_both_hosts(kind: str) -> None
         assert g["after"] == 6.0  # 0 + 1 + 2 + 3: the workspace stays usable
 
 
+def test_a_steady_call_crosses_between_hosts_once_and_the_kernel_finishes_it() -> None:
+    """The chunk rides with the verdicts when its size is the last call's (the creation's
+    check was one token): a size that changes costs a second exchange, once. The epilogue
+    runs in the second host step's kernel call, not in torch."""
+    got = values(run_ranks(ranks_hier.crossings, 4, [4, 4, 4, 2, 2, 1], env=ENV, timeout=200))
+    for g in got:
+        assert g["backend"] == "hier"
+        assert g["counts"] == [2, 1, 1, 2, 1, 2], g["counts"]
+        assert g["values"] == [11.0] * 6, g["values"]
+        assert g["torch_epilogues"] == 0, g
+
+
 @pytest.mark.parametrize("victim", [1, 3])
 def test_a_killed_rank_makes_every_rank_on_both_hosts_raise(victim: int) -> None:
     results = run_ranks(ranks_hier.killed, 4, victim, env=ENV, timeout=120, expect=3)

@@ -1,6 +1,6 @@
 """``hier``: CPU ranks on two or more hosts, fused: shared memory in each host (the shm kernel on
 the host's ranks), ``torch.distributed`` (gloo) between hosts, then the epilogue on the reduced
-rows (DESIGN 4, "hier").
+rows, in the kernel's second host step (DESIGN 4, "hier").
 
 This module is the backend's descriptor (pure) and the host layout it reads from the topology;
 ``workspace`` creates and runs it.
@@ -101,7 +101,8 @@ def notes(topology: Topology, spec: Spec) -> tuple[str, ...]:
     layout = host_layout(topology.hosts)
     return (f"{layout.describe()}: fp32 partial sums through shm in each host, one gloo "
             f"exchange between hosts per call ({layout.local_size} links in parallel), then "
-            "residual, RMSNorm and quantisation in torch on the reduced rows",)
+            "residual, RMSNorm and quantisation on the reduced rows, in the shm kernel's "
+            "gather on each host (in torch with one rank per host)",)
 
 
 def partial_spec(spec: Spec) -> Spec:
@@ -110,12 +111,15 @@ def partial_spec(spec: Spec) -> Spec:
 
 
 def footprint(world_size: int, spec: Spec, topology: Topology) -> Footprint:
-    """Each host's shm segment of fp32 rows, shared by that host's ranks (one rank per host:
-    the fp32 partial of the largest call, made per call)."""
+    """Each host's shm segment of fp32 rows and, for 16-bit rows, its segment in their dtype
+    (the fused gather), shared by that host's ranks (one rank per host: the fp32 partial of
+    the largest call, made per call)."""
     local = host_layout(topology.hosts).local_size if topology.hosts else world_size
     if local < 2:
         return Footprint(spec.max_tokens * spec.hidden * PARTIAL_BYTES, spec.max_tokens)
     total = ShmLayout(local, spec.max_tokens, spec.hidden, PARTIAL_BYTES).total_bytes
+    if spec.elem_size != PARTIAL_BYTES:
+        total += ShmLayout(local, spec.max_tokens, spec.hidden, spec.elem_size).total_bytes
     return Footprint(ceil_div(total, local), spec.max_tokens)
 
 

@@ -8,14 +8,19 @@ One call, on every rank (H hosts of L ranks; rank l of host h):
    order (the call's whole signature rides in the shm signature's op field, so ranks of a
    host that disagree fail there, R11);
 2. between hosts, over the subgroup of local index l (one per index, so the L links run in
-   parallel): the signatures first (16 bytes: a host whose step failed says so, so every rank
-   of every host raises at the same call), then chunk l of ``P_h`` (1/L of its elements)
-   through ``all_gather_into_tensor``; chunk l of the sum is ``P_0 + P_1 + ...`` in host order,
-   in fp32;
-3. host step again: each rank writes its chunk of the sum into a slot of -0.0 (the additive
-   identity of IEEE addition, so the sum is exact, signed zeros and NaN included) and a
-   sum-only shm call gathers the chunks: every rank holds the same fp32 sum;
-4. the epilogue of the torch backend (``backends/torch/epilogue.apply``) on it.
+   parallel): the verdicts (the signature, and whether the host's step failed, so every rank
+   of every host raises at the same call) and chunk l of ``P_h`` (1/L of its elements) through
+   ``all_gather_into_tensor``; chunk l of the sum is ``P_0 + P_1 + ...`` in host order, in
+   fp32. The chunk rides in the verdicts' message when it has the size of the last call's
+   (which every rank of the subgroup knows alike), so a steady decode crosses once per call;
+   otherwise it crosses after the verdicts;
+3. host step again, fused: each rank writes its chunk of the sum, rounded to the activation
+   dtype as the epilogue's first step rounds it, into a slot of -0.0 (the additive identity of
+   IEEE addition, so the slots' sum is that chunk exactly, signed zeros and NaN included), and
+   one shm call in the activation dtype gathers the chunks and runs the epilogue (residual,
+   RMSNorm, quantisation) in the kernel: the bytes of the torch backend's epilogue
+   (``backends/torch/epilogue.apply``) on the fp32 sum, which is what runs instead with one
+   rank per host, or for a pattern the kernel does not fuse (after an fp32 gather).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from ...errors import (
 from ...pattern import Pattern
 from ...result import FusedOutput
 from ...spec import Spec
+from ...torch_types import round_to
 from ..base import Backend, Workspace
 from ..shm.backend import ShmBackend
 from ..shm.workspace import ShmWorkspace
@@ -53,6 +59,8 @@ from . import HostLayout, footprint, host_layout, partial_spec
 
 # what a rank tells its peers on the other hosts beside its signature (word 0 of four)
 _OK, _HOST_MISMATCH, _HOST_FAILED = 0, 1, 2
+# the verdict (four int64 words) in the fp32 message between hosts
+_VERDICT_WORDS = 8
 
 # Subgroups by their global ranks, made once per process and kept: a gloo group's name (and
 # so its keys in the store) is a hash of its ranks, so one destroyed and made again would meet
@@ -120,11 +128,14 @@ class HierWorkspace(Workspace):
     backend = "hier"
 
     def __init__(self, ctx: Any, spec: Spec, layout: HostLayout, inner: ShmWorkspace | None,
-                 cross_ctx: Any, nbytes: int):
+                 finisher: ShmWorkspace | None, cross_ctx: Any, nbytes: int):
         super().__init__(ctx, spec, nbytes=nbytes, capacity=spec.max_tokens)
         self.layout, self.inner, self.cross_ctx = layout, inner, cross_ctx
+        # step 3's workspace, in the activation dtype (``inner`` itself for fp32)
+        self.finisher = finisher
         self.host, self.local = layout.where(ctx.rank)
         self._calls = 0
+        self._riding = 0  # fp32 elements of a chunk that rides with the verdicts
         self._broken = ""
         self._poisoned = False
         self._lock = threading.Lock()
@@ -150,15 +161,15 @@ class HierWorkspace(Workspace):
         slot.copy_(rows)
         return self.inner.run(CallArgs(x=slot, op=op)).out
 
-    def _host_gather(self, tokens: int, start: int, chunk: torch.Tensor,
-                     op: int) -> torch.Tensor:
-        """Every rank's chunk of the sum, gathered through a sum-only shm call: each rank's
-        slot is -0.0 but for its own chunk, and ``-0.0 + v == v`` for every fp32 ``v``."""
-        assert self.inner is not None
-        slot = self.inner.input_buffer(tokens)
+    def _host_gather(self, finisher: ShmWorkspace, call: CallArgs, start: int,
+                     chunk: torch.Tensor) -> FusedOutput:
+        """Every rank's chunk of the sum gathered through one shm call of ``call``'s epilogue
+        (or sum only): each rank's slot is -0.0 but for its own chunk, rounded to the slot's
+        dtype as the epilogue's ``T(acc)`` rounds it, and ``-0.0 + v == v`` for every ``v``."""
+        slot = finisher.input_buffer(call.tokens)
         slot.fill_(-0.0)
-        slot.view(-1)[start:start + chunk.numel()].copy_(chunk)
-        return self.inner.run(CallArgs(x=slot, op=op)).out
+        slot.view(-1)[start:start + chunk.numel()].copy_(round_to(chunk, slot.dtype))
+        return finisher.run(replace(call, x=slot, moe=None))
 
     def _chunk(self, n: int) -> tuple[int, int]:
         """[start, end) of this rank's share of ``n`` elements (local index l of L)."""
@@ -182,11 +193,24 @@ class HierWorkspace(Workspace):
             self._broken = str(timeout)
             raise timeout from None
 
-    def _exchange_verdicts(self, words: tuple[int, int], flag: int,
-                           detail: int) -> list[tuple[int, int, int, int]]:
-        mine = torch.tensor([flag, detail, *words], dtype=torch.int64)
-        every = self._cross(mine, "call-signature").tolist()
-        return [(int(a), int(b), int(c), int(d)) for a, b, c, d in every]
+    def _exchange_verdicts(self, words: tuple[int, int], flag: int, detail: int,
+                           chunk: torch.Tensor | None = None,
+                           ) -> tuple[list[tuple[int, int, int, int]], torch.Tensor | None]:
+        """Every host's verdict (flag, detail, signature); and, where ``chunk`` has the
+        riding size, every host's chunk from the same message (else ``None``). The message's
+        size is the same on every rank of the subgroup whatever each one's call: the verdict
+        and the last matched call's chunk size, so that calls which differ fail in it."""
+        message = torch.empty(_VERDICT_WORDS + self._riding, dtype=torch.float32)
+        message[:_VERDICT_WORDS].view(torch.int64).copy_(
+            torch.tensor([flag, detail, *words], dtype=torch.int64))
+        rides = chunk is not None and chunk.numel() == self._riding
+        if rides:
+            assert chunk is not None
+            message[_VERDICT_WORDS:].copy_(chunk)
+        every = self._cross(message, "call-signature")
+        verdicts = every[:, :_VERDICT_WORDS].contiguous().view(torch.int64).tolist()
+        return ([(int(a), int(b), int(c), int(d)) for a, b, c, d in verdicts],
+                every[:, _VERDICT_WORDS:] if rides else None)
 
     def run(self, call: CallArgs) -> FusedOutput:
         with self._lock:
@@ -204,14 +228,22 @@ class HierWorkspace(Workspace):
                                 group_size=call.group_size)
         op = _op_word(words)
         partial, flag, detail, why = self._host_step(x, op)
-        verdicts = self._exchange_verdicts(words, flag, detail)
+        start, end = self._chunk(call.tokens * call.x.shape[1])
+        mine = None if partial is None else partial.reshape(-1)[start:end]
+        verdicts, parts = self._exchange_verdicts(words, flag, detail, mine)
         self._judge(verdicts, why)
-        assert partial is not None
-        flat = partial.reshape(-1)
-        start, end = self._chunk(flat.numel())
-        chunk = self._between_hosts(flat[start:end].contiguous())
-        total = (chunk if self.inner is None
-                 else self._host_gather(call.tokens, start, chunk, op))
+        assert mine is not None
+        if parts is None:
+            parts = self._cross(mine.contiguous(), "call")
+        self._riding = end - start  # the calls matched: the same size on every rank
+        chunk = _host_order_sum(parts)
+        step = replace(call, op=op)
+        if self.inner is None:
+            return apply(chunk.view(call.tokens, call.x.shape[1]), call)
+        if self.finisher is not None and not call.pattern.output.problem(self.spec.dtype,
+                                                                         self.spec.hidden):
+            return self._host_gather(self.finisher, step, start, chunk)
+        total = self._host_gather(self.inner, CallArgs(x=call.x, op=op), start, chunk).out
         return apply(total.view(call.tokens, call.x.shape[1]), call)
 
     def _host_step(self, x: torch.Tensor,
@@ -263,14 +295,6 @@ class HierWorkspace(Workspace):
                 found[r] = (verdicts[h][2], verdicts[h][3])
         return found
 
-    def _between_hosts(self, chunk: torch.Tensor) -> torch.Tensor:
-        """Step 2: this chunk of every host's partial, summed in host order (fp32)."""
-        parts = self._cross(chunk, "call")
-        total = parts[0].clone()
-        for h in range(1, parts.shape[0]):
-            total.add_(parts[h])
-        return total
-
     def announce(self, call: CallArgs) -> None:
         """A call over capacity: the same meeting without data (host step with no rows, the
         signature exchange), so peers whose call differs fail alike (R11)."""
@@ -291,7 +315,7 @@ class HierWorkspace(Workspace):
                 except (CallTimeout, WorkspaceBroken) as error:
                     flag, why = _HOST_FAILED, str(error)
                     self._broken = why
-            self._judge(self._exchange_verdicts(words, flag, detail), why)
+            self._judge(self._exchange_verdicts(words, flag, detail)[0], why)
 
     # --- creation's check, and the end -------------------------------------------------------
 
@@ -300,6 +324,9 @@ class HierWorkspace(Workspace):
         (R2); the shm step's own check first."""
         if self.inner is not None:
             self.inner.validate()
+        if self.finisher is not None and self.finisher is not self.inner:
+            self.finisher.ctx.channel.next_epoch()  # its check's phases are the inner one's
+            self.finisher.validate()
         world = self.ctx.world_size
         x = torch.full((1, self.spec.hidden), float(self.ctx.rank + 1),
                        dtype=_torch_dtype(self.spec.dtype))
@@ -317,9 +344,20 @@ class HierWorkspace(Workspace):
     def _free(self) -> None:
         """The host's shm workspace goes; the subgroups stay with the process (``_SUBGROUPS``),
         and one that timed out is never freed (``collective.keep_for_the_process``)."""
+        if self.finisher is not None and self.finisher is not self.inner:
+            self.finisher.destroy()
+        self.finisher = None
         if self.inner is not None:
             self.inner.destroy()
             self.inner = None
+
+
+def _host_order_sum(parts: torch.Tensor) -> torch.Tensor:
+    """Step 2's sum: ``[H, n]``, every host's chunk, added in host order (fp32)."""
+    total = parts[0].clone()
+    for h in range(1, parts.shape[0]):
+        total.add_(parts[h])
+    return total
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -357,19 +395,22 @@ class HierBackend(Backend):
         h, local = layout.where(ctx.rank)
         host_ranks = [everyone[r] for r in layout.ranks[h]]
         cross_ranks = [everyone[members[local]] for members in layout.ranks]
-        inner: ShmWorkspace | None = None
+        inner = finisher = None
         with _kept_for_the_process():
             if layout.local_size > 1:
                 host_group = _subgroup(host_ranks)
             cross_group = _subgroup(cross_ranks)
             cross_ctx = _context(cross_group, ctx)
         if layout.local_size > 1:
-            made = ShmBackend().create(_context(host_group, ctx), partial_spec(spec))
-            if made is None:
-                raise CreationFailed(f"the shm workspace of host {layout.hosts[h]} was not made")
-            assert isinstance(made, ShmWorkspace)
-            inner = made
-        workspace = HierWorkspace(ctx, spec, layout, inner, cross_ctx,
+            inner = finisher = _host_workspace(host_group, ctx, partial_spec(spec),
+                                               layout.hosts[h])
+            if spec.dtype != inner.spec.dtype:
+                try:
+                    finisher = _host_workspace(host_group, ctx, spec, layout.hosts[h])
+                except BaseException:
+                    inner.destroy()
+                    raise
+        workspace = HierWorkspace(ctx, spec, layout, inner, finisher, cross_ctx,
                                   footprint(ctx.world_size, spec, _topo(layout)).bytes_per_rank)
         try:
             mode = ctx.fault(self.name, "create")
@@ -382,6 +423,15 @@ class HierBackend(Backend):
         if mode == "null":
             workspace.poison()
         return workspace
+
+
+def _host_workspace(host_group: Any, ctx: Any, spec: Spec, host: str) -> ShmWorkspace:
+    """A shm workspace of ``spec`` on the host's ranks (collective over them)."""
+    made = ShmBackend().create(_context(host_group, ctx), spec)
+    if made is None:
+        raise CreationFailed(f"the shm workspace of host {host} was not made")
+    assert isinstance(made, ShmWorkspace)
+    return made
 
 
 def _topo(layout: HostLayout) -> topology.Topology:
