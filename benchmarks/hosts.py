@@ -1,16 +1,19 @@
 """The hier backend across two real hosts on this machine (namespaces of
-tests/test_two_hosts.py, 2 ranks each), the link shaped like a real one with ``tc tbf``:
+tests/test_two_hosts.py, ``--ranks-per-host`` each, 2 by default), the link shaped like a real
+one with ``tc tbf``:
 ``python benchmarks/hosts.py [--rates 25gbit,1gbit] [--tokens 1,8,64,512,2048]
-[--dtype bf16,fp32] [--repeats 30]`` (root). Prints per rate the veth's own round trip and,
-per dtype and tokens, median ms of hier, torch (gloo all-gather + eager add + RMSNorm) and gloo
-all_reduce alone, the ratio torch/hier and the bytes crossing the link per call.
+[--dtype bf16,fp32] [--repeats 10] [--rounds 3]`` (root). Prints per rate the veth's own round
+trip and, per dtype and tokens, median ms (of ``--rounds`` blocks of ``--repeats`` calls,
+taking turns) of hier, torch (gloo all-gather + eager add + RMSNorm) and gloo
+all_reduce alone, the ratio torch/hier and the bytes crossing the link per call; ``--out F``
+writes it all as JSON, the machine recorded.
 
 ``--decode``: one decode step of tests/tp_models.py's Llama split over the 4 ranks (grown to
 each of ``--hidden``, ``--layers`` layers, a static KV cache of ``--context`` tokens plus the
 steps), compiled by Inductor with arfuse's pass, on hier (``auto``) and on the torch backend
 (``ARFUSE_BACKEND=torch``: the graph's own gloo all-reduce, add and RMSNorm), the steps timed
-taking turns: median us of each, the ratio torch/hier, the machine and the options recorded in
-``--out`` (JSON). ``--quick``: tiny settings, one rate (does it run)."""
+taking turns: median us of each, the ratio torch/hier (in ``--out`` too). ``--quick``: tiny
+settings, one rate (does it run)."""
 
 from __future__ import annotations
 
@@ -78,7 +81,9 @@ def main() -> None:
     parser.add_argument("--rates", default="25gbit,1gbit")
     parser.add_argument("--tokens", default="1,8,64,512,2048")
     parser.add_argument("--dtype", default="bf16,fp32")
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=10, help="calls per block")
+    parser.add_argument("--ranks-per-host", type=int, default=2,
+                        help="1: no shm step, each rank its own core on a 2-core machine")
     parser.add_argument("--decode", action="store_true",
                         help="one decode step of tp_models' Llama, hier against torch")
     parser.add_argument("--hidden", default="64,1024", help="--decode: the model's widths")
@@ -86,9 +91,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="--decode: KV cache tokens")
     parser.add_argument("--steps", type=int, default=200, help="--decode: timed steps each")
     parser.add_argument("--warmup", type=int, default=20, help="--decode")
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="--decode: blocks the backends' steps are timed in, taking turns")
-    parser.add_argument("--out", default="", help="--decode: JSON of every rate")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="blocks the backends' calls (--decode: steps) are timed in, "
+                             "taking turns")
+    parser.add_argument("--out", default="", help="JSON of every rate, the machine recorded")
     parser.add_argument("--quick", action="store_true", help="--decode, tiny: does it run")
     args = parser.parse_args()
     if args.quick:
@@ -99,9 +105,11 @@ def main() -> None:
         sys.exit(f"cannot make two hosts here: {why}")
     report: dict[str, Any] = {}
     for rate in args.rates.split(","):
-        # compiling the decode steps takes minutes where cores are few: a longer limit
-        limit = 1800.0 if args.decode else hosts.LIMIT_S
-        with hosts.two_hosts(limit) as pids, tempfile.TemporaryDirectory() as tmp:
+        # compiling the decode steps, or 2048 tokens over a 1 Gb/s link, takes minutes
+        limit = 1800.0
+        # each host's fp32 segment at 2048 tokens outgrows the tests' 64 MiB /dev/shm
+        with hosts.two_hosts(limit, shm_mib=1024) as pids, \
+                tempfile.TemporaryDirectory() as tmp:
             for pid, dev in zip(pids, hosts.DEVICES, strict=True):
                 hosts._in(pid, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
                           "burst", "256kb", "latency", "50ms")
@@ -111,16 +119,19 @@ def main() -> None:
             if args.decode:
                 options = {k: getattr(args, k) for k in ("layers", "context", "steps", "warmup",
                                                          "rounds")}
-                hosts._torchrun(pids, 2, [body, "decode", str(out), args.hidden, args.dtype,
-                                          json.dumps(options)], limit)
+                hosts._torchrun(pids, args.ranks_per_host, [
+                    body, "decode", str(out), args.hidden, args.dtype, json.dumps(options)],
+                    limit)
             else:
-                hosts._torchrun(pids, 2, [body, str(out), args.tokens, args.dtype,
-                                          str(args.repeats)])
+                hosts._torchrun(pids, args.ranks_per_host, [
+                    body, str(out), args.tokens, args.dtype, str(args.repeats),
+                    str(args.rounds)], limit)
             rows = json.loads(out.read_text())
         if args.decode:
             _decode(rate, rtt, rows)
             report[rate] = {"veth_round_trip": rtt, **rows}
             continue
+        report[rate] = {"veth_round_trip": rtt, "rows": rows}
         print(f"link {rate}, veth round trip: {rtt}")
         print(f"{'dtype':5} {'tokens':>6} {'hier ms':>9} {'torch ms':>9} {'gloo ar ms':>10} "
               f"{'torch/hier':>10} {'link B torch':>12} {'link B hier':>11}")
@@ -130,6 +141,11 @@ def main() -> None:
                   f"{r['torch'] / r['hier']:10.2f} {r['link_bytes_torch']:12d} "
                   f"{r['link_bytes_hier']:11d}")
     if args.out and report:
+        from arfuse.bench.machine import machine_record
+
+        report = {"machine": machine_record(pinned=False, world=2 * args.ranks_per_host),
+                  "options": {k: getattr(args, k) for k in ("tokens", "dtype", "repeats",
+                                                            "rounds", "ranks_per_host")}, **report}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.out}")

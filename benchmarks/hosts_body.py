@@ -22,7 +22,7 @@ import arfuse
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _median(fn: Any, repeats: int) -> float:
+def _times(fn: Any, repeats: int) -> list[float]:
     for _ in range(3):
         fn()
     dist.barrier()
@@ -31,10 +31,13 @@ def _median(fn: Any, repeats: int) -> float:
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return times
 
 
-def main(out: str, tokens: list[int], dtypes: list[str], repeats: int) -> None:
+def main(out: str, tokens: list[int], dtypes: list[str], repeats: int, rounds: int) -> None:
+    """Per dtype and token count, hier, torch and gloo all_reduce alone timed in ``rounds``
+    blocks of ``repeats`` calls each, taking turns (the machine's drift falls on all three);
+    the median of every call of each."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, hidden = dist.get_rank(), 4096
@@ -50,14 +53,20 @@ def main(out: str, tokens: list[int], dtypes: list[str], repeats: int) -> None:
             x = torch.randn(t, hidden).to(dtype)
             residual = torch.randn(t, hidden).to(dtype)
             row: dict[str, Any] = {"dtype": name, "tokens": t}
-            for b, op in ops.items():
-                row[b] = _median(lambda op=op, x=x, r=residual, w=weight: op(
-                    x, residual=r, weight=w), repeats)
-            row["gloo_all_reduce"] = _median(lambda x=x: dist.all_reduce(x.clone()), repeats)
-            elem, world, local = x.element_size(), dist.get_world_size(), 2
+            calls: dict[str, Any] = {b: (lambda op=op, x=x, r=residual, w=weight: op(
+                x, residual=r, weight=w)) for b, op in ops.items()}
+            calls["gloo_all_reduce"] = lambda x=x: dist.all_reduce(x.clone())
+            times: dict[str, list[float]] = {b: [] for b in calls}
+            for _ in range(rounds):
+                for b, fn in calls.items():
+                    times[b] += _times(fn, repeats)
+            row.update({b: statistics.median(v) for b, v in times.items()})
+            elem, world = x.element_size(), dist.get_world_size()
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
             # bytes over the link per call, each direction (docs/design.md 4, hier)
             row["link_bytes_torch"] = (world - 1) * t * hidden * elem
-            row["link_bytes_hier"] = t * hidden * 4 + 32 * local
+            # fp32 partials; with one rank per host its rows as they are
+            row["link_bytes_hier"] = t * hidden * (4 if local > 1 else elem) + 32 * local
             rows.append(row)
         for op in ops.values():
             op.close()
@@ -166,4 +175,4 @@ if __name__ == "__main__":
                json.loads(sys.argv[5]))
     else:
         main(sys.argv[1], [int(t) for t in sys.argv[2].split(",")], sys.argv[3].split(","),
-             int(sys.argv[4]))
+             int(sys.argv[4]), int(sys.argv[5]))

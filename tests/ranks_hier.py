@@ -136,8 +136,8 @@ def mismatched(rank: int, world: int, kind: str) -> dict[str, Any]:
 def crossings(rank: int, world: int, tokens: list[int]) -> dict[str, Any]:
     """Calls of ``tokens`` in turn (bf16, with a residual and RMSNorm): how many exchanges
     between hosts each one made (the data rides with the verdicts when its size is the last
-    call's), how many ran the torch epilogue (none: the kernel runs it), the residual_out
-    value each gave."""
+    call's), the dtypes that crossed, how many ran the torch epilogue, the residual_out value
+    each gave."""
     import arfuse
     from arfuse import collective
     from arfuse.backends.hier import workspace
@@ -145,9 +145,11 @@ def crossings(rank: int, world: int, tokens: list[int]) -> dict[str, Any]:
     comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=64, dtype=torch.bfloat16,
                                  timeout_s=20)
     real, real_apply, phases, epilogues = collective.gather, workspace.apply, [], []
+    wire = set()
 
     def counted(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int) -> Any:
         phases.append(phase)
+        wire.add(str(x.dtype).removeprefix("torch."))
         return real(x, ctx, phase, backend, call)
 
     def counted_apply(*args: Any) -> Any:
@@ -170,7 +172,7 @@ def crossings(rank: int, world: int, tokens: list[int]) -> dict[str, Any]:
     backend = comm.backend
     comm.close()
     return {"backend": backend, "counts": counts, "values": values,
-            "torch_epilogues": len(epilogues)}
+            "torch_epilogues": len(epilogues), "wire": sorted(wire)}
 
 
 def killed(rank: int, world: int, victim: int) -> dict[str, Any]:

@@ -4,6 +4,7 @@ segments, one per host, and the gloo subgroups between them). Real hosts: test_t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -44,16 +45,41 @@ def test_a_mismatched_call_raises_on_every_rank_of_both_hosts(kind: str) -> None
         assert g["after"] == 6.0  # 0 + 1 + 2 + 3: the workspace stays usable
 
 
-def test_a_steady_call_crosses_between_hosts_once_and_the_kernel_finishes_it() -> None:
+@pytest.mark.parametrize(("world", "wire", "torch_epilogues"), [
+    (4, ["float32"], 0), (2, ["bfloat16"], 6)])
+def test_a_steady_call_crosses_between_hosts_once(tmp_path: Path, world: int, wire: list[str],
+                                                  torch_epilogues: int) -> None:
     """The chunk rides with the verdicts when its size is the last call's (the creation's
-    check was one token): a size that changes costs a second exchange, once. The epilogue
-    runs in the second host step's kernel call, not in torch."""
-    got = values(run_ranks(ranks_hier.crossings, 4, [4, 4, 4, 2, 2, 1], env=ENV, timeout=200))
+    check was one token): a size that changes costs a second exchange, once. 2 x 2: fp32
+    partials cross and the second host step's kernel call runs the epilogue; 2 x 1: each
+    rank's bf16 rows cross as they are (its host's sum exactly) and torch runs the epilogue."""
+    env = ENV if world == 4 else {**ENV, "ARFUSE_TOPOLOGY": _one_rank_per_host(tmp_path)}
+    got = values(run_ranks(ranks_hier.crossings, world, [4, 4, 4, 2, 2, 1], env=env,
+                           timeout=200))
     for g in got:
         assert g["backend"] == "hier"
         assert g["counts"] == [2, 1, 1, 2, 1, 2], g["counts"]
-        assert g["values"] == [11.0] * 6, g["values"]
-        assert g["torch_epilogues"] == 0, g
+        assert g["values"] == [world * (world + 1) / 2 + 1] * 6, g["values"]
+        assert g["wire"] == wire, g
+        assert g["torch_epilogues"] == torch_epilogues, g
+
+
+def test_one_rank_per_host_every_pattern_in_the_documented_order(tmp_path: Path) -> None:
+    env = {**ENV, "ARFUSE_TOPOLOGY": _one_rank_per_host(tmp_path)}
+    got = values(run_ranks(ranks_hier.numerics, 2, ["fp32", "bf16"], [1, 3, 64], 64, env=env,
+                           timeout=300))
+    assert {g["backend"] for g in got} == {"hier"}, got[0]["explain"]
+    assert "2 hosts x 1 ranks" in got[0]["explain"]
+    for g in got:
+        assert g["worst"] <= 1.0, g["worst"]
+        assert g["order_exact"], "out differs from the documented sum order's"
+        assert g["digests"] == got[0]["digests"]
+
+
+def _one_rank_per_host(tmp_path: Path) -> str:
+    topology = tmp_path / "two-hosts-one-rank-each.json"
+    topology.write_text(json.dumps({"device": "cpu", "world_size": 2, "hosts": ["a", "b"]}))
+    return str(topology)
 
 
 @pytest.mark.parametrize("victim", [1, 3])

@@ -57,9 +57,10 @@ def _in(pid: int, *command: str, spaces: str = "-n") -> None:
 
 
 @contextlib.contextmanager
-def two_hosts(limit_s: float = LIMIT_S) -> Iterator[list[int]]:
-    """Two hosts, each held by a ``sleep`` in its namespaces; gone (veth pair included)
-    when the holders end (at the latest a minute after ``limit_s``, a job's limit)."""
+def two_hosts(limit_s: float = LIMIT_S, shm_mib: int = 64) -> Iterator[list[int]]:
+    """Two hosts, each held by a ``sleep`` in its namespaces, with a ``/dev/shm`` of
+    ``shm_mib``; gone (veth pair included) when the holders end (at the latest a minute after
+    ``limit_s``, a job's limit)."""
     holders = [subprocess.Popen(["unshare", "--net", "--uts", "--mount", "--ipc", "--fork",
                                  "--", "sleep", str(int(limit_s) + 60)],
                                 start_new_session=True) for _ in range(2)]
@@ -78,7 +79,7 @@ def two_hosts(limit_s: float = LIMIT_S) -> Iterator[list[int]]:
             _in(pid, _ip(), "link", "set", DEVICES[i], "up")
             _in(pid, _ip(), "link", "set", "lo", "up")
             _in(pid, "hostname", HOSTNAMES[i], spaces="-u")
-            _in(pid, "mount", "-t", "tmpfs", "-o", "size=64m,mode=1777",
+            _in(pid, "mount", "-t", "tmpfs", "-o", f"size={shm_mib}m,mode=1777",
                 f"shm-{HOSTNAMES[i]}", "/dev/shm", spaces="-m")
         yield pids
     finally:

@@ -99,10 +99,14 @@ def fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
 
 def notes(topology: Topology, spec: Spec) -> tuple[str, ...]:
     layout = host_layout(topology.hosts)
+    if layout.local_size == 1:
+        return (f"{layout.describe()}: each rank's rows cross as they are, one gloo exchange "
+                "between hosts per call, then residual, RMSNorm and quantisation in torch on "
+                "the fp32 sum",)
     return (f"{layout.describe()}: fp32 partial sums through shm in each host, one gloo "
             f"exchange between hosts per call ({layout.local_size} links in parallel), then "
-            "residual, RMSNorm and quantisation on the reduced rows, in the shm kernel's "
-            "gather on each host (in torch with one rank per host)",)
+            "residual, RMSNorm and quantisation on the reduced rows in the shm kernel's "
+            "gather on each host",)
 
 
 def partial_spec(spec: Spec) -> Spec:

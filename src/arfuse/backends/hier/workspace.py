@@ -13,7 +13,8 @@ One call, on every rank (H hosts of L ranks; rank l of host h):
    ``all_gather_into_tensor``; chunk l of the sum is ``P_0 + P_1 + ...`` in host order, in
    fp32. The chunk rides in the verdicts' message when it has the size of the last call's
    (which every rank of the subgroup knows alike), so a steady decode crosses once per call;
-   otherwise it crosses after the verdicts;
+   otherwise it crosses after the verdicts. With one rank per host there is no host step:
+   its rows cross as they are (they are its host's sum exactly);
 3. host step again, fused: each rank writes its chunk of the sum, rounded to the activation
    dtype as the epilogue's first step rounds it, into a slot of -0.0 (the additive identity of
    IEEE addition, so the slots' sum is that chunk exactly, signed zeros and NaN included), and
@@ -59,8 +60,8 @@ from . import HostLayout, footprint, host_layout, partial_spec
 
 # what a rank tells its peers on the other hosts beside its signature (word 0 of four)
 _OK, _HOST_MISMATCH, _HOST_FAILED = 0, 1, 2
-# the verdict (four int64 words) in the fp32 message between hosts
-_VERDICT_WORDS = 8
+# the verdict: four int64 words at the head of the message between hosts
+_VERDICT_BYTES = 32
 
 # Subgroups by their global ranks, made once per process and kept: a gloo group's name (and
 # so its keys in the store) is a hash of its ranks, so one destroyed and made again would meet
@@ -135,7 +136,10 @@ class HierWorkspace(Workspace):
         self.finisher = finisher
         self.host, self.local = layout.where(ctx.rank)
         self._calls = 0
-        self._riding = 0  # fp32 elements of a chunk that rides with the verdicts
+        self._riding = 0  # elements of a chunk that rides with the verdicts
+        # what crosses between hosts: fp32 partial sums, or with one rank per host its rows
+        # as they are (the same values in half the bytes for 16-bit rows)
+        self._wire = torch.float32 if inner is not None else _torch_dtype(spec.dtype)
         self._broken = ""
         self._poisoned = False
         self._lock = threading.Lock()
@@ -200,17 +204,18 @@ class HierWorkspace(Workspace):
         riding size, every host's chunk from the same message (else ``None``). The message's
         size is the same on every rank of the subgroup whatever each one's call: the verdict
         and the last matched call's chunk size, so that calls which differ fail in it."""
-        message = torch.empty(_VERDICT_WORDS + self._riding, dtype=torch.float32)
-        message[:_VERDICT_WORDS].view(torch.int64).copy_(
+        head = _VERDICT_BYTES // self._wire.itemsize
+        message = torch.empty(head + self._riding, dtype=self._wire)
+        message[:head].view(torch.int64).copy_(
             torch.tensor([flag, detail, *words], dtype=torch.int64))
         rides = chunk is not None and chunk.numel() == self._riding
         if rides:
             assert chunk is not None
-            message[_VERDICT_WORDS:].copy_(chunk)
+            message[head:].copy_(chunk)
         every = self._cross(message, "call-signature")
-        verdicts = every[:, :_VERDICT_WORDS].contiguous().view(torch.int64).tolist()
+        verdicts = every[:, :head].contiguous().view(torch.int64).tolist()
         return ([(int(a), int(b), int(c), int(d)) for a, b, c, d in verdicts],
-                every[:, _VERDICT_WORDS:] if rides else None)
+                every[:, head:] if rides else None)
 
     def run(self, call: CallArgs) -> FusedOutput:
         with self._lock:
@@ -251,7 +256,7 @@ class HierWorkspace(Workspace):
         """Step 1; a failure is kept (flag, silent ranks as a mask, text) for the peers on the
         other hosts, who must stop at this call too."""
         if self.inner is None:
-            return x.float(), _OK, 0, ""
+            return x, _OK, 0, ""  # one rank: its rows are the host's sum, exactly
         try:
             return self._host_sum(x, op), _OK, 0, ""
         except MismatchedCall as error:
@@ -354,7 +359,7 @@ class HierWorkspace(Workspace):
 
 def _host_order_sum(parts: torch.Tensor) -> torch.Tensor:
     """Step 2's sum: ``[H, n]``, every host's chunk, added in host order (fp32)."""
-    total = parts[0].clone()
+    total = parts[0].to(torch.float32, copy=True)
     for h in range(1, parts.shape[0]):
         total.add_(parts[h])
     return total
