@@ -144,8 +144,10 @@ def main() -> None:
         from arfuse.bench.machine import machine_record
 
         report = {"machine": machine_record(pinned=False, world=2 * args.ranks_per_host),
-                  "options": {k: getattr(args, k) for k in ("tokens", "dtype", "repeats",
-                                                            "rounds", "ranks_per_host")}, **report}
+                  "options": {k: getattr(args, k) for k in (
+                      ("hidden", "dtype", "layers", "context", "steps", "warmup", "rounds",
+                       "ranks_per_host") if args.decode else
+                      ("tokens", "dtype", "repeats", "rounds", "ranks_per_host"))}, **report}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.out}")
