@@ -23,8 +23,8 @@ def test_torch_backend_keeps_the_timeout_and_names_the_silent_rank() -> None:
 
 
 def test_a_late_peer_within_the_timeout_is_waited_for() -> None:
-    """A CPU collective's wait blocks in slices that run out long before the deadline: a
-    slice that runs out is not the call's timeout."""
+    """A peer late by 2.5 s, well within the timeout, is waited for: nothing in the call's
+    wait gives up before its deadline."""
     got = values(run_ranks(ranks_call_pairing.torch_peer_late, 2, 2.5, timeout=60))
     assert [g["type"] for g in got] == ["", ""], got
     assert [g["value"] for g in got] == [3.0, 3.0], got

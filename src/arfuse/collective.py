@@ -11,7 +11,6 @@ import contextlib
 import ctypes
 import re
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -23,8 +22,6 @@ from .errors import CallTimeout
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # how long ranks that timed out wait to see which others timed out too
 SILENT_GRACE_S = 0.5
-# the longest one wait for a CPU collective blocks before it looks at the deadline again
-_WAIT_SLICE_S = 1.0
 
 
 def wait_within_deadline(work: Any, ctx: Any, phase: str, backend: str, call: int) -> None:
@@ -32,14 +29,11 @@ def wait_within_deadline(work: Any, ctx: Any, phase: str, backend: str, call: in
     group's) raise ``CallTimeout`` naming the ranks that never joined call number ``call``."""
     deadline = time.monotonic() + ctx.timeout_s
     try:
-        if ctx.device == "cpu":
-            _wait_on_cpu(work, deadline)
-        else:
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                time.sleep(0.0002)
-            work.wait()
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            time.sleep(0.0002)
+        work.wait()
     except Exception as exc:
         if ctx.group is not None:
             keep_for_the_process(ctx.group)
@@ -53,25 +47,6 @@ def wait_within_deadline(work: Any, ctx: Any, phase: str, backend: str, call: in
         detail = f" (call {call})" + (
             "" if isinstance(exc, TimeoutError) else f"; the process group reported {reported}")
         raise CallTimeout(phase, backend, silent, ctx.timeout_s, detail=detail) from None
-
-
-def _wait_on_cpu(work: Any, deadline: float) -> None:
-    """A gloo work's wait sleeps on a condition variable its completion wakes: no polling
-    interval added to every call, as a sleep between ``is_completed()`` polls would be. In
-    slices, so that a signal (Ctrl-C) is seen within one; a slice that runs out raises
-    "Operation timed out!" on a work still pending, which only means: wait on."""
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError
-        try:
-            work.wait(timedelta(seconds=min(remaining, _WAIT_SLICE_S)))
-            return
-        except RuntimeError:
-            if not work.is_completed():
-                continue
-        work.wait()  # completed as the slice ran out: its own result, or its own error
-        return
 
 
 # what gloo (and NCCL's socket layer) say when a peer's end of the connection went away
