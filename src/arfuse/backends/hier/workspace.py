@@ -242,12 +242,11 @@ class HierWorkspace(Workspace):
             parts = self._cross(mine.contiguous(), "call")
         self._riding = end - start  # the calls matched: the same size on every rank
         chunk = _host_order_sum(parts)
-        step = replace(call, op=op)
         if self.inner is None:
             return apply(chunk.view(call.tokens, call.x.shape[1]), call)
         if self.finisher is not None and not call.pattern.output.problem(self.spec.dtype,
                                                                          self.spec.hidden):
-            return self._host_gather(self.finisher, step, start, chunk)
+            return self._host_gather(self.finisher, replace(call, op=op), start, chunk)
         total = self._host_gather(self.inner, CallArgs(x=call.x, op=op), start, chunk).out
         return apply(total.view(call.tokens, call.x.shape[1]), call)
 
