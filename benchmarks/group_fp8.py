@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from arfuse.bench.baselines import (
+    act_quant,
     clean_deepspeed_segments,
     deepspeed_setup,
     prebuild_deepspeed,
@@ -45,15 +46,6 @@ GROUP = 128
 ROWS = {"a": "fused", "b": "fused+fp8_group", "c": "fused, eager act_quant",
         "d": "deepspeed+norm+act_quant"}
 TARGETS = {"b/a": ("<=", 1.15), "c/b": (">=", 2.0), "d/b": (">=", 4.0)}
-
-
-def act_quant(out: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's act_quant in eager torch with vLLM's eps clamp: codes ``[T, H]`` and fp32
-    scales ``[T, H / group]``."""
-    grouped = out.float().view(out.shape[0], out.shape[1] // group, group)
-    scale = grouped.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0
-    codes = (grouped / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return codes.view(out.shape), scale.squeeze(-1)
 
 
 def _rows(comm: Any, ds: Any, x: torch.Tensor, work: torch.Tensor, residual: torch.Tensor,

@@ -19,19 +19,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from arfuse.bench.baselines import act_quant
+
 BLOCK = 128
 GROUP = 128
 EPS = 1e-6
 VOCAB, HIDDEN, INTERMEDIATE = 96, 256, 512
-
-
-def act_quant(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's act_quant in torch with vLLM's eps clamp: e4m3 codes ``[T, K]`` and fp32
-    scales ``[T, K / group]``."""
-    grouped = x.float().view(x.shape[0], x.shape[1] // group, group)
-    scale = grouped.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0
-    codes = (grouped / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return codes.view(x.shape), scale.squeeze(-1)
 
 
 def weight_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,15 @@ def _fusion_pass(max_token_num: int | None = None) -> Any:
     return FusionPass(_group_name(), max_token_num)
 
 
+def _unfused_and_fused(fn: Any, args: tuple[Any, ...], fusion: Any) -> tuple[Any, Any]:
+    """``fn(*args)`` compiled without the pass (what it gives) and ``fn`` compiled with
+    ``fusion``, each from a reset dynamo."""
+    torch._dynamo.reset()
+    want = torch.compile(fn, backend=tm.post_grad_backend(None), fullgraph=True)(*args)
+    torch._dynamo.reset()
+    return want, torch.compile(fn, backend=tm.post_grad_backend(fusion), fullgraph=True)
+
+
 def _bits(t: torch.Tensor) -> list[int]:
     return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16) \
         .flatten().tolist()
@@ -428,11 +437,8 @@ def fp8(rank: int, world: int) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for name, (fn, args) in _fp8_chains(rank).items():
         fusion = _fusion_pass()
-        torch._dynamo.reset()
         with torch.no_grad():
-            want = torch.compile(fn, backend=tm.post_grad_backend(None), fullgraph=True)(*args)
-            torch._dynamo.reset()
-            fused = torch.compile(fn, backend=tm.post_grad_backend(fusion), fullgraph=True)
+            want, fused = _unfused_and_fused(fn, args, fusion)
             before = counts()
             got = [fused(*args), fused(*args)]
             after = counts()
@@ -521,11 +527,8 @@ def fp8_group(rank: int, world: int) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for name, (fn, args, quant) in _fp8_group_chains(rank).items():
         fusion = _fusion_pass()
-        torch._dynamo.reset()
         with torch.no_grad():
-            want = torch.compile(fn, backend=tm.post_grad_backend(None), fullgraph=True)(*args)
-            torch._dynamo.reset()
-            fused = torch.compile(fn, backend=tm.post_grad_backend(fusion), fullgraph=True)
+            want, fused = _unfused_and_fused(fn, args, fusion)
             got = [fused(*args), fused(*args)]
             again = [quant(result[2]) for result in got]
         found[name] = {"fused": dict(fusion.fused), "left": dict(fusion.left),

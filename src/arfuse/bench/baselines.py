@@ -1,6 +1,7 @@
 """What users run without arfuse, as rows of ``arfuse bench``: torch's all-reduce (gloo) with
 an eager add + RMSNorm (the baseline), and DeepSpeed's inference all-reduce with and without
-it; DeepSpeed's setup, build and cleanup."""
+it; DeepSpeed's setup, build and cleanup; DeepSeek's per-token-group ``act_quant`` in eager
+torch."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ def rmsnorm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -
     pre = x + residual
     pf = pre.float()
     return (pf * torch.rsqrt(pf.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()).to(x.dtype)
+
+
+def act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's act_quant in eager torch with vLLM's eps clamp: e4m3 codes ``[T, H]`` and
+    fp32 scales ``[T, H / group]``."""
+    grouped = x.float().view(x.shape[0], x.shape[1] // group, group)
+    scale = grouped.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0
+    codes = (grouped / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return codes.view(x.shape), scale.squeeze(-1)
 
 
 def _all_reduce(dist: Any, tensor: torch.Tensor) -> torch.Tensor:
