@@ -3,10 +3,11 @@ tests/test_two_hosts.py, ``--ranks-per-host`` each, 2 by default), the link shap
 one with ``tc tbf``:
 ``python benchmarks/hosts.py [--rates 25gbit,1gbit] [--tokens 1,8,64,512,2048]
 [--dtype bf16,fp32] [--repeats 10] [--rounds 3]`` (root). Prints per rate the veth's own round
-trip and, per dtype and tokens, median ms (of ``--rounds`` blocks of ``--repeats`` calls,
-taking turns) of hier, torch (gloo all-gather + eager add + RMSNorm) and gloo
-all_reduce alone, the ratio torch/hier and the bytes crossing the link per call; ``--out F``
-writes it all as JSON, the machine recorded.
+trip and, per dtype and tokens, the slowest rank's median ms (of ``--rounds`` blocks of
+``--repeats`` calls, taking turns, in place) of the user's two lines (``dist.all_reduce`` +
+``residual.add_`` + ``F.rms_norm``: the baseline), hier, arfuse's torch backend and gloo
+all_reduce alone, hier and torch over the user's lines, and the bytes crossing the link per
+call; ``--out F`` writes it all as JSON, the machine recorded.
 
 ``--decode``: one decode step of tests/tp_models.py's Llama split over the 4 ranks (grown to
 each of ``--hidden``, ``--layers`` layers, a static KV cache of ``--context`` tokens plus the
@@ -133,12 +134,14 @@ def main() -> None:
             continue
         report[rate] = {"veth_round_trip": rtt, "rows": rows}
         print(f"link {rate}, veth round trip: {rtt}")
-        print(f"{'dtype':5} {'tokens':>6} {'hier ms':>9} {'torch ms':>9} {'gloo ar ms':>10} "
-              f"{'torch/hier':>10} {'link B torch':>12} {'link B hier':>11}")
+        print(f"{'dtype':5} {'tokens':>6} {'user ms':>9} {'hier ms':>9} {'torch ms':>9} "
+              f"{'gloo ar ms':>10} {'hier/user':>9} {'torch/user':>10} {'link B torch':>12} "
+              f"{'link B hier':>11}")
         for r in rows:
-            print(f"{r['dtype']:5} {r['tokens']:6d} {r['hier'] * 1e3:9.3f} "
-                  f"{r['torch'] * 1e3:9.3f} {r['gloo_all_reduce'] * 1e3:10.3f} "
-                  f"{r['torch'] / r['hier']:10.2f} {r['link_bytes_torch']:12d} "
+            print(f"{r['dtype']:5} {r['tokens']:6d} {r['user'] * 1e3:9.3f} "
+                  f"{r['hier'] * 1e3:9.3f} {r['torch'] * 1e3:9.3f} "
+                  f"{r['gloo_all_reduce'] * 1e3:10.3f} {r['hier_over_user']:9.2f} "
+                  f"{r['torch_over_user']:10.2f} {r['link_bytes_torch']:12d} "
                   f"{r['link_bytes_hier']:11d}")
     if args.out and report:
         from arfuse.bench.machine import machine_record

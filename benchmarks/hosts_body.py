@@ -1,5 +1,6 @@
-"""One rank of benchmarks/hosts.py (under torchrun on each namespace host): the hier backend,
-the torch backend and gloo all_reduce alone, side by side, median seconds per call; or
+"""One rank of benchmarks/hosts.py (under torchrun on each namespace host): the user's two
+lines (the baseline), the hier backend, the torch backend and gloo all_reduce alone, side by
+side, median seconds per call; or
 (``decode``) one decode step of tests/tp_models.py's Llama split over every rank, compiled with
 arfuse's pass, on hier and on the torch backend."""
 
@@ -34,10 +35,20 @@ def _times(fn: Any, repeats: int) -> list[float]:
     return times
 
 
+def _user_lines(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What users write without arfuse: torch's all-reduce on the group, the residual added in
+    place, torch's RMSNorm."""
+    dist.all_reduce(x)
+    residual.add_(x)
+    return torch.nn.functional.rms_norm(residual, (x.shape[-1],), weight, 1e-6)
+
+
 def main(out: str, tokens: list[int], dtypes: list[str], repeats: int, rounds: int) -> None:
-    """Per dtype and token count, hier, torch and gloo all_reduce alone timed in ``rounds``
-    blocks of ``repeats`` calls each, taking turns (the machine's drift falls on all three);
-    the median of every call of each."""
+    """Per dtype and token count, the user's two lines (the baseline), hier, the torch backend
+    and gloo's all_reduce alone, each in place on inputs restored before every call (the
+    restore is timed in every row alike), timed in ``rounds`` blocks of ``repeats`` calls,
+    taking turns (the machine's drift falls on all); per row the median of every call of the
+    slowest rank."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, hidden = dist.get_rank(), 4096
@@ -50,21 +61,35 @@ def main(out: str, tokens: list[int], dtypes: list[str], repeats: int, rounds: i
         assert ops["hier"].backend == "hier", ops["hier"].plan.explain()
         weight = torch.ones(hidden, dtype=dtype)
         for t in tokens:
-            x = torch.randn(t, hidden).to(dtype)
-            residual = torch.randn(t, hidden).to(dtype)
-            row: dict[str, Any] = {"dtype": name, "tokens": t}
-            calls: dict[str, Any] = {b: (lambda op=op, x=x, r=residual, w=weight: op(
-                x, residual=r, weight=w)) for b, op in ops.items()}
-            calls["gloo_all_reduce"] = lambda x=x: dist.all_reduce(x.clone())
+            source = torch.randn(t, hidden).to(dtype)
+            source_residual = torch.randn(t, hidden).to(dtype)
+            x, residual = source.clone(), source_residual.clone()
+
+            def restore(x: torch.Tensor = x, residual: torch.Tensor = residual,
+                        s: torch.Tensor = source, r: torch.Tensor = source_residual) -> None:
+                x.copy_(s)
+                residual.copy_(r)
+
+            calls: dict[str, Any] = {"user": lambda x=x, r=residual, w=weight: (
+                restore(), _user_lines(x, r, w))}
+            for b, op in ops.items():
+                calls[b] = lambda op=op, x=x, r=residual, w=weight: (
+                    restore(), op(x, residual=r, weight=w, out=x, residual_out=r))
+            calls["gloo_all_reduce"] = lambda x=x: (restore(), dist.all_reduce(x))
             times: dict[str, list[float]] = {b: [] for b in calls}
             for _ in range(rounds):
                 for b, fn in calls.items():
                     times[b] += _times(fn, repeats)
-            row.update({b: statistics.median(v) for b, v in times.items()})
+            medians = {b: statistics.median(v) for b, v in times.items()}
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, medians)
+            row: dict[str, Any] = {"dtype": name, "tokens": t}
+            row.update({b: max(m[b] for m in every) for b in calls})
+            row.update({f"{b}_over_user": row[b] / row["user"] for b in ("hier", "torch")})
             elem, world = x.element_size(), dist.get_world_size()
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
-            # bytes over the link per call, each direction (docs/design.md 4, hier)
-            row["link_bytes_torch"] = (world - 1) * t * hidden * elem
+            # bytes over the link per call, each direction (docs/design.md 4, hier, torch)
+            row["link_bytes_torch"] = 2 * (world - 1) * t * hidden * elem // world
             # fp32 partials; with one rank per host its rows as they are
             row["link_bytes_hier"] = t * hidden * (4 if local > 1 else elem) + 32 * local
             rows.append(row)

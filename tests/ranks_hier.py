@@ -136,15 +136,16 @@ def mismatched(rank: int, world: int, kind: str) -> dict[str, Any]:
 def crossings(rank: int, world: int, tokens: list[int]) -> dict[str, Any]:
     """Calls of ``tokens`` in turn (bf16, with a residual and RMSNorm): how many exchanges
     between hosts each one made (the data rides with the verdicts when its size is the last
-    call's), the dtypes that crossed, how many ran the torch epilogue, the residual_out value
-    each gave."""
+    call's), the dtypes that crossed, how many were finished apart from the host step (the
+    torch backend's sum and epilogue, ``backends/torch/finish``), the residual_out value each
+    gave."""
     import arfuse
     from arfuse import collective
     from arfuse.backends.hier import workspace
 
     comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=64, dtype=torch.bfloat16,
                                  timeout_s=20)
-    real, real_apply, phases, epilogues = collective.gather, workspace.apply, [], []
+    real, real_finish, phases, epilogues = collective.gather, workspace.finish, [], []
     wire = set()
 
     def counted(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int) -> Any:
@@ -152,11 +153,11 @@ def crossings(rank: int, world: int, tokens: list[int]) -> dict[str, Any]:
         wire.add(str(x.dtype).removeprefix("torch."))
         return real(x, ctx, phase, backend, call)
 
-    def counted_apply(*args: Any) -> Any:
+    def counted_finish(*args: Any) -> Any:
         epilogues.append(1)
-        return real_apply(*args)
+        return real_finish(*args)
 
-    collective.gather, workspace.apply = counted, counted_apply
+    collective.gather, workspace.finish = counted, counted_finish
     counts, values = [], []
     try:
         for t in tokens:
@@ -168,11 +169,11 @@ def crossings(rank: int, world: int, tokens: list[int]) -> dict[str, Any]:
             assert got.residual_out is not None
             values.append(float(got.residual_out.float().mean()))
     finally:
-        collective.gather, workspace.apply = real, real_apply
+        collective.gather, workspace.finish = real, real_finish
     backend = comm.backend
     comm.close()
     return {"backend": backend, "counts": counts, "values": values,
-            "torch_epilogues": len(epilogues), "wire": sorted(wire)}
+            "finished_apart": len(epilogues), "wire": sorted(wire)}
 
 
 def killed(rank: int, world: int, victim: int) -> dict[str, Any]:

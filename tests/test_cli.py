@@ -229,6 +229,21 @@ def test_bench_times_fp8_group_in_every_row(tmp_path: Path) -> None:
         out / "bench.txt").read_text()
 
 
+def test_bench_times_arfuses_unfused_paths_against_the_users_two_lines(tmp_path: Path) -> None:
+    """``arfuse-torch`` (the torch backend) and ``shm-over`` (a shm call over its capacity of
+    one token, so not timed at 1 token) beside the baseline, the user's two lines."""
+    out = tmp_path / "bench"
+    result = arfuse("bench", "--tokens", "1,4", "--hidden", "256", "--dtype", "fp32",
+                    "--backends", "torch,arfuse-torch,shm-over", "--out", str(out),
+                    "--min-seconds", "0.02")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((out / "bench.json").read_text())
+    rows = {(r["backend"], r["tokens"]) for r in report["results"]}
+    assert rows == {("torch", 1), ("torch", 4), ("arfuse-torch", 1), ("arfuse-torch", 4),
+                    ("shm-over", 4)}
+    assert report["baseline"] == "torch"
+
+
 def test_bench_writes_table_json_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     result = arfuse("bench", "--tokens", "1,4", "--hidden", "256", "--dtype", "bf16",

@@ -51,14 +51,15 @@ def test_a_mismatched_call_raises_on_every_rank_of_both_hosts(kind: str) -> None
         assert g["after"] == 6.0  # 0 + 1 + 2 + 3: the workspace stays usable
 
 
-@pytest.mark.parametrize(("world", "wire", "torch_epilogues"), [
+@pytest.mark.parametrize(("world", "wire", "finished_apart"), [
     (4, ["float32"], 0), (2, ["bfloat16"], 6)])
 def test_a_steady_call_crosses_between_hosts_once(tmp_path: Path, world: int, wire: list[str],
-                                                  torch_epilogues: int) -> None:
+                                                  finished_apart: int) -> None:
     """The chunk rides with the verdicts when its size is the last call's (the creation's
     check was one token): a size that changes costs a second exchange, once. 2 x 2: fp32
     partials cross and the second host step's kernel call runs the epilogue; 2 x 1: each
-    rank's bf16 rows cross as they are (its host's sum exactly) and torch runs the epilogue."""
+    rank's bf16 rows cross as they are (its host's sum exactly) and the torch backend's finish
+    adds them and runs the epilogue."""
     env = ENV if world == 4 else {**ENV, "ARFUSE_TOPOLOGY": _one_rank_per_host(tmp_path)}
     got = values(run_ranks(ranks_hier.crossings, world, [4, 4, 4, 2, 2, 1], env=env,
                            timeout=200))
@@ -67,7 +68,7 @@ def test_a_steady_call_crosses_between_hosts_once(tmp_path: Path, world: int, wi
         assert g["counts"] == [2, 1, 1, 2, 1, 2], g["counts"]
         assert g["values"] == [world * (world + 1) / 2 + 1] * 6, g["values"]
         assert g["wire"] == wire, g
-        assert g["torch_epilogues"] == torch_epilogues, g
+        assert g["finished_apart"] == finished_apart, g
 
 
 def test_one_rank_per_host_every_pattern_in_the_documented_order(tmp_path: Path) -> None:

@@ -1,16 +1,24 @@
 """``torch.distributed`` collectives of a call, within the group's deadline (R8).
 
 A rank whose wait runs out posts that in the group's store, so the ranks that did call can
-name the ones that did not (``CallTimeout.silent``). Used by the unfused backend's calls and
-by the op's residual check; negotiation has its own channel (``rendezvous``).
+name the ones that did not (``CallTimeout.silent``). Used by the unfused backend's calls, hier's
+link step and the op's residual check; negotiation has its own channel (``rendezvous``).
+
+A wait wakes when the work completes (its future's callback sets an event), not on a timer,
+and never blocks inside the process group's own wait with a timeout: a work abandoned at its
+deadline stays queued, its group kept for the process (``keep_for_the_process``), so that the
+process can still exit. ``TRAFFIC`` counts this process's collectives and the bytes it sends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import re
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,16 +32,51 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 SILENT_GRACE_S = 0.5
 
 
+# the longest one wait sleeps before it looks at the deadline again (a signal is seen sooner)
+_WAIT_SLICE_S = 1.0
+# how long a wait yields the CPU between looks at the work before it sleeps on its completion
+SPIN_S = 0.002
+
+
+@dataclass
+class Traffic:
+    """This process's collectives and the bytes it sent in them, as a ring or pairwise
+    exchange sends them: an all-gather of m bytes sends m to each of the W-1 others; an
+    all-to-all of m bytes sends the (W-1)/W of it meant for the others."""
+
+    collectives: int = 0
+    bytes_sent: int = 0
+
+    def count(self, nbytes: int) -> None:
+        self.collectives += 1
+        self.bytes_sent += nbytes
+
+
+TRAFFIC = Traffic()
+
+
+def _wait(work: Any, deadline: float) -> None:
+    """Block until ``work`` completes or ``deadline`` passes (``TimeoutError``): yielding the
+    CPU between looks for the first ``SPIN_S`` (a peer that is on time answers within it, and
+    an event's wake-up costs more than the exchange), then asleep on the event."""
+    spin_until = time.monotonic() + SPIN_S
+    while not work.is_completed() and time.monotonic() < spin_until:
+        os.sched_yield()
+    if not work.is_completed():
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
+        while not done.wait(min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError
+    work.wait()  # completed: its own result, or its own error
+
+
 def wait_within_deadline(work: Any, ctx: Any, phase: str, backend: str, call: int) -> None:
     """Wait for async ``work`` at most the group's timeout; on a timeout (ours or the process
     group's) raise ``CallTimeout`` naming the ranks that never joined call number ``call``."""
     deadline = time.monotonic() + ctx.timeout_s
     try:
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise TimeoutError
-            time.sleep(0.0002)
-        work.wait()
+        _wait(work, deadline)
     except Exception as exc:
         if ctx.group is not None:
             keep_for_the_process(ctx.group)
@@ -94,10 +137,49 @@ def silent_ranks(ctx: Any, phase: str, call: int) -> list[int] | None:
     return None
 
 
-def gather(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int) -> torch.Tensor:
-    """``[world, *x.shape]`` of every rank's ``x`` over the group, within the deadline."""
+def gather(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[world, *x.shape]`` of every rank's ``x`` over the group, within the deadline (into
+    ``out``, contiguous and of that size, when given). Two ranks on gloo exchange with
+    ``all_to_all`` (each sends its peer its rows; its own are copied locally): gloo's
+    pairwise exchange takes a fraction of its all-gather's time (``docs/design.md`` 4)."""
     world = ctx.world_size
-    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    wait_within_deadline(_all_gather(out, x, group=ctx.group, async_op=True), ctx, phase,
-                         backend, call)
-    return out.view(world, *x.shape)
+    if out is None:
+        out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    rows = out.view(world, *x.shape)
+    if world == 2 and _is_gloo(ctx.group):
+        me, flat = ctx.rank, x.reshape(-1)
+        splits = [0, flat.numel()] if me == 0 else [flat.numel(), 0]
+        all_to_all(flat, rows[1 - me].view(-1), splits, splits, ctx, phase, backend, call)
+        rows[me].copy_(x)
+        return rows
+    TRAFFIC.count((world - 1) * x.numel() * x.element_size())
+    wait_within_deadline(_all_gather(out.view(-1), x.reshape(-1), group=ctx.group,
+                                     async_op=True), ctx, phase, backend, call)
+    return rows
+
+
+def all_to_all(send: torch.Tensor, receive: torch.Tensor, send_splits: list[int],
+               receive_splits: list[int], ctx: Any, phase: str, backend: str,
+               call: int) -> torch.Tensor:
+    """``receive`` gets ``receive_splits[j]`` elements from rank j, in rank order; ``send``
+    gives rank j the next ``send_splits[j]`` (both 1-D, contiguous), within the deadline."""
+    TRAFFIC.count((sum(send_splits) - send_splits[ctx.rank]) * send.element_size())
+    wait_within_deadline(dist.all_to_all_single(
+        receive, send, receive_splits, send_splits, group=ctx.group, async_op=True), ctx,
+        phase, backend, call)
+    return receive
+
+
+_gloo: dict[int, bool] = {}
+
+
+def _is_gloo(group: Any) -> bool:
+    known = _gloo.get(id(group))
+    if known is None:
+        try:
+            known = str(dist.get_backend(group)) == "gloo"
+        except (RuntimeError, ValueError):
+            known = False
+        _gloo[id(group)] = known
+    return known

@@ -8,6 +8,7 @@ from .dtypes import DTYPES
 
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, d.torch_name)
                                         for name, d in DTYPES.items()}
+TORCH_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 
 def device_of(kind: str) -> torch.device:

@@ -1,7 +1,7 @@
-"""What users run without arfuse, as rows of ``arfuse bench``: torch's all-reduce (gloo) with
-an eager add + RMSNorm (the baseline), and DeepSpeed's inference all-reduce with and without
-it; DeepSpeed's setup, build and cleanup; DeepSeek's per-token-group ``act_quant`` in eager
-torch."""
+"""What users run without arfuse, as rows of ``arfuse bench``: the two lines they write
+(torch's all-reduce on the group, then the residual added in place and torch's RMSNorm: the
+baseline), and DeepSpeed's inference all-reduce with and without the same add + RMSNorm;
+DeepSpeed's setup, build and cleanup; DeepSeek's per-token-group ``act_quant`` in eager torch."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from .timing import Row
 
 
 def rmsnorm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The eager add + RMSNorm a layer runs after an unfused all-reduce."""
-    pre = x + residual
-    pf = pre.float()
-    return (pf * torch.rsqrt(pf.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()).to(x.dtype)
+    """What a layer runs after an unfused all-reduce: the residual added in place, then
+    torch's RMSNorm of it."""
+    residual.add_(x)
+    return torch.nn.functional.rms_norm(residual, (x.shape[-1],), weight, EPS)
 
 
 def act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,8 +48,9 @@ def _then(after: Any, out: torch.Tensor) -> Any:
 
 def torch_row(work: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
               reset: Any, after: Any = None) -> Row:
-    """``torch``: gloo's all-reduce of ``work`` in place, then the eager add + RMSNorm (and
-    ``after``: the quantisation step, with ``--quant``)."""
+    """``torch``: the user's two lines: torch's all-reduce of ``work`` in place on the group,
+    then ``residual`` added in place and RMSNorm (and ``after``: the quantisation step, with
+    ``--quant``); ``reset`` restores both."""
     import torch.distributed as dist
 
     return (lambda w_=work, r=residual, w=weight: _then(

@@ -23,7 +23,7 @@ from .baselines import (
 from .floor import Rates, Traffic, measure_rates, moe_traffic, traffic
 from .machine import machine_record
 from .moe import FUSED_ROW, expert_bytes, moe_rows
-from .options import BASELINE, EPS, BenchOptions
+from .options import BASELINE, EPS, OVER_CAPACITY, BenchOptions
 from .overhead import python_overhead
 from .timing import WARMUP, Row, measure, run_tag, summary
 
@@ -77,6 +77,33 @@ def _fused_ops(st: _Rank, dname: str, dtype: torch.dtype) -> tuple[Any, Any]:
                                        backend="shm", strict=True,
                                        replicated_residual=True)
     return comm, replicated
+
+
+def _unfused_ops(st: _Rank, dtype: torch.dtype) -> dict[str, Any]:
+    """The ops of the rows ``arfuse-torch`` and ``shm-over``, where ``--backends`` names
+    them."""
+    import arfuse
+
+    opts = st.opts
+    ops: dict[str, Any] = {}
+    if "arfuse-torch" in opts.backends:
+        ops["arfuse-torch"] = arfuse.FusedAllReduce(
+            max_token_num=max(opts.tokens), hidden_dim=opts.hidden, dtype=dtype,
+            backend="torch", strict=True)
+    if "shm-over" in opts.backends:
+        ops["shm-over"] = arfuse.FusedAllReduce(max_token_num=OVER_CAPACITY,
+                                                hidden_dim=opts.hidden, dtype=dtype,
+                                                backend="shm", strict=True)
+    return ops
+
+
+def _unfused_rows(ops: dict[str, Any], tokens: int, work: torch.Tensor,
+                  res_work: torch.Tensor, weight: torch.Tensor, reset_both: Any,
+                  q: dict[str, Any]) -> dict[str, Row]:
+    """Each of ``ops`` called in place, as the user's two lines run."""
+    return {name: (lambda c=op, x=work, r=res_work, w=weight: c(
+                x, residual=r, weight=w, eps=EPS, out=x, residual_out=r, **q), reset_both)
+            for name, op in ops.items() if name != "shm-over" or tokens > OVER_CAPACITY}
 
 
 def _resets(x: torch.Tensor, work: torch.Tensor, residual: torch.Tensor,
@@ -163,7 +190,7 @@ def _entry(st: _Rank, dname: str, tokens: int, backend: str, size: int, times: l
 
 
 def _run_size(st: _Rank, dname: str, dtype: torch.dtype, tokens: int, weight: torch.Tensor,
-              comm: Any, replicated: Any) -> None:
+              comm: Any, replicated: Any, unfused: dict[str, Any]) -> None:
     """Every row at one token count, timed side by side, then the floor's rates."""
     opts = st.opts
     x = torch.randn(tokens, opts.hidden, generator=st.gen).to(dtype)
@@ -171,7 +198,6 @@ def _run_size(st: _Rank, dname: str, dtype: torch.dtype, tokens: int, weight: to
     work = x.clone()  # what a row reads and may overwrite
     res_work = residual.clone()
     resets = _resets(x, work, residual, res_work)
-    reset = resets[0]
     candidates: dict[str, Row] = {}
     mode = "twoshot"
     if comm is not None:
@@ -180,9 +206,11 @@ def _run_size(st: _Rank, dname: str, dtype: torch.dtype, tokens: int, weight: to
                                     resets, opts.quant_keywords()))
     after = _unfused_quantisation(opts)
     if "torch" in opts.backends:
-        candidates["torch"] = torch_row(work, residual, weight, reset, after)
+        candidates["torch"] = torch_row(work, res_work, weight, resets[1], after)
+    candidates.update(_unfused_rows(unfused, tokens, work, res_work, weight, resets[1],
+                                    opts.quant_keywords()))
     if st.ds is not None:
-        candidates.update(deepspeed_rows(st.ds, work, residual, weight, reset, after))
+        candidates.update(deepspeed_rows(st.ds, work, res_work, weight, resets[1], after))
     # the shm rows warm up past the copy-mode trial: timed calls run the chosen mode
     workspace: Any = None if comm is None else comm.workspace
     trial = 0 if workspace is None else workspace.copy_trial_calls
@@ -225,11 +253,12 @@ def _run_dtype(st: _Rank, dname: str) -> None:
         comm, replicated = _fused_ops(st, dname, dtype)
     weight = (torch.rand(st.opts.hidden, generator=st.gen) + 0.5).to(dtype)
     moe = st.opts.pattern != "residual_rmsnorm"
+    unfused = {} if moe else _unfused_ops(st, dtype)
     for tokens in st.opts.tokens:
         if moe:
             _run_moe_size(st, dname, dtype, tokens, weight, comm)
         else:
-            _run_size(st, dname, dtype, tokens, weight, comm, replicated)
+            _run_size(st, dname, dtype, tokens, weight, comm, replicated, unfused)
         if st.progress is not None:
             st.progress.update(1)
     if comm is not None and not moe:
@@ -238,6 +267,8 @@ def _run_dtype(st: _Rank, dname: str) -> None:
                                 comm.workspace.copy_modes().items()}
     if comm is not None:
         comm.close()
+    for op in unfused.values():
+        op.close()
     if replicated is not None:
         replicated.close()
 

@@ -8,9 +8,13 @@ from ..moe_workload import expert_rows_bytes
 from ..torch_types import TORCH_DTYPES
 
 EPS = 1e-6
-BASELINE = "torch"  # the row every other is compared with
+BASELINE = "torch"  # the row every other is compared with: the user's two lines
 BENCH_TOKENS = tuple(2**i for i in range(13))
-ROWS = ("shm", "torch", "deepspeed")  # what --backends may name
+ROWS = ("shm", "torch", "deepspeed", "arfuse-torch", "shm-over")
+"""What --backends may name. ``arfuse-torch`` and ``shm-over`` are arfuse's paths outside the
+kernel, called in place: the torch backend, and a shm op's call over its capacity (an op of
+capacity ``OVER_CAPACITY``, not timed at sizes it fuses)."""
+OVER_CAPACITY = 1
 
 
 @dataclass(frozen=True)

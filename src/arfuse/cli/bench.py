@@ -34,7 +34,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dtype", type=cli_args.dtype_list, default=("bf16", "fp32"),
                    help="dtypes (bf16,fp32)")
     p.add_argument("--backends", default=",".join(ROWS),
-                   help="rows to measure (shm,torch,deepspeed)")
+                   help="rows to measure (shm,torch,deepspeed,arfuse-torch,shm-over; torch: "
+                   "the user's two lines, dist.all_reduce + residual.add_ + F.rms_norm, the "
+                   "baseline; arfuse-torch: arfuse's torch backend; shm-over: a shm call over "
+                   "its capacity)")
     p.add_argument("--out", default=DEFAULT_OUT,
                    help=f"folder for bench.json/.txt/.png ({DEFAULT_OUT})")
     p.add_argument("--min-seconds", type=cli_args.positive_seconds, default=0.3,

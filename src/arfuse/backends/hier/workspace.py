@@ -20,8 +20,10 @@ One call, on every rank (H hosts of L ranks; rank l of host h):
    IEEE addition, so the slots' sum is that chunk exactly, signed zeros and NaN included), and
    one shm call in the activation dtype gathers the chunks and runs the epilogue (residual,
    RMSNorm, quantisation) in the kernel: the bytes of the torch backend's epilogue
-   (``backends/torch/epilogue.apply``) on the fp32 sum, which is what runs instead with one
-   rank per host, or for a pattern the kernel does not fuse (after an fp32 gather).
+   (``backends/torch/epilogue.apply``) on the fp32 sum, which runs instead for a pattern the
+   kernel does not fuse (after an fp32 gather). With one rank per host the hosts' rows are
+   added in host order and finished as the torch backend finishes them
+   (``backends/torch/finish``: in the kernel where the process has it).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from ..base import Backend, Workspace
 from ..shm.backend import ShmBackend
 from ..shm.workspace import ShmWorkspace
 from ..torch.epilogue import apply
+from ..torch.finish import finish
 from . import HostLayout, footprint, host_layout, partial_spec
 
 # what a rank tells its peers on the other hosts beside its signature (word 0 of four)
@@ -241,9 +244,9 @@ class HierWorkspace(Workspace):
         if parts is None:
             parts = self._cross(mine.contiguous(), "call")
         self._riding = end - start  # the calls matched: the same size on every rank
+        if self.inner is None:  # every host's rows, in host order: the sum and the epilogue
+            return finish([part.view(call.x.shape) for part in parts], call)
         chunk = _host_order_sum(parts)
-        if self.inner is None:
-            return apply(chunk.view(call.tokens, call.x.shape[1]), call)
         if self.finisher is not None and not call.pattern.output.problem(self.spec.dtype,
                                                                          self.spec.hidden):
             return self._host_gather(self.finisher, replace(call, op=op), start, chunk)

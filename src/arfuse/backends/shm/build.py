@@ -171,6 +171,12 @@ def load() -> ModuleType | None:
         return module
 
 
+def loaded() -> ModuleType | None:
+    """The kernel if ``load`` has made or found it, without building it."""
+    module = _state.get("module")
+    return module if isinstance(module, ModuleType) else None
+
+
 def why_not() -> str:
     """Why the compiled kernel is not used ("" when it is, or before the first ``load``)."""
     return str(_state.get("why", ""))

@@ -1,18 +1,34 @@
-"""The unfused reference backend: ``torch.distributed`` on the given group, then the epilogue.
+"""The unfused backend: ``torch.distributed`` on the given group, then the epilogue.
 
-Runs on gloo and NCCL, any world size (1 included), across nodes. Ranks exchange their inputs
-with ``all_gather`` rather than ``all_reduce`` so the sum is taken in fp32 and in rank order
-on every rank: bit-identical results whatever the collective's internal order. It is also the
+Runs on gloo and NCCL, any world size (1 included), across nodes. The collectives only move
+bytes; the sum is taken here, in fp32 and in rank order, so the result is bit-identical on
+every rank and to the fused backends' whatever the collective's internal order. It is also the
 path every other backend takes for a call over its capacity.
 
-Every call first exchanges its signature (tokens, hidden, dtype, pattern, op), so a
-call whose ranks disagree fails on every rank (R11) instead of reaching a collective of
-mismatched sizes. Every wait has the group's deadline (R8); a rank that times out posts that in
-the group's store, so the ranks that did call can name the ones that did not.
+One call, world W (``docs/design.md`` 4, "torch": bytes and collectives per call), every
+exchange an ``all_to_all`` (gloo's pairwise exchange is its fastest collective):
+
+* W = 2: each rank sends its peer its rows, adds both in rank order and finishes them: the
+  bytes a ring all-reduce sends, in one round instead of two;
+* W > 2: each rank owns 1/W of the elements: the first exchange brings it every rank's share,
+  which it adds in rank order and rounds to the activation dtype (the epilogue's first step);
+  the second sends every rank the rounded shares, and each finishes the whole sum with its own
+  residual: a ring's bytes in two rounds.
+
+The call's signature (tokens, hidden, dtype, pattern, op) goes ahead of the rows, so a call
+whose ranks disagree fails on every rank (R11) before any rank reads a peer's rows. An
+exchange must have one size on every rank whatever each rank's call, so the signature's
+message has the size of the last call whose ranks agreed; a call of that size up to
+``RIDE_MAX_BYTES`` per destination rides in it (a run of decode steps exchanges once per
+call), other calls send their signature, then their rows (larger rows go straight from the
+caller's tensor, uncopied). Every wait has the group's deadline (R8); a rank that times out
+posts that in the group's store, so the ranks that did call can name the ones that did not,
+and the workspace refuses every later call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,12 +44,21 @@ from ...errors import (
     NegotiationTimeout,
     WorkspaceBroken,
 )
-from ...pattern import Pattern
 from ...result import FusedOutput
 from ...spec import Spec
 from ...torch_types import device_of
 from ..base import Backend, Workspace
-from .epilogue import apply, rank_order_sum
+from ..shm import build as shm_build
+from .finish import finish
+
+SIGNATURE_BYTES = 16
+"""The call's two signature words (int64) at the head of a message."""
+RIDE_MAX_BYTES = 1 << 20
+"""The most bytes per destination that ride with the signature: copying them into its
+message costs less than a second exchange; larger rows go uncopied after it."""
+KEEP_BYTES = 256 << 20
+"""The largest receive buffer a workspace keeps between calls (larger ones are made per
+call): a reused buffer spares a call the page faults of fresh memory."""
 
 
 class TorchWorkspace(Workspace):
@@ -44,37 +69,131 @@ class TorchWorkspace(Workspace):
         self._poisoned = False
         self._calls = 0
         self._broken = ""
+        # bytes per destination that ride with the signature: the last agreed call's (up to
+        # RIDE_MAX_BYTES, else 0), which every rank knows alike
+        self._riding = 0
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def poison(self) -> None:
         self._poisoned = True
 
-    def takes(self, topology: Any, pattern: Pattern) -> bool:
-        """Always: the reference epilogue quantises, and the call's signature must carry the
-        quantisation and its layout so ranks that differ in them fail together (R11)."""
+    def takes(self, topology: Any, pattern: Any) -> bool:
+        """Always: the epilogue quantises, and the call's signature carries the quantisation
+        and its layout so ranks that differ in them fail together (R11)."""
         return True
 
-    def _gather(self, x: torch.Tensor, phase: str) -> torch.Tensor:
-        """``[world, T, H]`` of every rank's ``x``, within the deadline; a timeout leaves the
-        group out of step, so this workspace refuses every later call."""
-        contribution = torch.zeros_like(x) if self._poisoned else x
+    # --- the exchange ---------------------------------------------------------------------
+
+    def _buffer(self, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
+        """``nbytes`` of scratch (uint8), kept for the next call up to ``KEEP_BYTES``."""
+        kept = self._buffers.get(name)
+        if kept is not None and kept.numel() >= nbytes and kept.device == device:
+            return kept[:nbytes]
+        made = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if nbytes <= KEEP_BYTES:
+            self._buffers[name] = made
+        return made
+
+    def _exchange(self, send: torch.Tensor, receive: torch.Tensor, send_splits: list[int],
+                  receive_splits: list[int], phase: str) -> torch.Tensor:
+        """One ``all_to_all``; a timeout leaves the group out of step, so this workspace
+        refuses every later call."""
         try:
-            return collective.gather(contribution, self.ctx, phase, self.backend, self._calls)
+            return collective.all_to_all(send, receive, send_splits, receive_splits, self.ctx,
+                                         phase, self.backend, self._calls)
         except CallTimeout as error:
             self._broken = str(error)
             raise
 
-    def _check_agreement(self, call: CallArgs) -> None:
-        """R11: every rank's call signature (``arfuse.signature``: tokens, dtype, hidden,
-        pattern, op) must be the same; the op too, since all ops of a process group share its
-        collectives."""
-        words = signature.words(call.tokens, DTYPES[self.spec.dtype].code, call.x.shape[1],
-                                call.pattern.code, op=call.op, moe=call.moe_word,
-                                group_size=call.group_size)
-        mine = torch.tensor([words], dtype=torch.int64, device=call.x.device)
-        every = self._gather(mine, "call-signature").view(self.ctx.world_size, 2).tolist()
-        if any(row != every[0] for row in every):
+    def _words(self, call: CallArgs) -> tuple[int, int]:
+        return signature.words(call.tokens, DTYPES[self.spec.dtype].code, call.x.shape[1],
+                               call.pattern.code, op=call.op, moe=call.moe_word,
+                               group_size=call.group_size)
+
+    def _meet(self, words: tuple[int, int], shares: Callable[[int], torch.Tensor] | None,
+              device: torch.device) -> list[torch.Tensor]:
+        """The signature's exchange; with ``shares`` (the call rides) each peer's row carries
+        the share meant for it after the signature (``SIGNATURE_BYTES + riding`` bytes to each
+        peer, the signature alone to this rank). Returns what each rank sent this one after
+        its signature; raises ``MismatchedCall`` on every rank where the signatures differ."""
+        world, me = self.ctx.world_size, self.ctx.rank
+        splits = [SIGNATURE_BYTES + (self._riding if j != me else 0) for j in range(world)]
+        starts = [sum(splits[:j]) for j in range(world)]
+        send = self._buffer("send", sum(splits), device)
+        head = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+        for j in range(world):
+            send[starts[j]:starts[j] + SIGNATURE_BYTES].copy_(head)
+            if shares is not None and j != me:
+                piece = shares(j)
+                data = starts[j] + SIGNATURE_BYTES
+                send[data:data + piece.numel()].copy_(piece)
+        every = self._exchange(send, self._buffer("receive", sum(splits), device), splits,
+                               splits, "call-signature")
+        heads = torch.stack([every[start:start + SIGNATURE_BYTES] for start in starts])
+        found = heads.view(torch.int64).tolist()
+        if any(pair != found[0] for pair in found):
             raise MismatchedCall(signature.mismatch_message(
-                "torch", self._calls, [(int(a), int(b)) for a, b in every]))
+                "torch", self._calls, [(int(a), int(b)) for a, b in found]))
+        return [every[start + SIGNATURE_BYTES:start + size]
+                for start, size in zip(starts, splits, strict=True)]
+
+    def _parts(self, call: CallArgs, rows: bool = True) -> list[torch.Tensor]:
+        """Every rank's rows (W = 2), or the whole rank-order sum rounded to the activation
+        dtype (W > 2), each ``[T, H]``; without ``rows``, the signature alone (a call this
+        rank refused), and nothing."""
+        x = (torch.zeros_like(call.x) if self._poisoned else call.x).contiguous()
+        world, me, device = self.ctx.world_size, self.ctx.rank, x.device
+        flat, elem = x.view(-1).view(torch.uint8), x.element_size()
+        share = x.numel() if world == 2 else -(-x.numel() // world)  # elements per owner
+        bounds = [min(j * share, x.numel()) * elem for j in range(world + 1)]
+
+        def piece(j: int) -> torch.Tensor:  # what rank j gets: all of x (W = 2), or share j
+            return flat if world == 2 else flat[bounds[j]:bounds[j + 1]]
+
+        size = share * elem
+        rides = rows and size == self._riding
+        every = self._meet(self._words(call), piece if rides else None, device)
+        if not rows:
+            return []
+        self._riding = size if size <= RIDE_MAX_BYTES else 0  # agreed: alike on every rank
+        if world == 2:
+            if rides:
+                theirs = every[1 - me][:size]
+            else:
+                theirs = self._buffer("rows", size, device)
+                splits = [0, size] if me == 0 else [size, 0]
+                self._exchange(flat, theirs, splits, splits, "call")
+            both = [x, theirs.view(x.dtype).view(x.shape)]
+            return both if me == 0 else both[::-1]
+        mine = bounds[me + 1] - bounds[me]
+        if rides:
+            received = [piece(me) if j == me else every[j][:mine] for j in range(world)]
+        else:
+            block = self._buffer("rows", world * mine, device)
+            self._exchange(flat, block, [bounds[j + 1] - bounds[j] for j in range(world)],
+                           [mine] * world, "call")
+            received = list(block.view(world, mine))
+        return [self._gathered_sum(received, x, bounds)]
+
+    def _gathered_sum(self, received: list[torch.Tensor], x: torch.Tensor,
+                      bounds: list[int]) -> torch.Tensor:
+        """W > 2: this rank's share of every rank's rows (bytes, rank by rank), added in rank
+        order and rounded to the activation dtype, sent to every rank; every owner's share
+        back: the whole sum, ``[T, H]``."""
+        world = self.ctx.world_size
+        mine = received[0].numel()
+        shares = [received[j].view(x.dtype).view(1, -1) for j in range(world)]
+        total = self._buffer("sum", bounds[-1], x.device)
+        if mine:
+            summed = finish(shares, CallArgs(x=shares[0])).out.view(-1).view(torch.uint8)
+            send = summed.repeat(world)
+        else:
+            send = total[:0]
+        self._exchange(send, total, [mine] * world,
+                       [bounds[j + 1] - bounds[j] for j in range(world)], "call")
+        return total.view(x.dtype).view(x.shape)
+
+    # --- the workspace's entries ------------------------------------------------------------
 
     def validate(self) -> None:
         # Every rank contributes rank+1 in a known pattern; everyone checks the same sum.
@@ -85,12 +204,14 @@ class TorchWorkspace(Workspace):
         if world == 1:
             got = x.clone()
         else:
+            contribution = torch.zeros_like(x) if self._poisoned else x
             try:
-                got = rank_order_sum(self._gather(x, "validate"))
+                parts = collective.gather(contribution, self.ctx, "validate", self.backend,
+                                          self._calls)
             except CallTimeout as exc:  # the ranks are out of step: negotiation ends
-                self._broken = ""
                 raise NegotiationTimeout("validate", self.backend, exc.silent,
                                          self.ctx.timeout_s) from None
+            got = parts.sum(0)
         expected = world * (world + 1) / 2
         if not torch.all(got == expected):
             raise CreationFailed(
@@ -104,7 +225,7 @@ class TorchWorkspace(Workspace):
             raise WorkspaceBroken.after("arfuse torch", self._broken, group_out_of_step=True)
         self._calls += 1
         if self.ctx.world_size > 1:
-            self._check_agreement(call)
+            self._parts(call, rows=False)
 
     def run(self, call: CallArgs) -> FusedOutput:
         if self._broken:
@@ -112,27 +233,32 @@ class TorchWorkspace(Workspace):
         if call.moe is not None:
             moe.local_rows(call.moe, call.x)  # the expert step: the reference (moe.py)
         self._calls += 1
-        x = call.x
         if self.ctx.world_size == 1:
-            source = torch.zeros_like(x) if self._poisoned else x
-            acc = source.to(torch.float32, copy=True)
-        else:
-            self._check_agreement(call)
-            acc = rank_order_sum(self._gather(x, "call"))
-        return apply(acc, call)
+            x = torch.zeros_like(call.x) if self._poisoned else call.x
+            return finish([x.contiguous()], call)
+        return finish(self._parts(call), call)
 
     def _free(self) -> None:
-        """Nothing allocated beyond per-call tensors."""
+        """The kept message buffers."""
+        self._buffers.clear()
 
 
 class TorchBackend(Backend):
     name = "torch"
+
+    def local_check(self, ctx: Any, spec: Spec) -> str:
+        """Never refuses. On a CPU it loads the shm kernel (built once per user), whose sum and
+        epilogue the calls then use: loaded here, before any group meets, so that no call waits
+        for a compiler while its peers wait for it."""
+        if ctx.device == "cpu":
+            shm_build.load()
+        return ""
 
     def create(self, ctx: Any, spec: Spec) -> Workspace | None:
         mode = ctx.fault(self.name, "create")
         if mode == "none":
             return None
         workspace = TorchWorkspace(ctx, spec)
-        if mode == "null":  # succeeds broken: validation must catch it
+        if mode == "null":  # succeeds broken: validate must catch it
             workspace.poison()
         return workspace

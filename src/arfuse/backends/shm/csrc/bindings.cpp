@@ -292,6 +292,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hidden"), py::arg("handle"));
   m.def("compiled_route_calls", &compiled_route_calls, py::arg("group"), py::arg("dtype"),
         py::arg("hidden"));
+  m.def("finish_parts", &finish_parts, py::arg("parts"), py::arg("residual"), py::arg("weight"),
+        py::arg("eps"), py::arg("weight_bias"), py::arg("quant"), py::arg("scale"),
+        py::arg("out"), py::arg("residual_out"), py::arg("group_size") = 0);
   m.def("moe_finalize", &moe_finalize, py::arg("dst"), py::arg("expanded"), py::arg("index"),
         py::arg("scales"), py::arg("shared"), py::arg("routed"));
   m.def("moe_reduce", &moe_reduce, py::arg("dst"), py::arg("active"), py::arg("scales"),

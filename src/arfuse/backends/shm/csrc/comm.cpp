@@ -30,6 +30,35 @@ at::ScalarType quant_type(int type) {
 
 }  // namespace
 
+// quant_out and scale_out of a call as the output's row of kQuantOutputs says (signature.h),
+// made by `make`, their addresses in c.
+void make_quant_outputs(const Numbers& n, int64_t tokens, int64_t hidden,
+                        const at::TensorOptions& x_options, const MakeOutput& make,
+                        at::Tensor* quant_out, at::Tensor* scale_out, Call* c) {
+  const QuantOutput& q = *quant_output(n.output);
+  if (q.data_type != kQuantTypeNone) {
+    *quant_out = make({tokens, hidden / q.data_pack}, x_options.dtype(quant_type(q.data_type)));
+    c->quant_out = reinterpret_cast<uint8_t*>(quant_out->data_ptr());
+  }
+  if (q.scale_type != kQuantTypeNone) {
+    const ScaleGeometry g = scale_geometry(q, tokens, hidden, n.group);
+    const int64_t per = q.scale_group == kGroupOfCall ? n.group : q.scale_group;
+    const int64_t used = per == 0 ? 1 : hidden / per;
+    const auto options = x_options.dtype(quant_type(q.scale_type));
+    if (q.scale_column_major) {
+      *scale_out = make({g.storage}, options).as_strided({g.rows, g.cols},
+                                                        {g.row_stride, g.col_stride});
+    } else {
+      *scale_out = make({g.rows, g.cols}, options);
+    }
+    // padding must read as zero
+    if (g.rows != tokens || g.cols * q.scale_pack != used || g.storage != g.rows * g.cols) {
+      at::Tensor(*scale_out).as_strided({g.storage}, {1}).zero_();
+    }
+    c->scale_out = reinterpret_cast<uint8_t*>(scale_out->data_ptr());
+  }
+}
+
 // ---- the fast path -------------------------------------------------------------------------
 
 py::object ShmComm::call(py::handle x_obj, py::handle residual_obj, py::handle weight_obj,
@@ -249,30 +278,10 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
   c.stream_out = stream && own_out && n.output == kOutputNone && (whole_lines || !t.weight);
   c.stream_residual_out = stream && own_residual_out;
   c.slot_holds_residual_out = replicated_residual_ && t.residual != nullptr;
-  // quant_out and scale_out as the output's row of kQuantOutputs says (signature.h)
-  const QuantOutput& q = *quant_output(n.output);
-  if (q.data_type != kQuantTypeNone) {
-    quant_out =
-        output({tokens, hidden_ / q.data_pack}, x.options().dtype(quant_type(q.data_type)));
-    c.quant_out = reinterpret_cast<uint8_t*>(quant_out.data_ptr());
-  }
-  if (q.scale_type != kQuantTypeNone) {
-    const ScaleGeometry g = scale_geometry(q, tokens, hidden_, n.group);
-    const int64_t per = q.scale_group == kGroupOfCall ? n.group : q.scale_group;
-    const int64_t used = per == 0 ? 1 : hidden_ / per;
-    const auto options = x.options().dtype(quant_type(q.scale_type));
-    if (q.scale_column_major) {
-      scale_out = output({g.storage}, options).as_strided({g.rows, g.cols},
-                                                          {g.row_stride, g.col_stride});
-    } else {
-      scale_out = output({g.rows, g.cols}, options);
-    }
-    // padding must read as zero
-    if (g.rows != tokens || g.cols * q.scale_pack != used || g.storage != g.rows * g.cols) {
-      at::Tensor(scale_out).as_strided({g.storage}, {1}).zero_();
-    }
-    c.scale_out = reinterpret_cast<uint8_t*>(scale_out.data_ptr());
-  }
+  make_quant_outputs(n, tokens, hidden_, x.options(),
+                     [this](at::IntArrayRef shape, const at::TensorOptions& options) {
+                       return output(shape, options);
+                     }, &quant_out, &scale_out, &c);
   return c;
 }
 

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -68,6 +69,14 @@ struct Numbers {  // the scalars of one call
   int64_t moe = 0;  // a MoE call's word-0 bits: its reduction and fields (signature.h)
   int64_t group = 0;  // a per-token-group output's group size (0 for the other outputs)
 };
+
+// Makes one output tensor of a call (the workspace's pool, or plain memory).
+using MakeOutput = std::function<at::Tensor(at::IntArrayRef, const at::TensorOptions&)>;
+// quant_out and scale_out of a call of `tokens` rows, as the output's row of kQuantOutputs
+// says (signature.h); their addresses go into c.
+void make_quant_outputs(const Numbers& n, int64_t tokens, int64_t hidden,
+                        const at::TensorOptions& x_options, const MakeOutput& make,
+                        at::Tensor* quant_out, at::Tensor* scale_out, Call* c);
 
 class ShmComm {
  public:

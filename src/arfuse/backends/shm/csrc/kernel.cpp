@@ -6,6 +6,7 @@
 #include "comm.cpp"
 #include "comm_checks.cpp"
 #include "comm_life.cpp"
+#include "finish.cpp"
 #include "moe.cpp"
 #include "operators.cpp"
 #include "protocol.cpp"

@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "comm.h"
 
@@ -22,6 +23,16 @@ Tensors tensors_of(const at::Tensor& x, const std::optional<at::Tensor>& residua
                    const std::optional<at::Tensor>& residual_out);
 Numbers numbers_of(double eps, double weight_bias, int64_t quant, double scale,
                    int64_t group_size = 0);
+
+// finish.cpp: the rank-order sum of `parts` and the epilogue, in this process's memory alone
+// (out, residual_out, quant_out, scale_out; the absent ones undefined).
+std::vector<at::Tensor> finish_parts(const std::vector<at::Tensor>& parts,
+                                     const std::optional<at::Tensor>& residual,
+                                     const std::optional<at::Tensor>& weight, double eps,
+                                     double weight_bias, int64_t quant, double scale,
+                                     const std::optional<at::Tensor>& out,
+                                     const std::optional<at::Tensor>& residual_out,
+                                     int64_t group_size);
 
 void register_torch_ops();
 void register_compiled_ops(py::object python, py::object python_fp8);

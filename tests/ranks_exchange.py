@@ -1,0 +1,74 @@
+"""Rank bodies for the torch backend's exchange: collectives and bytes per call, calls whose
+size changes, calls that differ after a run of matching ones. Module level, so they can be
+pickled."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+HIDDEN = 256
+
+
+def _inputs(rank: int, tokens: int, hidden: int = HIDDEN) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s rows and the residual (the same on every rank), from fixed seeds: any
+    rank can make any other's."""
+    gen = torch.Generator().manual_seed(1000 * tokens + rank)
+    rows = torch.randn(tokens, hidden, generator=gen)
+    residual = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))
+    return rows, residual
+
+
+def _expected(world: int, tokens: int, hidden: int = HIDDEN) -> torch.Tensor:
+    """The torch epilogue's ``out`` on the rank-order fp32 sum (the documented bytes)."""
+    from arfuse.backends.torch.epilogue import apply
+    from arfuse.call_checks import CallArgs
+
+    parts = [_inputs(r, tokens, hidden) for r in range(world)]
+    acc = parts[0][0].clone()
+    for rows, _ in parts[1:]:
+        acc.add_(rows)
+    call = CallArgs(x=parts[0][0], residual=parts[0][1], weight=torch.ones(hidden))
+    return apply(acc, call).out
+
+
+def traffic_per_call(rank: int, world: int, sizes: list[int],
+                     hidden: int = HIDDEN) -> list[dict[str, Any]]:
+    """One call per entry of ``sizes`` (tokens): the collectives and bytes this rank sent in
+    it, and whether its ``out`` is the documented sum's bytes."""
+    import arfuse
+    from arfuse import collective
+
+    comm = arfuse.FusedAllReduce(max_token_num=max(sizes), hidden_dim=hidden,
+                                 dtype=torch.float32, backend="torch", strict=True,
+                                 timeout_s=30)
+    report = []
+    for tokens in sizes:
+        rows, residual = _inputs(rank, tokens, hidden)
+        before = (collective.TRAFFIC.collectives, collective.TRAFFIC.bytes_sent)
+        out = comm(rows, residual=residual, weight=torch.ones(hidden)).out
+        report.append({"collectives": collective.TRAFFIC.collectives - before[0],
+                       "bytes": collective.TRAFFIC.bytes_sent - before[1],
+                       "exact": torch.equal(out.view(torch.int32),
+                                            _expected(world, tokens, hidden).view(torch.int32))})
+    comm.close()
+    return report
+
+
+def differ_after_matching(rank: int, world: int, tokens: list[list[int]]) -> list[str]:
+    """Calls ``tokens[i][rank]`` in turn (hidden 32, fp32, plain): how each ends here."""
+    import arfuse
+
+    comm = arfuse.FusedAllReduce(max_token_num=1 << 14, hidden_dim=32, dtype=torch.float32,
+                                 backend="torch", strict=True, timeout_s=20)
+    ended = []
+    for call in tokens:
+        x = torch.full((call[rank], 32), float(rank + 1))
+        try:
+            out = comm(x).out
+            ended.append("ok" if bool((out == world * (world + 1) / 2).all()) else "wrong sum")
+        except Exception as exc:
+            ended.append(type(exc).__name__)
+    comm.close()
+    return ended
