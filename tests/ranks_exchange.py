@@ -72,3 +72,30 @@ def differ_after_matching(rank: int, world: int, tokens: list[list[int]]) -> lis
             ended.append(type(exc).__name__)
     comm.close()
     return ended
+
+
+def ops_in_different_orders(rank: int, world: int, backend: str | None) -> dict[str, Any]:
+    """Two ops of one group (hidden 64 and 128, fp32), each with matching calls first (so each
+    has its own last size), then called in different orders by the two halves of the group:
+    how each call ends here, then whether matching calls still give the sum."""
+    import arfuse
+
+    ops = [arfuse.FusedAllReduce(max_token_num=8, hidden_dim=hidden, dtype=torch.float32,
+                                 backend=backend, timeout_s=20) for hidden in (64, 128)]
+
+    def call(op: Any, tokens: int) -> str:
+        hidden = op.spec.hidden
+        try:
+            out = op(torch.full((tokens, hidden), float(rank + 1))).out
+        except Exception as exc:
+            return type(exc).__name__
+        return "ok" if bool((out == world * (world + 1) / 2).all()) else "wrong sum"
+
+    first = [call(ops[0], 4), call(ops[1], 2), call(ops[0], 4)]
+    order = ops if rank < world // 2 else ops[::-1]
+    crossed = [call(op, 4) for op in order]
+    after = [call(ops[0], 4), call(ops[1], 2)]
+    backends = sorted({op.backend for op in ops})
+    for op in ops:
+        op.close()
+    return {"first": first, "crossed": crossed, "after": after, "backends": backends}

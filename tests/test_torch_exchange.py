@@ -4,14 +4,18 @@ agreed size, and calls that differ after a run of matching ones failing on every
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from arfuse.backends.torch.workspace import RIDE_MAX_BYTES, SIGNATURE_BYTES
+from arfuse.backends.torch.workspace import SIGNATURE_BYTES
+from arfuse.collective import RIDE_MAX_BYTES
 
 import ranks_exchange
 from harness import run_ranks, values
 
 TOKENS = 16
+TWO_HOSTS = Path(__file__).parent.parent / "examples" / "topologies" / "cpu-2hosts.json"
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -72,3 +76,21 @@ def test_calls_that_differ_after_matching_ones_fail_on_every_rank(
     got = values(run_ranks(ranks_exchange.differ_after_matching, world, tokens, timeout=120))
     expected = ["ok" if len(set(call)) == 1 else "MismatchedCall" for call in tokens]
     assert got == [expected] * world, got
+
+
+@pytest.mark.parametrize(("world", "backend", "env"), [
+    (2, "torch", {}), (4, "torch", {}),
+    (4, None, {"ARFUSE_TOPOLOGY": str(TWO_HOSTS), "ARFUSE_LOG": "warning"})])
+def test_ops_called_in_different_orders_fail_on_every_rank(
+        world: int, backend: str | None, env: dict[str, str]) -> None:
+    """Ops of one group whose last calls had other sizes, called in different orders by half
+    the ranks each: every rank raises ``MismatchedCall`` (their first messages have one size,
+    the group's, so no rank dies of a collective of mismatched sizes), and matching calls
+    after it give the sum. On hier (2 hosts x 2 ranks by topology file) too."""
+    got = values(run_ranks(ranks_exchange.ops_in_different_orders, world, backend, env=env,
+                           timeout=200))
+    for g in got:
+        assert g["backends"] == [backend or "hier"], g
+        assert g["first"] == ["ok"] * 3, g
+        assert g["crossed"] == ["MismatchedCall"] * 2, g
+        assert g["after"] == ["ok"] * 2, g

@@ -54,6 +54,51 @@ class Traffic:
 
 TRAFFIC = Traffic()
 
+RIDE_MAX_BYTES = 1 << 20
+"""The most bytes per destination that ride in a signature's message: copying them into it
+costs less than a second exchange; larger rows go uncopied after it."""
+KEEP_BYTES = 256 << 20
+"""The largest buffer ``Buffers`` keeps between calls (larger ones are made per call)."""
+
+
+class Buffers:
+    """A workspace's message and receive buffers by name, kept between calls: fresh memory
+    costs a call its page faults (more than the exchange itself, at a few MiB)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``nbytes`` of uint8 scratch, valid until the next ``get`` of ``name``."""
+        kept = self._kept.get(name)
+        if kept is not None and kept.numel() >= nbytes and kept.device == torch.device(device):
+            return kept[:nbytes]
+        made = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if nbytes <= KEEP_BYTES:
+            self._kept[name] = made
+        return made
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+
+# Per process group (by id: the entry is reset whenever a backend is made on it, at the same
+# point of the group's collective order on every rank): the bytes after the signature of its
+# next signature message, the last agreed call's. Every op of the group shares it, so ops
+# called in different orders on different ranks still meet in one exchange of one size and
+# fail there with MismatchedCall; an exchange of two sizes would abort gloo.
+_agreed: dict[int, int] = {}
+
+
+def agreed_size(group: Any) -> int:
+    """The size of ``group``'s next signature message after its signature (bytes)."""
+    return _agreed.get(id(group), 0)
+
+
+def agree_size(group: Any, size: int) -> None:
+    """After a call whose ranks agreed (every rank of ``group`` does the same)."""
+    _agreed[id(group)] = size
+
 
 def _wait(work: Any, deadline: float) -> None:
     """Block until ``work`` completes or ``deadline`` passes (``TimeoutError``): yielding the

@@ -25,7 +25,7 @@ from .machine import machine_record
 from .moe import FUSED_ROW, expert_bytes, moe_rows
 from .options import BASELINE, EPS, OVER_CAPACITY, BenchOptions
 from .overhead import python_overhead
-from .timing import WARMUP, Row, measure, run_tag, summary
+from .timing import WARMUP, Row, measure, run_tag, slowest_medians, summary
 
 
 @dataclass
@@ -217,9 +217,12 @@ def _run_size(st: _Rank, dname: str, dtype: torch.dtype, tokens: int, weight: to
     rows, faults = measure(candidates, opts, WARMUP + trial)
     size = tokens * opts.hidden * x.element_size()
     rates = measure_rates(size, st.tag)
+    slowest = slowest_medians(rows)
     for backend, times in rows.items():
-        st.results.append(_entry(st, dname, tokens, backend, size, times, faults[backend],
-                                 mode, rates, traffic(backend, size, st.world, mode)))
+        entry = _entry(st, dname, tokens, backend, size, times, faults[backend], mode, rates,
+                       traffic(backend, size, st.world, mode))
+        entry["slowest_rank_median_us"] = slowest[backend]
+        st.results.append(entry)
 
 
 def _run_moe_size(st: _Rank, dname: str, dtype: torch.dtype, tokens: int,

@@ -70,6 +70,16 @@ def measure(rows: dict[str, Row], opts: BenchOptions, shm_warmup: int = WARMUP
     return times, faults
 
 
+def slowest_medians(rows: dict[str, list[float]]) -> dict[str, float]:
+    """Each row's median over its calls, the slowest rank's (collective)."""
+    import torch.distributed as dist
+
+    medians = torch.tensor([statistics.median(times) for times in rows.values()],
+                           dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return dict(zip(rows, medians.tolist(), strict=True))
+
+
 def run_tag() -> int:
     """A number every rank of this run agrees on (rank 0's pid): names the run's files."""
     import torch.distributed as dist

@@ -139,13 +139,13 @@ class HierWorkspace(Workspace):
         self.finisher = finisher
         self.host, self.local = layout.where(ctx.rank)
         self._calls = 0
-        self._riding = 0  # elements of a chunk that rides with the verdicts
         # what crosses between hosts: fp32 partial sums, or with one rank per host its rows
         # as they are (the same values in half the bytes for 16-bit rows)
         self._wire = torch.float32 if inner is not None else _torch_dtype(spec.dtype)
         self._broken = ""
         self._poisoned = False
         self._lock = threading.Lock()
+        self._buffers = collective.Buffers()
 
     def describe(self) -> str:
         return f"{super().describe()}, {self.layout.describe()}"
@@ -184,9 +184,14 @@ class HierWorkspace(Workspace):
         return n * self.local // parts, n * (self.local + 1) // parts
 
     def _cross(self, payload: torch.Tensor, phase: str) -> torch.Tensor:
-        """``[H, *payload.shape]`` of the ranks of this local index, host by host."""
+        """``[H, *payload.shape]`` of the ranks of this local index, host by host (into a
+        buffer kept for the next call of this phase)."""
+        hosts = self.layout.host_count
+        out = self._buffers.get(phase, hosts * payload.numel() * payload.element_size()
+                                ).view(payload.dtype)
         try:
-            return collective.gather(payload, self.cross_ctx, phase, self.backend, self._calls)
+            return collective.gather(payload, self.cross_ctx, phase, self.backend, self._calls,
+                                     out=out)
         except CallTimeout as error:
             silent = (None if error.silent is None else
                       [self.layout.ranks[h][self.local] for h in error.silent])
@@ -205,20 +210,21 @@ class HierWorkspace(Workspace):
                            ) -> tuple[list[tuple[int, int, int, int]], torch.Tensor | None]:
         """Every host's verdict (flag, detail, signature); and, where ``chunk`` has the
         riding size, every host's chunk from the same message (else ``None``). The message's
-        size is the same on every rank of the subgroup whatever each one's call: the verdict
-        and the last matched call's chunk size, so that calls which differ fail in it."""
-        head = _VERDICT_BYTES // self._wire.itemsize
-        message = torch.empty(head + self._riding, dtype=self._wire)
-        message[:head].view(torch.int64).copy_(
-            torch.tensor([flag, detail, *words], dtype=torch.int64))
-        rides = chunk is not None and chunk.numel() == self._riding
+        size is the same on every rank of the subgroup whatever each one's call and op: the
+        verdict and the last matched call's chunk on the subgroup (``collective.agreed_size``,
+        bytes), so that calls which differ fail in it."""
+        riding = collective.agreed_size(self.cross_ctx.group)
+        message = self._buffers.get("verdicts", _VERDICT_BYTES + riding)
+        message[:_VERDICT_BYTES].copy_(
+            torch.tensor([flag, detail, *words], dtype=torch.int64).view(torch.uint8))
+        rides = chunk is not None and chunk.numel() * self._wire.itemsize == riding
         if rides:
             assert chunk is not None
-            message[head:].copy_(chunk)
+            message[_VERDICT_BYTES:].copy_(chunk.contiguous().view(torch.uint8))
         every = self._cross(message, "call-signature")
-        verdicts = every[:, :head].contiguous().view(torch.int64).tolist()
+        verdicts = every[:, :_VERDICT_BYTES].contiguous().view(torch.int64).tolist()
         return ([(int(a), int(b), int(c), int(d)) for a, b, c, d in verdicts],
-                every[:, head:] if rides else None)
+                every[:, _VERDICT_BYTES:].view(self._wire) if rides else None)
 
     def run(self, call: CallArgs) -> FusedOutput:
         with self._lock:
@@ -243,7 +249,10 @@ class HierWorkspace(Workspace):
         assert mine is not None
         if parts is None:
             parts = self._cross(mine.contiguous(), "call")
-        self._riding = end - start  # the calls matched: the same size on every rank
+        # the calls matched: the same size on every rank
+        chunk_bytes = (end - start) * self._wire.itemsize
+        collective.agree_size(self.cross_ctx.group,
+                              chunk_bytes if chunk_bytes <= collective.RIDE_MAX_BYTES else 0)
         if self.inner is None:  # every host's rows, in host order: the sum and the epilogue
             return finish([part.view(call.x.shape) for part in parts], call)
         chunk = _host_order_sum(parts)
@@ -351,6 +360,7 @@ class HierWorkspace(Workspace):
     def _free(self) -> None:
         """The host's shm workspace goes; the subgroups stay with the process (``_SUBGROUPS``),
         and one that timed out is never freed (``collective.keep_for_the_process``)."""
+        self._buffers.clear()
         if self.finisher is not None and self.finisher is not self.inner:
             self.finisher.destroy()
         self.finisher = None
@@ -408,6 +418,7 @@ class HierBackend(Backend):
                 host_group = _subgroup(host_ranks)
             cross_group = _subgroup(cross_ranks)
             cross_ctx = _context(cross_group, ctx)
+        collective.agree_size(cross_group, 0)  # every rank, at one point of the group's order
         if layout.local_size > 1:
             inner = finisher = _host_workspace(host_group, ctx, partial_spec(spec),
                                                layout.hosts[h])

@@ -18,12 +18,13 @@ exchange an ``all_to_all`` (gloo's pairwise exchange is its fastest collective):
 The call's signature (tokens, hidden, dtype, pattern, op) goes ahead of the rows, so a call
 whose ranks disagree fails on every rank (R11) before any rank reads a peer's rows. An
 exchange must have one size on every rank whatever each rank's call, so the signature's
-message has the size of the last call whose ranks agreed; a call of that size up to
-``RIDE_MAX_BYTES`` per destination rides in it (a run of decode steps exchanges once per
-call), other calls send their signature, then their rows (larger rows go straight from the
-caller's tensor, uncopied). Every wait has the group's deadline (R8); a rank that times out
-posts that in the group's store, so the ranks that did call can name the ones that did not,
-and the workspace refuses every later call.
+message has the size of the last call on the group whose ranks agreed, whichever op made it
+(``collective.agreed_size``: ops called in different orders fail with ``MismatchedCall``); a
+call of that size up to ``collective.RIDE_MAX_BYTES`` per destination rides in it (a run of
+decode steps exchanges once per call), other calls send their signature, then their rows
+(larger rows go straight from the caller's tensor, uncopied). Every wait has the group's
+deadline (R8); a rank that times out posts that in the group's store, so the ranks that did
+call can name the ones that did not, and the workspace refuses every later call.
 """
 
 from __future__ import annotations
@@ -53,12 +54,6 @@ from .finish import finish
 
 SIGNATURE_BYTES = 16
 """The call's two signature words (int64) at the head of a message."""
-RIDE_MAX_BYTES = 1 << 20
-"""The most bytes per destination that ride with the signature: copying them into its
-message costs less than a second exchange; larger rows go uncopied after it."""
-KEEP_BYTES = 256 << 20
-"""The largest receive buffer a workspace keeps between calls (larger ones are made per
-call): a reused buffer spares a call the page faults of fresh memory."""
 
 
 class TorchWorkspace(Workspace):
@@ -69,10 +64,7 @@ class TorchWorkspace(Workspace):
         self._poisoned = False
         self._calls = 0
         self._broken = ""
-        # bytes per destination that ride with the signature: the last agreed call's (up to
-        # RIDE_MAX_BYTES, else 0), which every rank knows alike
-        self._riding = 0
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers = collective.Buffers()
 
     def poison(self) -> None:
         self._poisoned = True
@@ -83,16 +75,6 @@ class TorchWorkspace(Workspace):
         return True
 
     # --- the exchange ---------------------------------------------------------------------
-
-    def _buffer(self, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
-        """``nbytes`` of scratch (uint8), kept for the next call up to ``KEEP_BYTES``."""
-        kept = self._buffers.get(name)
-        if kept is not None and kept.numel() >= nbytes and kept.device == device:
-            return kept[:nbytes]
-        made = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        if nbytes <= KEEP_BYTES:
-            self._buffers[name] = made
-        return made
 
     def _exchange(self, send: torch.Tensor, receive: torch.Tensor, send_splits: list[int],
                   receive_splits: list[int], phase: str) -> torch.Tensor:
@@ -117,9 +99,10 @@ class TorchWorkspace(Workspace):
         peer, the signature alone to this rank). Returns what each rank sent this one after
         its signature; raises ``MismatchedCall`` on every rank where the signatures differ."""
         world, me = self.ctx.world_size, self.ctx.rank
-        splits = [SIGNATURE_BYTES + (self._riding if j != me else 0) for j in range(world)]
+        riding = collective.agreed_size(self.ctx.group)
+        splits = [SIGNATURE_BYTES + (riding if j != me else 0) for j in range(world)]
         starts = [sum(splits[:j]) for j in range(world)]
-        send = self._buffer("send", sum(splits), device)
+        send = self._buffers.get("send", sum(splits), device)
         head = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
         for j in range(world):
             send[starts[j]:starts[j] + SIGNATURE_BYTES].copy_(head)
@@ -127,7 +110,7 @@ class TorchWorkspace(Workspace):
                 piece = shares(j)
                 data = starts[j] + SIGNATURE_BYTES
                 send[data:data + piece.numel()].copy_(piece)
-        every = self._exchange(send, self._buffer("receive", sum(splits), device), splits,
+        every = self._exchange(send, self._buffers.get("receive", sum(splits), device), splits,
                                splits, "call-signature")
         heads = torch.stack([every[start:start + SIGNATURE_BYTES] for start in starts])
         found = heads.view(torch.int64).tolist()
@@ -151,16 +134,17 @@ class TorchWorkspace(Workspace):
             return flat if world == 2 else flat[bounds[j]:bounds[j + 1]]
 
         size = share * elem
-        rides = rows and size == self._riding
+        rides = rows and size == collective.agreed_size(self.ctx.group)
         every = self._meet(self._words(call), piece if rides else None, device)
         if not rows:
             return []
-        self._riding = size if size <= RIDE_MAX_BYTES else 0  # agreed: alike on every rank
+        # agreed: alike on every rank
+        collective.agree_size(self.ctx.group, size if size <= collective.RIDE_MAX_BYTES else 0)
         if world == 2:
             if rides:
                 theirs = every[1 - me][:size]
             else:
-                theirs = self._buffer("rows", size, device)
+                theirs = self._buffers.get("rows", size, device)
                 splits = [0, size] if me == 0 else [size, 0]
                 self._exchange(flat, theirs, splits, splits, "call")
             both = [x, theirs.view(x.dtype).view(x.shape)]
@@ -169,7 +153,7 @@ class TorchWorkspace(Workspace):
         if rides:
             received = [piece(me) if j == me else every[j][:mine] for j in range(world)]
         else:
-            block = self._buffer("rows", world * mine, device)
+            block = self._buffers.get("rows", world * mine, device)
             self._exchange(flat, block, [bounds[j + 1] - bounds[j] for j in range(world)],
                            [mine] * world, "call")
             received = list(block.view(world, mine))
@@ -183,7 +167,7 @@ class TorchWorkspace(Workspace):
         world = self.ctx.world_size
         mine = received[0].numel()
         shares = [received[j].view(x.dtype).view(1, -1) for j in range(world)]
-        total = self._buffer("sum", bounds[-1], x.device)
+        total = self._buffers.get("sum", bounds[-1], x.device)
         if mine:
             summed = finish(shares, CallArgs(x=shares[0])).out.view(-1).view(torch.uint8)
             send = summed.repeat(world)
@@ -255,6 +239,8 @@ class TorchBackend(Backend):
         return ""
 
     def create(self, ctx: Any, spec: Spec) -> Workspace | None:
+        # every rank, at one point of the group's collective order (before a fault may stop it)
+        collective.agree_size(ctx.group, 0)
         mode = ctx.fault(self.name, "create")
         if mode == "none":
             return None
