@@ -12,7 +12,8 @@ Every rank (``torchrun --nproc-per-node N``, or this script's own launcher):
    installed here): per flag (auto, mnnvl, trtllm) and dtype (bf16, fp32), the resolver, the
    group's workspace, the fused residual + RMSNorm and the plain all-reduce against the float64
    reference, the same bytes on every rank, and a CUDA-graph capture of the fused op;
-6. a latency table: the fused op against NCCL ``all_reduce`` + add + RMSNorm, medians.
+6. a latency table: the fused op and arfuse's torch backend, in place, against the user's two
+   lines (NCCL ``all_reduce`` + ``residual.add_`` + ``F.rms_norm``), medians.
 
 Results go to ``benchmarks/results/gpu-check-<gpu>-<world>.json`` and ``.txt``. ``--device cpu``
 runs the same steps on CPU ranks (gloo, shm) so the script itself can be checked anywhere.
@@ -261,6 +262,9 @@ def _sglang(rank: int, world: int, opts: argparse.Namespace,
 
 def _latency(rank: int, world: int, opts: argparse.Namespace,
              device: torch.device) -> list[dict[str, Any]]:
+    """Per size: the fused op (``auto``) and arfuse's torch backend, each in place, against
+    the user's two lines (``dist.all_reduce`` + ``residual.add_`` + ``F.rms_norm``), taking
+    turns; every row's inputs restored before each call (timed alike in every row)."""
     import torch.distributed as dist
 
     import arfuse
@@ -269,41 +273,48 @@ def _latency(rank: int, world: int, opts: argparse.Namespace,
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    comm = arfuse.FusedAllReduce(max_token_num=max(opts.tokens), hidden_dim=opts.hidden,
-                                 dtype=torch.bfloat16, device=opts.device)
+    ops = {name: arfuse.FusedAllReduce(max_token_num=max(opts.tokens), hidden_dim=opts.hidden,
+                                       dtype=torch.bfloat16, device=opts.device,
+                                       backend=backend)
+           for name, backend in (("fused", "auto"), ("torch", "torch"))}
     rows = []
     for tokens in opts.tokens:
         data = _inputs(rank, world, tokens, opts.hidden, torch.bfloat16, device)
-        x, residual, weight = data["x"], data["residual"], data["weight"]
+        source, source_residual, weight = data["x"], data["residual"], data["weight"]
+        x, residual = source.clone(), source_residual.clone()
 
-        def fused(x: torch.Tensor = x, residual: torch.Tensor = residual,
-                  weight: torch.Tensor = weight) -> None:
-            comm(x, residual=residual, weight=weight, eps=EPS)
+        def user(x: torch.Tensor = x, residual: torch.Tensor = residual,
+                 weight: torch.Tensor = weight) -> None:
+            dist.all_reduce(x)
+            residual.add_(x)
+            torch.nn.functional.rms_norm(residual, (x.shape[-1],), weight, EPS)
 
-        def unfused(x: torch.Tensor = x, residual: torch.Tensor = residual,
-                    weight: torch.Tensor = weight) -> None:
-            summed = x.clone()
-            dist.all_reduce(summed)
-            pre = (summed + residual).float()
-            (pre * torch.rsqrt(pre.pow(2).mean(-1, keepdim=True) + EPS)
-             * weight.float()).to(x.dtype)
-
-        times: dict[str, list[float]] = {"fused": [], "unfused": []}
+        calls = {"user": user}
+        for name, op in ops.items():
+            calls[name] = (lambda op=op, x=x, residual=residual, weight=weight: op(
+                x, residual=residual, weight=weight, eps=EPS, out=x, residual_out=residual))
+        times: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(5):
-            for name, fn in (("fused", fused), ("unfused", unfused)):
+            for name, fn in calls.items():
                 for _ in range(3):
+                    x.copy_(source)
+                    residual.copy_(source_residual)
                     fn()
                 sync()
                 for _ in range(opts.steps):
+                    x.copy_(source)
+                    residual.copy_(source_residual)
                     start = time.perf_counter_ns()
                     fn()
                     sync()
                     times[name].append((time.perf_counter_ns() - start) / 1e3)
-        fused_us, unfused_us = (statistics.median(times["fused"]),
-                                statistics.median(times["unfused"]))
-        rows.append({"tokens": tokens, "backend": comm.backend, "fused_us": fused_us,
-                     "unfused_us": unfused_us, "speedup": unfused_us / fused_us})
-    comm.close()
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        rows.append({"tokens": tokens, "backend": ops["fused"].backend,
+                     "fused_us": medians["fused"], "torch_us": medians["torch"],
+                     "unfused_us": medians["user"], "speedup": medians["user"] / medians["fused"],
+                     "torch_over_user": medians["torch"] / medians["user"]})
+    for op in ops.values():
+        op.close()
     return rows
 
 
@@ -386,11 +397,12 @@ def _write(report: dict[str, Any], out: Path, gpu: str) -> None:
                      f"graph {row.get('cuda_graph', '-')}: "
                      + ("ok" if row.get("ok") else f"FAILED {row.get('error', calls)}"))
     if isinstance(report.get("latency"), list):
-        lines.append(f"{'tokens':>7} {'backend':>8} {'fused us':>10} {'NCCL+norm us':>13} "
-                     f"{'speedup':>8}")
+        lines.append(f"{'tokens':>7} {'backend':>8} {'fused us':>10} {'torch us':>10} "
+                     f"{'user us':>9} {'speedup':>8} {'torch/user':>10}")
         for r in report["latency"]:
             lines.append(f"{r['tokens']:>7} {r['backend']:>8} {r['fused_us']:>10.1f} "
-                         f"{r['unfused_us']:>13.1f} {r['speedup']:>7.2f}x")
+                         f"{r['torch_us']:>10.1f} {r['unfused_us']:>9.1f} "
+                         f"{r['speedup']:>7.2f}x {r['torch_over_user']:>10.2f}")
     text = "\n".join(lines)
     (out / f"{stem}.txt").write_text(text + "\n")
     print(text, flush=True)

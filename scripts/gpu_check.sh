@@ -4,7 +4,8 @@
 # detection, FlashInfer's JIT build and the single-rank path (one GPU), every backend and
 # pattern against a float64 reference, CUDA-graph capture and replay, the SGLang drop-in's rows
 # (its resolver, workspaces, fused and plain calls and a graph capture, per flag and dtype, as
-# SGLang's layers call them), and a latency table fused vs NCCL + norm (two or more). Results:
+# SGLang's layers call them), and a latency table: fused and arfuse's torch backend against the
+# user's two lines, NCCL all_reduce + residual add + F.rms_norm (two or more). Results:
 # benchmarks/results/gpu-check-*.json and .txt.
 #
 #   scripts/gpu_check.sh                 # every GPU of this machine

@@ -195,8 +195,14 @@ def killed(rank: int, world: int, victim: int) -> dict[str, Any]:
         comm(torch.ones(4, 64))
         return {"error": "", "seconds": time.monotonic() - started}
     except arfuse.ArfuseError as exc:
-        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started,
-                "backend": comm.backend}
+        found = {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started,
+                 "backend": comm.backend, "silent": list(getattr(exc, "silent", None) or [])}
+    try:
+        comm(torch.ones(4, 64))
+        found["next"] = ""
+    except arfuse.ArfuseError as exc:
+        found["next"] = type(exc).__name__
+    return found
 
 
 def negotiated(rank: int, world: int) -> dict[str, Any]:

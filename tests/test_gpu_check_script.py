@@ -28,4 +28,5 @@ def test_gpu_check_runs_its_steps_on_cpu_ranks(tmp_path: Path) -> None:
         (s, d) for s in ("auto", "mnnvl", "trtllm") for d in ("bfloat16", "float32")]
     assert all(r["ok"] and not r["ready"] for r in report["sglang"]), report["sglang"]
     assert {r["tokens"] for r in report["latency"]} == {1, 8}
+    assert all(r["torch_us"] > 0 and r["unfused_us"] > 0 for r in report["latency"])
     assert len(report["facts"]) == 2

@@ -84,6 +84,9 @@ def _one_rank_per_host(tmp_path: Path) -> str:
 
 @pytest.mark.parametrize("victim", [1, 3])
 def test_a_killed_rank_makes_every_rank_on_both_hosts_raise(victim: int) -> None:
+    """Every other rank raises within the timeout; a rank that names who is silent names the
+    victim by its group rank (the host step's kernel numbers its ranks by local index: its
+    words come with the map), never a live rank; the next call is ``WorkspaceBroken``."""
     results = run_ranks(ranks_hier.killed, 4, victim, env=ENV, timeout=120, expect=3)
     for r in results:
         if r.rank == victim:
@@ -91,6 +94,10 @@ def test_a_killed_rank_makes_every_rank_on_both_hosts_raise(victim: int) -> None
         assert r.ok, r.error
         assert r.value["error"], r.value
         assert r.value["seconds"] < 40, r.value  # within the timeout (10 s), with room
+        assert set(r.value["silent"]) <= {victim}, r.value
+        if "numbers its ranks by local index" in r.value["error"]:
+            assert f"{victim % 2} is rank {victim}" in r.value["error"], r.value
+        assert r.value["next"] == "WorkspaceBroken", r.value
 
 
 def test_a_host_that_cannot_create_makes_every_rank_fall_back_together() -> None:

@@ -30,6 +30,8 @@ from .errors import CallTimeout
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # how long ranks that timed out wait to see which others timed out too
 SILENT_GRACE_S = 0.5
+# how long a rank that timed out waits for the store's answers beyond that
+STORE_ANSWER_S = 2.0
 
 
 # the longest one wait sleeps before it looks at the deadline again (a signal is seen sooner)
@@ -169,17 +171,28 @@ def keep_for_the_process(group: Any) -> None:
 
 
 def silent_ranks(ctx: Any, phase: str, call: int) -> list[int] | None:
-    """Ranks that timed out at this call say so in the store; the others are silent."""
+    """Ranks that timed out at this call say so in the store; the others are silent. ``None``
+    (unknown) when the store does not answer within ``SILENT_GRACE_S + STORE_ANSWER_S``: a
+    store on a host this one cannot reach (a link that went down) would hold a socket call
+    until TCP gives up, minutes later; the lookup runs on a thread of its own, left behind."""
     store = ctx.channel.store
     if store is None:
         return None
     key = f"timeout/{phase}/{call}"
     prefix = f"{ctx.channel.prefix}/{key}"
-    with contextlib.suppress(Exception):
-        ctx.channel.post(f"{key}/{ctx.rank}", "1")
-        time.sleep(SILENT_GRACE_S)
-        return [r for r in range(ctx.world_size) if not store.check([f"{prefix}/{r}"])]
-    return None
+    found: list[list[int]] = []
+
+    def ask() -> None:
+        with contextlib.suppress(Exception):
+            ctx.channel.post(f"{key}/{ctx.rank}", "1")
+            time.sleep(SILENT_GRACE_S)
+            found.append([r for r in range(ctx.world_size)
+                          if not store.check([f"{prefix}/{r}"])])
+
+    asking = threading.Thread(target=ask, name="arfuse-silent-ranks", daemon=True)
+    asking.start()
+    asking.join(SILENT_GRACE_S + STORE_ANSWER_S)
+    return found[0] if found else None
 
 
 def gather(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int,

@@ -200,10 +200,35 @@ class HierWorkspace(Workspace):
                 if h != self.host]
             text = (" with " if silent is not None else " with one of ") + ", ".join(
                 f"rank {r} on host {self.layout.host_of(r)}" for r in peers)
-            timeout = CallTimeout(phase, self.backend, silent, self.ctx.timeout_s,
-                                  detail=f" (call {self._calls}, between hosts{text})")
+            if collective.PEER_GONE.search(str(error)):  # a reset, not a deadline
+                timeout = CallTimeout(phase, self.backend, silent, self.ctx.timeout_s,
+                                      message=collective.peer_gone(
+                                          phase, self.backend, silent, self._calls,
+                                          f"between hosts{text}: {error}"))
+            else:
+                timeout = CallTimeout(phase, self.backend, silent, self.ctx.timeout_s,
+                                      detail=f" (call {self._calls}, between hosts{text})")
             self._broken = str(timeout)
             raise timeout from None
+
+    def _host_words(self, host: int) -> str:
+        """How the host step's errors (the shm kernel's, on the host's ranks alone) name its
+        ranks: by local index."""
+        return (f"the host step of {self.layout.hosts[host]} numbers its ranks by local index: "
+                + ", ".join(f"{i} is rank {r}" for i, r in enumerate(self.layout.ranks[host])))
+
+    def _host_failed(self, error: CallTimeout | WorkspaceBroken, step: str) -> CallTimeout:
+        """A host step's failure on this host (a peer here died or timed out), in the group's
+        rank numbers; it leaves the workspace broken."""
+        local = getattr(error, "silent", None)
+        members = self.layout.ranks[self.host]
+        silent = None if local is None else [members[i] for i in local if 0 <= i < len(members)]
+        failed = CallTimeout(step, self.backend, silent, self.ctx.timeout_s,
+                             detail=f" (call {self._calls}; the {step} on "
+                                    f"{self.layout.hosts[self.host]} failed: {error}; "
+                                    f"{self._host_words(self.host)})")
+        self._broken = str(failed)
+        return failed
 
     def _exchange_verdicts(self, words: tuple[int, int], flag: int, detail: int,
                            chunk: torch.Tensor | None = None,
@@ -256,10 +281,13 @@ class HierWorkspace(Workspace):
         if self.inner is None:  # every host's rows, in host order: the sum and the epilogue
             return finish([part.view(call.x.shape) for part in parts], call)
         chunk = _host_order_sum(parts)
-        if self.finisher is not None and not call.pattern.output.problem(self.spec.dtype,
-                                                                         self.spec.hidden):
-            return self._host_gather(self.finisher, replace(call, op=op), start, chunk)
-        total = self._host_gather(self.inner, CallArgs(x=call.x, op=op), start, chunk).out
+        try:
+            if self.finisher is not None and not call.pattern.output.problem(self.spec.dtype,
+                                                                             self.spec.hidden):
+                return self._host_gather(self.finisher, replace(call, op=op), start, chunk)
+            total = self._host_gather(self.inner, CallArgs(x=call.x, op=op), start, chunk).out
+        except (CallTimeout, WorkspaceBroken) as error:
+            raise self._host_failed(error, "host gather") from None
         return apply(total.view(call.tokens, call.x.shape[1]), call)
 
     def _host_step(self, x: torch.Tensor,
@@ -275,8 +303,9 @@ class HierWorkspace(Workspace):
         except (CallTimeout, WorkspaceBroken) as error:
             silent = getattr(error, "silent", None) or ()
             mask = sum(1 << s for s in silent if 0 <= s < self.layout.local_size)
-            self._broken = str(error)
-            return None, _HOST_FAILED, mask, str(error)
+            why = f"{error}; {self._host_words(self.host)}"
+            self._broken = why
+            return None, _HOST_FAILED, mask, why
 
     def _judge(self, verdicts: list[tuple[int, int, int, int]], why: str) -> None:
         """Every rank reaches the same verdict: each host's ranks agreed among themselves
