@@ -118,10 +118,13 @@ def _wait(work: Any, deadline: float) -> None:
     work.wait()  # completed: its own result, or its own error
 
 
-def wait_within_deadline(work: Any, ctx: Any, phase: str, backend: str, call: int) -> None:
-    """Wait for async ``work`` at most the group's timeout; on a timeout (ours or the process
-    group's) raise ``CallTimeout`` naming the ranks that never joined call number ``call``."""
-    deadline = time.monotonic() + ctx.timeout_s
+def wait_within_deadline(work: Any, ctx: Any, phase: str, backend: str, call: int,
+                         deadline: float | None = None) -> None:
+    """Wait for async ``work`` at most the group's timeout (until ``deadline``, a
+    ``time.monotonic()``, when given); on a timeout (ours or the process group's) raise
+    ``CallTimeout`` naming the ranks that never joined call number ``call``."""
+    if deadline is None:
+        deadline = time.monotonic() + ctx.timeout_s
     try:
         _wait(work, deadline)
     except Exception as exc:
@@ -196,19 +199,33 @@ def silent_ranks(ctx: Any, phase: str, call: int) -> list[int] | None:
 
 
 def gather(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, piece_bytes: int = 0) -> torch.Tensor:
     """``[world, *x.shape]`` of every rank's ``x`` over the group, within the deadline (into
     ``out``, contiguous and of that size, when given). Two ranks on gloo exchange with
     ``all_to_all`` (each sends its peer its rows; its own are copied locally): gloo's
-    pairwise exchange takes a fraction of its all-gather's time (``docs/design.md`` 4)."""
+    pairwise exchange takes a fraction of its all-gather's time (``docs/design.md`` 4);
+    ``piece_bytes`` > 0: in exchanges of at most that many bytes, all in flight at once (a
+    link between hosts carried one message of many MiB at about half its rate, pieces near
+    it: ``benchmarks/RESULTS.md``, hier)."""
     world = ctx.world_size
     if out is None:
         out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     rows = out.view(world, *x.shape)
     if world == 2 and _is_gloo(ctx.group):
-        me, flat = ctx.rank, x.reshape(-1)
-        splits = [0, flat.numel()] if me == 0 else [flat.numel(), 0]
-        all_to_all(flat, rows[1 - me].view(-1), splits, splits, ctx, phase, backend, call)
+        me = ctx.rank
+        mine, theirs = x.reshape(-1).view(torch.uint8), rows[1 - me].view(-1).view(torch.uint8)
+        step = max(piece_bytes or mine.numel(), 1)
+        works = []
+        for start in range(0, max(mine.numel(), 1), step):  # every piece in flight at once
+            size = min(step, mine.numel() - start)
+            splits = [0, size] if me == 0 else [size, 0]
+            TRAFFIC.count(size)
+            works.append(dist.all_to_all_single(theirs[start:start + size],
+                                                mine[start:start + size], splits, splits,
+                                                group=ctx.group, async_op=True))
+        deadline = time.monotonic() + ctx.timeout_s
+        for work in works:
+            wait_within_deadline(work, ctx, phase, backend, call, deadline)
         rows[me].copy_(x)
         return rows
     TRAFFIC.count((world - 1) * x.numel() * x.element_size())

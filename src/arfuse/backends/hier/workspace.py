@@ -29,6 +29,7 @@ One call, on every rank (H hosts of L ranks; rank l of host h):
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import threading
@@ -65,6 +66,10 @@ from . import HostLayout, footprint, host_layout, partial_spec
 _OK, _HOST_MISMATCH, _HOST_FAILED = 0, 1, 2
 # the verdict: four int64 words at the head of the message between hosts
 _VERDICT_BYTES = 32
+LINK_PIECE_BYTES = 512 << 10
+"""The largest piece of an exchange between hosts (``collective.gather``, the pieces in
+flight at once): a link carries one message of many MiB well below its rate, as gloo's
+all-reduce, which sends in pieces, does not (``benchmarks/RESULTS.md``, hier)."""
 
 # Subgroups by their global ranks, made once per process and kept: a gloo group's name (and
 # so its keys in the store) is a hash of its ranks, so one destroyed and made again would meet
@@ -122,8 +127,10 @@ def _kept_for_the_process() -> Iterator[None]:
             _held_tasks += max(0, _task_count() - tasks)
 
 
+@functools.lru_cache(maxsize=256)
 def _op_word(words: tuple[int, int]) -> int:
-    """The call's whole signature folded into the shm signature's op field."""
+    """The call's whole signature folded into the shm signature's op field (a run of calls
+    repeats a few signatures: kept)."""
     digest = hashlib.blake2b(repr(words).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & signature.MAX_OP
 
@@ -191,7 +198,7 @@ class HierWorkspace(Workspace):
                                 ).view(payload.dtype)
         try:
             return collective.gather(payload, self.cross_ctx, phase, self.backend, self._calls,
-                                     out=out)
+                                     out=out, piece_bytes=LINK_PIECE_BYTES)
         except CallTimeout as error:
             silent = (None if error.silent is None else
                       [self.layout.ranks[h][self.local] for h in error.silent])

@@ -127,11 +127,12 @@ class TorchWorkspace(Workspace):
         x = (torch.zeros_like(call.x) if self._poisoned else call.x).contiguous()
         world, me, device = self.ctx.world_size, self.ctx.rank, x.device
         flat, elem = x.view(-1).view(torch.uint8), x.element_size()
-        share = x.numel() if world == 2 else -(-x.numel() // world)  # elements per owner
+        whole = world == 2  # two ranks: each sends its peer all its rows
+        share = x.numel() if whole else -(-x.numel() // world)  # elements per owner
         bounds = [min(j * share, x.numel()) * elem for j in range(world + 1)]
 
-        def piece(j: int) -> torch.Tensor:  # what rank j gets: all of x (W = 2), or share j
-            return flat if world == 2 else flat[bounds[j]:bounds[j + 1]]
+        def piece(j: int) -> torch.Tensor:  # what rank j gets: all of x, or share j
+            return flat if whole else flat[bounds[j]:bounds[j + 1]]
 
         size = share * elem
         rides = rows and size == collective.agreed_size(self.ctx.group)
@@ -140,7 +141,7 @@ class TorchWorkspace(Workspace):
             return []
         # agreed: alike on every rank
         collective.agree_size(self.ctx.group, size if size <= collective.RIDE_MAX_BYTES else 0)
-        if world == 2:
+        if whole:
             if rides:
                 theirs = every[1 - me][:size]
             else:
