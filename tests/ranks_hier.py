@@ -145,21 +145,21 @@ def crossings(rank: int, world: int, tokens: list[int]) -> dict[str, Any]:
 
     comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=64, dtype=torch.bfloat16,
                                  timeout_s=20)
-    real, real_finish, phases, epilogues = collective.gather, workspace.finish, [], []
+    real, real_finish, phases, epilogues = collective.gather_rows, workspace.finish, [], []
     wire = set()
 
     def counted(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int,
-                **kwargs: Any) -> Any:
+                *args: Any, **kwargs: Any) -> Any:
         phases.append(phase)
         if phase == "call":  # the chunk alone (with the verdicts it rides as bytes)
             wire.add(str(x.dtype).removeprefix("torch."))
-        return real(x, ctx, phase, backend, call, **kwargs)
+        return real(x, ctx, phase, backend, call, *args, **kwargs)
 
     def counted_finish(*args: Any) -> Any:
         epilogues.append(1)
         return real_finish(*args)
 
-    collective.gather, workspace.finish = counted, counted_finish
+    collective.gather_rows, workspace.finish = counted, counted_finish
     counts, values = [], []
     try:
         for t in tokens:
@@ -171,7 +171,7 @@ def crossings(rank: int, world: int, tokens: list[int]) -> dict[str, Any]:
             assert got.residual_out is not None
             values.append(float(got.residual_out.float().mean()))
     finally:
-        collective.gather, workspace.finish = real, real_finish
+        collective.gather_rows, workspace.finish = real, real_finish
     backend = comm.backend
     comm.close()
     return {"backend": backend, "counts": counts, "values": values,

@@ -618,3 +618,24 @@ def test_no_documented_command_writes_over_recorded_results() -> None:
     assert written, "no documented command writes a file: the check reads nothing"
     for doc, path in written:
         assert path.startswith("out/"), f"{doc}: a command writes to {path}, not under out/"
+
+
+@pytest.mark.parametrize(("steps", "rounds"), [(1, (1, 1)), (2, (2, 1)), (5, (5, 1)),
+                                               (7, (5, 1)), (50, (5, 10))])
+def test_run_times_at_most_the_steps_asked_for(steps: int, rounds: tuple[int, int]) -> None:
+    from arfuse.cli.run import _rounds
+
+    assert _rounds(steps) == rounds
+    assert rounds[0] * rounds[1] <= steps
+
+
+def test_bench_says_when_its_ranks_cannot_be_pinned(tmp_path: Path) -> None:
+    """More ranks x threads than the cores this process may use: the run goes on unpinned and
+    says so (the figures then include the ranks' contention)."""
+    cores = len(os.sched_getaffinity(0))
+    result = arfuse("bench", "--tokens", "1", "--hidden", "256", "--dtype", "fp32",
+                    "--backends", "torch", "--threads", str(cores), "--out", str(tmp_path),
+                    "--min-seconds", "0.02")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"ranks not pinned: 2 ranks x {cores} threads need {2 * cores} cores" in (
+        result.stderr), result.stderr

@@ -201,23 +201,35 @@ def silent_ranks(ctx: Any, phase: str, call: int) -> list[int] | None:
 def gather(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int,
            out: torch.Tensor | None = None, piece_bytes: int = 0) -> torch.Tensor:
     """``[world, *x.shape]`` of every rank's ``x`` over the group, within the deadline (into
-    ``out``, contiguous and of that size, when given). Two ranks on gloo exchange with
-    ``all_to_all`` (each sends its peer its rows; its own are copied locally): gloo's
-    pairwise exchange takes a fraction of its all-gather's time (``docs/design.md`` 4);
-    ``piece_bytes`` > 0: in exchanges of at most that many bytes, all in flight at once (a
-    link between hosts carried one message of many MiB at about half its rate, pieces near
-    it: ``benchmarks/RESULTS.md``, hier)."""
+    ``out``, contiguous and of that size, when given); ``piece_bytes`` as ``gather_rows``."""
     world = ctx.world_size
     if out is None:
         out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     rows = out.view(world, *x.shape)
+    every = gather_rows(x, ctx, phase, backend, call, rows, piece_bytes)
+    for r, got in enumerate(every):
+        if got is x:
+            rows[r].copy_(x)
+    return rows
+
+
+def gather_rows(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int,
+                rows: torch.Tensor, piece_bytes: int = 0) -> list[torch.Tensor]:
+    """Every rank's ``x``, rank by rank: this rank's is ``x`` itself (not copied), the others'
+    land in ``rows`` (``[world, *x.shape]``). Two ranks on gloo exchange with ``all_to_all``
+    (gloo's pairwise exchange takes a fraction of its all-gather's time, ``docs/design.md``
+    4); ``piece_bytes`` > 0: in equal pieces of at most that many bytes, all in flight at once
+    (a link between hosts carried one message of many MiB at about half its rate, pieces near
+    it: ``benchmarks/RESULTS.md``, hier)."""
+    world, me = ctx.world_size, ctx.rank
     if world == 2 and _is_gloo(ctx.group):
-        me = ctx.rank
         mine, theirs = x.reshape(-1).view(torch.uint8), rows[1 - me].view(-1).view(torch.uint8)
-        step = max(piece_bytes or mine.numel(), 1)
+        total = mine.numel()
+        count = max(1, -(-total // piece_bytes)) if piece_bytes > 0 else 1
+        step = max(1, -(-total // count))
         works = []
-        for start in range(0, max(mine.numel(), 1), step):  # every piece in flight at once
-            size = min(step, mine.numel() - start)
+        for start in range(0, max(total, 1), step):
+            size = min(step, total - start)
             splits = [0, size] if me == 0 else [size, 0]
             TRAFFIC.count(size)
             works.append(dist.all_to_all_single(theirs[start:start + size],
@@ -226,12 +238,11 @@ def gather(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int,
         deadline = time.monotonic() + ctx.timeout_s
         for work in works:
             wait_within_deadline(work, ctx, phase, backend, call, deadline)
-        rows[me].copy_(x)
-        return rows
+        return [x, rows[1]] if me == 0 else [rows[0], x]
     TRAFFIC.count((world - 1) * x.numel() * x.element_size())
-    wait_within_deadline(_all_gather(out.view(-1), x.reshape(-1), group=ctx.group,
+    wait_within_deadline(_all_gather(rows.view(-1), x.reshape(-1), group=ctx.group,
                                      async_op=True), ctx, phase, backend, call)
-    return rows
+    return list(rows)
 
 
 def all_to_all(send: torch.Tensor, receive: torch.Tensor, send_splits: list[int],

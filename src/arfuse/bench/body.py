@@ -46,6 +46,12 @@ class _Rank:
     copy_modes: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
+def _usable_cores() -> set[int]:
+    import os
+
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+
+
 def _progress(rank: int, opts: BenchOptions) -> Any:
     if rank != 0:
         return None
@@ -289,6 +295,12 @@ def bench_body(rank: int, world: int, opts: BenchOptions) -> dict[str, Any] | No
     init_from_env("cpu")
     # after init: gloo's threads stay free (see pin_to_core)
     pinned = pin_to_core(rank, world, opts.threads)
+    if not pinned and rank == 0:
+        from ..log import logger
+
+        logger.warning("arfuse bench: ranks not pinned: %d ranks x %d threads need %d cores, "
+                       "this process may use %d; the figures include their contention",
+                       world, opts.threads, world * opts.threads, len(_usable_cores()))
     progress = _progress(rank, opts)
     st = _Rank(opts=opts, world=world, ds=ds, ds_note=ds_note, tag=run_tag(),
                progress=progress, gen=torch.Generator().manual_seed(1234 + rank),

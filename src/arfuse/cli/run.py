@@ -258,8 +258,10 @@ def quant_keywords(opts: RunOptions) -> dict[str, Any]:
 
 
 def _rounds(steps: int) -> tuple[int, int]:
-    """Rounds of consecutive timed steps, and steps per round, for about ``steps`` in all."""
-    return 5, max(1, steps // 5)
+    """Rounds of consecutive timed steps (up to 5), and steps per round: ``steps`` in all
+    where 5 divides it or it is under 5, else the largest multiple of the rounds below it."""
+    rounds = min(5, steps)
+    return rounds, steps // rounds
 
 
 def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,

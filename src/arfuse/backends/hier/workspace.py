@@ -66,8 +66,8 @@ from . import HostLayout, footprint, host_layout, partial_spec
 _OK, _HOST_MISMATCH, _HOST_FAILED = 0, 1, 2
 # the verdict: four int64 words at the head of the message between hosts
 _VERDICT_BYTES = 32
-LINK_PIECE_BYTES = 512 << 10
-"""The largest piece of an exchange between hosts (``collective.gather``, the pieces in
+LINK_PIECE_BYTES = 1 << 20
+"""The largest piece of an exchange between hosts (``collective.gather_rows``, the pieces in
 flight at once): a link carries one message of many MiB well below its rate, as gloo's
 all-reduce, which sends in pieces, does not (``benchmarks/RESULTS.md``, hier)."""
 
@@ -190,15 +190,15 @@ class HierWorkspace(Workspace):
         parts = self.layout.local_size
         return n * self.local // parts, n * (self.local + 1) // parts
 
-    def _cross(self, payload: torch.Tensor, phase: str) -> torch.Tensor:
-        """``[H, *payload.shape]`` of the ranks of this local index, host by host (into a
-        buffer kept for the next call of this phase)."""
+    def _cross(self, payload: torch.Tensor, phase: str) -> list[torch.Tensor]:
+        """``payload`` of the ranks of this local index, host by host (this rank's is
+        ``payload`` itself; the others' in a buffer kept for the next call of this phase)."""
         hosts = self.layout.host_count
-        out = self._buffers.get(phase, hosts * payload.numel() * payload.element_size()
-                                ).view(payload.dtype)
+        rows = self._buffers.get(phase, hosts * payload.numel() * payload.element_size()
+                                 ).view(payload.dtype).view(hosts, *payload.shape)
         try:
-            return collective.gather(payload, self.cross_ctx, phase, self.backend, self._calls,
-                                     out=out, piece_bytes=LINK_PIECE_BYTES)
+            return collective.gather_rows(payload, self.cross_ctx, phase, self.backend,
+                                          self._calls, rows, piece_bytes=LINK_PIECE_BYTES)
         except CallTimeout as error:
             silent = (None if error.silent is None else
                       [self.layout.ranks[h][self.local] for h in error.silent])
@@ -239,7 +239,7 @@ class HierWorkspace(Workspace):
 
     def _exchange_verdicts(self, words: tuple[int, int], flag: int, detail: int,
                            chunk: torch.Tensor | None = None,
-                           ) -> tuple[list[tuple[int, int, int, int]], torch.Tensor | None]:
+                           ) -> tuple[list[tuple[int, int, int, int]], list[torch.Tensor] | None]:
         """Every host's verdict (flag, detail, signature); and, where ``chunk`` has the
         riding size, every host's chunk from the same message (else ``None``). The message's
         size is the same on every rank of the subgroup whatever each one's call and op: the
@@ -254,9 +254,9 @@ class HierWorkspace(Workspace):
             assert chunk is not None
             message[_VERDICT_BYTES:].copy_(chunk.contiguous().view(torch.uint8))
         every = self._cross(message, "call-signature")
-        verdicts = every[:, :_VERDICT_BYTES].contiguous().view(torch.int64).tolist()
+        verdicts = torch.stack([e[:_VERDICT_BYTES] for e in every]).view(torch.int64).tolist()
         return ([(int(a), int(b), int(c), int(d)) for a, b, c, d in verdicts],
-                every[:, _VERDICT_BYTES:].view(self._wire) if rides else None)
+                [e[_VERDICT_BYTES:].view(self._wire) for e in every] if rides else None)
 
     def run(self, call: CallArgs) -> FusedOutput:
         with self._lock:
@@ -405,11 +405,11 @@ class HierWorkspace(Workspace):
             self.inner = None
 
 
-def _host_order_sum(parts: torch.Tensor) -> torch.Tensor:
-    """Step 2's sum: ``[H, n]``, every host's chunk, added in host order (fp32)."""
+def _host_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Step 2's sum: every host's chunk, added in host order (fp32)."""
     total = parts[0].to(torch.float32, copy=True)
-    for h in range(1, parts.shape[0]):
-        total.add_(parts[h])
+    for part in parts[1:]:
+        total.add_(part)
     return total
 
 
