@@ -113,8 +113,41 @@ def two_hosts(out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def link_down(out_dir: str) -> None:
+    """One rank of a hier job (2 hosts x 2 ranks) whose link between the hosts the test takes
+    down mid-run: 12 good calls, a file saying so, then calls until one fails; what it raised
+    and how long that call took go to ``rank<r>.json``, and the process ends at once (its
+    process group cannot be torn down without the link)."""
+    import torch.distributed as dist
+
+    import arfuse
+
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    comm = arfuse.FusedAllReduce(max_token_num=8, hidden_dim=64, dtype=torch.float32,
+                                 timeout_s=6)
+    x = torch.full((4, 64), float(rank + 1))
+    for _ in range(12):
+        comm(x)
+    (Path(out_dir) / f"ready-rank{rank}").write_text(comm.backend)
+    found: dict[str, Any] = {"rank": rank, "backend": comm.backend, "type": ""}
+    for calls in range(100_000):
+        started = time.monotonic()
+        try:
+            comm(x)
+        except Exception as exc:
+            found.update(type=type(exc).__name__, error=str(exc)[:600],
+                         seconds=time.monotonic() - started, calls=calls)
+            break
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(found))
+    os._exit(0)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "two_hosts":
         two_hosts(sys.argv[2])
+    elif sys.argv[1] == "link_down":
+        link_down(sys.argv[2])
     else:
         raise SystemExit(f"unknown body {sys.argv[1]!r}")

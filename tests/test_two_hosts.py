@@ -187,3 +187,44 @@ def test_arfuse_run_across_two_hosts() -> None:
     report = outputs[0]  # rank 0 prints
     assert "nodes=2" in report and "negotiated: hier" in report, report
     assert report.count(" ok\n") == 3 and "MISMATCH" not in report, report
+
+
+def test_a_link_that_goes_down_mid_run_makes_every_rank_raise(tmp_path: Path) -> None:
+    """hier on 2 hosts x 2 ranks; after 12 good calls host B's end of the link goes down. Every
+    rank on both hosts raises within the call's timeout (6 s) and the store's grace, host B's
+    too, although the store is on host A and no longer reachable."""
+    with two_hosts(LIMIT_S) as pids:
+        procs = []
+        for node, pid in enumerate(pids):
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": DEVICES[node], "ARFUSE_LOG": "warning",
+                   "OMP_NUM_THREADS": "1"}
+            env = {k: v for k, v in env.items() if k not in (
+                "ARFUSE_BACKEND", "ARFUSE_TOPOLOGY", "ARFUSE_FAULTS", "ARFUSE_SHM_DIR")}
+            procs.append(subprocess.Popen(
+                ["nsenter", "-t", str(pid), "-n", "-u", "-m", "-i", "--", str(TORCHRUN),
+                 "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
+                 "--master-addr", ADDRESSES[0], "--master-port", "29511", "--max-restarts",
+                 "0", str(ROOT / "tests" / "ranks_two_hosts.py"), "link_down", str(tmp_path)],
+                env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True))
+        try:
+            deadline = time.monotonic() + LIMIT_S / 2
+            while len(list(tmp_path.glob("ready-rank*"))) < 4:
+                assert time.monotonic() < deadline, "the job never made its 12 calls"
+                assert all(p.poll() is None for p in procs), "the job ended before its calls"
+                time.sleep(0.1)
+            _in(pids[1], _ip(), "link", "set", DEVICES[1], "down")
+            down = time.monotonic()
+            while len(list(tmp_path.glob("rank*.json"))) < 4:
+                assert time.monotonic() < down + 60, sorted(p.name for p in tmp_path.iterdir())
+                time.sleep(0.1)
+        finally:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+    for r in range(4):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["backend"] == "hier", got
+        assert got["type"] in ("CallTimeout", "WorkspaceBroken"), got
+        assert got["seconds"] < 6 + 2.5 + 10, got  # the timeout, the store's grace, room
