@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import ctables
+from . import ctables, signature
+from .dtypes import DTYPES
 from .pattern import DEFAULT_GROUP_SIZE, GROUP_SIZES, Pattern, quant_output
 from .spec import parse_quant
 
@@ -68,6 +69,13 @@ class CallArgs:
     def moe_word(self) -> int:
         """What a MoE call adds to its signature's word 0 (0 for the other calls)."""
         return 0 if self.moe is None else self.moe.signature_bits()
+
+    def signature_words(self, dtype: str, twoshot: bool = False) -> tuple[int, int]:
+        """This call's two signature words (``arfuse.signature``) on an op of ``dtype``: what
+        ranks compare so that calls which differ fail together (R11)."""
+        return signature.words(self.tokens, DTYPES[dtype].code, int(self.x.shape[1]),
+                               self.pattern.code, twoshot=twoshot, op=self.op,
+                               moe=self.moe_word, group_size=self.group_size)
 
     def without_quant(self) -> CallArgs:
         return replace(self, quant=None, scale=None)

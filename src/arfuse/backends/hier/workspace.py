@@ -43,7 +43,6 @@ import torch.distributed as dist
 
 from ... import collective, group, moe, signature, topology
 from ...call_checks import CallArgs
-from ...dtypes import DTYPES
 from ...errors import (
     CallTimeout,
     CreationFailed,
@@ -269,9 +268,7 @@ class HierWorkspace(Workspace):
             moe.local_rows(call.moe, call.x)  # the expert step: the reference (moe.py)
         self._calls += 1
         x = torch.zeros_like(call.x) if self._poisoned else call.x
-        words = signature.words(call.tokens, DTYPES[self.spec.dtype].code, call.x.shape[1],
-                                call.pattern.code, op=call.op, moe=call.moe_word,
-                                group_size=call.group_size)
+        words = call.signature_words(self.spec.dtype)
         op = _op_word(words)
         partial, flag, detail, why = self._host_step(x, op)
         start, end = self._chunk(call.tokens * call.x.shape[1])
@@ -354,9 +351,7 @@ class HierWorkspace(Workspace):
             if self._broken:
                 raise WorkspaceBroken.after("arfuse hier", self._broken, group_out_of_step=True)
             self._calls += 1
-            words = signature.words(call.tokens, DTYPES[self.spec.dtype].code,
-                                    call.x.shape[1], call.pattern.code, op=call.op,
-                                    moe=call.moe_word, group_size=call.group_size)
+            words = call.signature_words(self.spec.dtype)
             flag, detail, why = _OK, 0, ""
             if self.inner is not None:
                 empty = torch.empty((0, self.spec.hidden), dtype=torch.float32)

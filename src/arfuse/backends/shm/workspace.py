@@ -404,9 +404,7 @@ class ShmWorkspace(Workspace):
 
     def _signature(self, call: CallArgs) -> tuple[int, int]:
         # the pure-torch path runs every call one-shot
-        return signature.words(call.tokens, DTYPES[self.spec.dtype].code, self.spec.hidden,
-                               call.pattern.code, twoshot=False, op=call.op,
-                               moe=call.moe_word, group_size=call.group_size)
+        return call.signature_words(self.spec.dtype, twoshot=False)
 
     def _wait(self, flags: torch.Tensor, seq: int) -> None:
         """The kernel's wait (``Waiter``) in Python: until every rank's flag reaches ``seq``;

@@ -37,7 +37,6 @@ import torch
 from ... import collective, moe, signature
 from ...call_checks import CallArgs
 from ...catalog import UNLIMITED
-from ...dtypes import DTYPES
 from ...errors import (
     CallTimeout,
     CreationFailed,
@@ -87,11 +86,6 @@ class TorchWorkspace(Workspace):
             self._broken = str(error)
             raise
 
-    def _words(self, call: CallArgs) -> tuple[int, int]:
-        return signature.words(call.tokens, DTYPES[self.spec.dtype].code, call.x.shape[1],
-                               call.pattern.code, op=call.op, moe=call.moe_word,
-                               group_size=call.group_size)
-
     def _meet(self, words: tuple[int, int], shares: Callable[[int], torch.Tensor] | None,
               device: torch.device) -> list[torch.Tensor]:
         """The signature's exchange; with ``shares`` (the call rides) each peer's row carries
@@ -136,7 +130,7 @@ class TorchWorkspace(Workspace):
 
         size = share * elem
         rides = rows and size == collective.agreed_size(self.ctx.group)
-        every = self._meet(self._words(call), piece if rides else None, device)
+        every = self._meet(call.signature_words(self.spec.dtype), piece if rides else None, device)
         if not rows:
             return []
         # agreed: alike on every rank
