@@ -57,7 +57,7 @@ from ...torch_types import round_to
 from ..base import Backend, Workspace
 from ..shm.backend import ShmBackend
 from ..shm.workspace import ShmWorkspace
-from ..torch.epilogue import apply
+from ..torch.epilogue import apply, rank_order_sum
 from ..torch.finish import finish
 from . import HostLayout, footprint, host_layout, partial_spec
 
@@ -284,7 +284,7 @@ class HierWorkspace(Workspace):
                               chunk_bytes if chunk_bytes <= collective.RIDE_MAX_BYTES else 0)
         if self.inner is None:  # every host's rows, in host order: the sum and the epilogue
             return finish([part.view(call.x.shape) for part in parts], call)
-        chunk = _host_order_sum(parts)
+        chunk = rank_order_sum(parts)  # host order, fp32
         try:
             if self.finisher is not None and not call.pattern.output.problem(self.spec.dtype,
                                                                              self.spec.hidden):
@@ -398,14 +398,6 @@ class HierWorkspace(Workspace):
         if self.inner is not None:
             self.inner.destroy()
             self.inner = None
-
-
-def _host_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Step 2's sum: every host's chunk, added in host order (fp32)."""
-    total = parts[0].to(torch.float32, copy=True)
-    for part in parts[1:]:
-        total.add_(part)
-    return total
 
 
 def _torch_dtype(name: str) -> torch.dtype:

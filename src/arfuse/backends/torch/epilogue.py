@@ -24,6 +24,7 @@ against the kernel bit for bit and against the float64 reference in ``tests/refe
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -38,13 +39,12 @@ SUM_LANES = 32
 """The lanes of the sum of squares (the kernel's ``kSumLanes``, conversions.h)."""
 
 
-def rank_order_sum(parts: torch.Tensor) -> torch.Tensor:
-    """``[world, T, H]`` -> fp32 ``[T, H]``, adding rank 0, then 1, ... (bit-identical anywhere)."""
-    acc = parts[0].float()
-    if parts.shape[0] > 1 and acc.data_ptr() == parts[0].data_ptr():
-        acc = acc.clone()
-    for r in range(1, parts.shape[0]):
-        acc.add_(parts[r])
+def rank_order_sum(parts: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    """Every rank's rows (or every host's), in order -> a new fp32 tensor: rank 0, then 1, ...
+    added one at a time (bit-identical anywhere; never the callers' memory)."""
+    acc = parts[0].to(torch.float32, copy=True)
+    for part in parts[1:]:
+        acc.add_(part)
     return acc
 
 

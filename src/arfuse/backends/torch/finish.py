@@ -11,7 +11,6 @@ bytes, so which one ran does not show in the result.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
 
 import torch
 
@@ -21,15 +20,9 @@ from ...result import FusedOutput
 from ...torch_types import TORCH_NAMES
 from ..shm import build as shm_build
 from ..shm.layout import MAX_WORLD
-from .epilogue import apply
+from .epilogue import apply, rank_order_sum
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def kernel() -> ModuleType | None:
-    """The shm kernel if this process has loaded it: a call never waits for a compiler (the
-    CPU backends' local checks load it before any group meets)."""
-    return shm_build.loaded()
 
 
 def finishes(parts: Sequence[torch.Tensor], call: CallArgs) -> bool:
@@ -42,16 +35,16 @@ def finishes(parts: Sequence[torch.Tensor], call: CallArgs) -> bool:
 
 
 def finish(parts: Sequence[torch.Tensor], call: CallArgs) -> FusedOutput:
-    """``parts``: every rank's ``[T, H]`` rows in rank order (the call's dtype; each
-    contiguous, none of them the call's own tensors); the call's result, delivered into
-    ``call.out``/``call.residual_out`` when given."""
-    module = kernel()
+    """``parts``: every rank's ``[T, H]`` rows in rank order (the call's dtype, each
+    contiguous; this rank's may be ``call.x`` itself, even with ``out=x``: the kernel reads
+    each element before it writes it); the call's result, delivered into
+    ``call.out``/``call.residual_out`` when given. The kernel is the one this process has
+    loaded, never built here (the CPU backends' local checks load it before any group
+    meets), so a call never waits for a compiler."""
+    module = shm_build.loaded()
     if module is not None and finishes(parts, call):
         return FusedOutput(*module.finish_parts(
             list(parts), call.residual, call.weight, call.eps, call.weight_bias,
             output_code(call.quant, call.layout), call.scale or 0.0, call.out,
             call.residual_out, call.group_size))
-    acc = parts[0].to(torch.float32, copy=True)  # a copy: never the caller's memory
-    for part in parts[1:]:
-        acc.add_(part)
-    return apply(acc, call)
+    return apply(rank_order_sum(parts), call)
