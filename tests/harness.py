@@ -49,6 +49,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int,
 
     torch.set_num_threads(1)
     started = time.perf_counter()
+    store = None
     try:
         if init:
             # rank 0 hosts the store, as in a plain init_process_group
@@ -63,9 +64,28 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int,
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         results.put((rank, False, None, text, time.perf_counter() - started))
     finally:
+        if store is not None:
+            _leave_together(store, rank, world)
         if init and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+
+
+LEAVE_S = 5.0
+"""How long rank 0 waits at the end for the other ranks to be done with its store."""
+
+
+def _leave_together(store: Any, rank: int, world: int) -> None:
+    """Rank 0 hosts the store: it stays until every other rank has finished with it (at most
+    ``LEAVE_S``: a rank that died does not hold it up longer), so that a peer still reading the
+    last keys of a collective step is not cut off by rank 0's exit."""
+    with contextlib.suppress(Exception):
+        if rank != 0:
+            store.add("harness/left", 1)
+            return
+        deadline = time.monotonic() + LEAVE_S
+        while store.add("harness/left", 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, env: dict[str, str] | None = None,
