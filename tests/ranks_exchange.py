@@ -22,8 +22,8 @@ def _inputs(rank: int, tokens: int, hidden: int = HIDDEN) -> tuple[torch.Tensor,
 
 def _expected(world: int, tokens: int, hidden: int = HIDDEN) -> torch.Tensor:
     """The torch epilogue's ``out`` on the rank-order fp32 sum (the documented bytes)."""
-    from arfuse.backends.torch.epilogue import apply
     from arfuse.call_checks import CallArgs
+    from arfuse.epilogue import apply
 
     parts = [_inputs(r, tokens, hidden) for r in range(world)]
     acc = parts[0][0].clone()

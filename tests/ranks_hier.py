@@ -41,8 +41,8 @@ def numerics(rank: int, world: int, dtypes: list[str], tokens: list[int],
     """Every pattern against the float64 reference; digests of every output (the test
     compares them across ranks); the out bytes against the documented sum order."""
     import arfuse
-    from arfuse.backends.torch.epilogue import apply
     from arfuse.call_checks import CallArgs
+    from arfuse.epilogue import apply
     from arfuse.torch_types import TORCH_DTYPES
 
     ranks = list(range(world))

@@ -1,6 +1,6 @@
 """An independent float64 reference and independent quantisers, written apart from arfuse's own
 code (element-wise loops over the e2m1 table, offsets from the layout formula) so that a bug in
-``arfuse.quant`` or ``arfuse.backends.torch.epilogue`` cannot hide behind itself.
+``arfuse.quant`` or ``arfuse.epilogue`` cannot hide behind itself.
 """
 
 from __future__ import annotations

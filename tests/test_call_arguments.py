@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import arfuse
-from arfuse.call_checks import OpShape, check_call
+from arfuse.arg_checks import OpShape
+from arfuse.call_checks import check_call
 
 import ranks_calls
 from harness import run_ranks, values

@@ -13,9 +13,9 @@ import torch
 import arfuse
 from arfuse import catalog, faults, settings
 from arfuse.backends.base import Backend, Workspace
-from arfuse.backends.torch.epilogue import apply
 from arfuse.call_checks import CallArgs
 from arfuse.catalog import BackendDescriptor, Footprint
+from arfuse.epilogue import apply
 from arfuse.result import FusedOutput
 from arfuse.spec import Spec
 from arfuse.topology import Topology

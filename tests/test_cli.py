@@ -623,9 +623,9 @@ def test_no_documented_command_writes_over_recorded_results() -> None:
 @pytest.mark.parametrize(("steps", "rounds"), [(1, (1, 1)), (2, (2, 1)), (5, (5, 1)),
                                                (7, (5, 1)), (50, (5, 10))])
 def test_run_times_at_most_the_steps_asked_for(steps: int, rounds: tuple[int, int]) -> None:
-    from arfuse.cli.run import _rounds
+    from arfuse.cli.run_checks import rounds_of
 
-    assert _rounds(steps) == rounds
+    assert rounds_of(steps) == rounds
     assert rounds[0] * rounds[1] <= steps
 
 

@@ -17,9 +17,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from arfuse import epilogue
 from arfuse.backends.shm import build as shm_build
 from arfuse.backends.shm import layout as shm_layout
-from arfuse.backends.torch import epilogue
 from arfuse.call_checks import CallArgs
 from arfuse.moe import ExpertStep, local_rows
 from arfuse.result import FusedOutput

@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from arfuse.backends.torch.epilogue import SUM_LANES, sum_of_squares
+from arfuse.epilogue import SUM_LANES, sum_of_squares
 
 TOKENS = (1, 2, 3, 5, 17, 64, 100, 300)
 HIDDEN = (1, 16, 31, 32, 33, 37, 447, 448, 449, 1040, 1100, 4096, 7168, 8192)

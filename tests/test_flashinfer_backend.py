@@ -824,8 +824,9 @@ def test_quantisation_without_rmsnorm_is_a_step_of_its_own(
     """FlashInfer has no all-reduce + quantise pattern without RMSNorm: its descriptor does not
     fuse it, so the op runs the plain all-reduce, then arfuse's quantisation of its sum (the
     quantised outputs used to be dropped)."""
-    from arfuse.backends.torch.epilogue import quantize
     from arfuse.ops import run_on
+    from arfuse.pattern import quant_output
+    from arfuse.quant import quantize
 
     ws = BACKENDS[backend]().create(context(), Spec(max_tokens=8, hidden=64))
     assert ws is not None
@@ -837,7 +838,7 @@ def test_quantisation_without_rmsnorm_is_a_step_of_its_own(
     assert ws.takes(topology, Pattern("rmsnorm", quant, "linear" if quant == "nvfp4" else None))
     got = run_on(ws, call, lambda pattern: ws.takes(topology, pattern))
     assert fake.calls[-1]["pattern"] == 0
-    want = quantize(got.out, quant, scale, "linear")
+    want = quantize(got.out, quant_output(quant, "linear"), scale)
     assert got.quant_out is not None and torch.equal(got.quant_out.view(torch.uint8),
                                                      want[0].view(torch.uint8))
     assert (got.scale_out is None) == (want[1] is None)
@@ -1030,8 +1031,9 @@ def test_fp8_group_formats_flashinfer_lacks_quantise_in_torch_after_the_fused_no
     """FlashInfer writes UE8M0 scales only, and on trtllm only: the descriptor does not take
     the other formats (nor any on mnnvl), so the op runs pattern 1 and then arfuse's
     quantisation of its norm output, in the format asked for."""
-    from arfuse.backends.torch.epilogue import quantize
     from arfuse.ops import run_on
+    from arfuse.pattern import quant_output
+    from arfuse.quant import quantize
 
     ws = BACKENDS[backend]().create(context(), Spec(max_tokens=8, hidden=256))
     assert ws is not None
@@ -1040,7 +1042,7 @@ def test_fp8_group_formats_flashinfer_lacks_quantise_in_torch_after_the_fused_no
     assert not ws.takes(GROUP_TOPOLOGY, call.pattern)
     got = run_on(ws, call, lambda pattern: ws.takes(GROUP_TOPOLOGY, pattern))
     assert fake.calls[-1]["pattern"] == 1 and "block_quant_group_size" not in fake.calls[-1]
-    codes, scales = quantize(got.out, "fp8_group", None, layout, 64)
+    codes, scales = quantize(got.out, quant_output("fp8_group", layout), None, 64)
     assert got.quant_out is not None and got.scale_out is not None and scales is not None
     assert torch.equal(got.quant_out.view(torch.uint8), codes.view(torch.uint8))
     assert got.scale_out.shape == scales.shape and got.scale_out.stride() == scales.stride()

@@ -21,11 +21,12 @@ from test_flashinfer_backend import (
 )
 
 from arfuse import catalog, moe, policy
+from arfuse.arg_checks import OpShape
 from arfuse.backends.flashinfer import moe_rules, sizes
-from arfuse.backends.torch.epilogue import quantize
-from arfuse.call_checks import CallArgs, OpShape
+from arfuse.call_checks import CallArgs
 from arfuse.ops import run_on
-from arfuse.pattern import ALL, Pattern
+from arfuse.pattern import ALL, Pattern, quant_output
+from arfuse.quant import quantize
 from arfuse.settings import Settings
 from arfuse.spec import Spec
 from arfuse.topology import Topology
@@ -162,7 +163,7 @@ def test_quantisation_follows_the_kernel_as_a_step_of_its_own(fake: FakeFlashInf
     assert ws.takes(TOPOLOGY, call.pattern.without_quant())
     got = run_on(ws, call, takes(ws))
     assert fake.calls[-1]["pattern"] == 7 and fake.calls[-1].get("quant_out") is None
-    want = quantize(got.out, "fp8", 0.5, "swizzled_128x4")[0]
+    want = quantize(got.out, quant_output("fp8"), 0.5)[0]
     assert got.quant_out is not None
     assert torch.equal(got.quant_out.view(torch.uint8), want.view(torch.uint8))
 

@@ -13,9 +13,8 @@ import torch
 from test_epilogue_bytes import differing, kernel, row_inputs, with_specials
 
 import arfuse
+from arfuse import epilogue, reference
 from arfuse import quant as q
-from arfuse import reference
-from arfuse.backends.torch import epilogue
 from arfuse.call_checks import CallArgs
 from arfuse.moe import ExpertStep, local_rows
 from arfuse.pattern import GROUP_SIZES, Pattern, quant_output

@@ -27,7 +27,7 @@ import torch
 
 from arfuse import quant
 from arfuse.backends.shm import build as shm_build
-from arfuse.backends.torch.epilogue import rank_order_sum
+from arfuse.epilogue import rank_order_sum
 
 from harness import run_ranks, values
 

@@ -13,8 +13,8 @@ import torch
 from test_isa_paths import ISAS, every_isa_built  # noqa: F401 -- the fixture
 
 from arfuse import moe, signature
+from arfuse.arg_checks import OpShape
 from arfuse.backends.shm import build as shm_build
-from arfuse.call_checks import OpShape
 from arfuse.pattern import ALL, Pattern
 
 from harness import run_ranks, values

@@ -12,27 +12,24 @@ and ``eps``/``scale`` still > 0), and an FP8 scale's reciprocal must be finite t
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from . import ctables, signature
+from . import signature
+from .arg_checks import OpShape, Span, check_plain, fp32_number, overlap, span
 from .dtypes import DTYPES
-from .pattern import DEFAULT_GROUP_SIZE, GROUP_SIZES, Pattern, quant_output
+from .moe import ExpertStep
+from .pattern import (
+    DEFAULT_GROUP_SIZE,
+    GROUP_SIZES,
+    QUANT_OUTPUTS,
+    Pattern,
+    QuantOutput,
+    quant_output,
+)
 from .spec import parse_quant
-
-if TYPE_CHECKING:
-    from .moe import ExpertStep
-
-# the kernel's limits (csrc/call_limits.h), so its fast path refuses exactly these values too
-FP32_MAX = ctables.float_constant("call_limits.h", "kFp32Max")
-FP32_TINY = ctables.float_constant("call_limits.h", "kFp32Tiny")  # smallest positive (subnormal)
-FP8_SCALE_MIN = ctables.float_constant("call_limits.h", "kFp8ScaleMin")
-
-Span = tuple[int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +43,7 @@ class CallArgs:
     weight_bias: float = 0.0
     quant: str | None = None
     scale: float | None = None
-    layout: str = "swizzled_128x4"
+    layout: str | None = None  # the row's layout (None: its quant has one row)
     out: torch.Tensor | None = None
     residual_out: torch.Tensor | None = None
     op: int = 0  # the op making the call, numbered alike on every rank (its signature names it)
@@ -66,6 +63,11 @@ class CallArgs:
                                "all_reduce" if self.moe is None else self.moe.reduction)
 
     @property
+    def output(self) -> QuantOutput:
+        """The row of the quantised output the call makes (``none`` when it makes none)."""
+        return quant_output(self.quant, self.layout)
+
+    @property
     def moe_word(self) -> int:
         """What a MoE call adds to its signature's word 0 (0 for the other calls)."""
         return 0 if self.moe is None else self.moe.signature_bits()
@@ -83,68 +85,6 @@ class CallArgs:
     def without_moe(self) -> CallArgs:
         """The all-reduce call that follows the expert step, once x holds its rows."""
         return replace(self, moe=None)
-
-
-def real_number(value: Any, name: str) -> float:
-    """A real scalar as a Python float: int, float, NumPy scalar, or a one-element tensor
-    that holds its value (not a meta or nested tensor)."""
-    if isinstance(value, torch.Tensor):
-        if value.is_nested:
-            raise TypeError(f"{name} must be a number or a one-element tensor, got a nested "
-                            "tensor")
-        if value.is_meta:
-            raise ValueError(f"{name} is a meta tensor, which holds no value; pass a number "
-                             "or a one-element tensor with data")
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
-                             f"{tuple(value.shape)}")
-        if value.dtype == torch.bool or value.is_complex():
-            raise TypeError(f"{name} must be a real number, got a {value.dtype} tensor")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
-            type(value).__name__ == "bool_":
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    try:
-        return float(value)
-    except OverflowError:
-        raise ValueError(f"{name}={value!r} is not valid: it is beyond float32 "
-                         f"(|{name}| <= {FP32_MAX:.4g})") from None
-
-
-def fp32_number(value: Any, name: str, positive: bool = False,
-                reciprocal: bool = False) -> float:
-    """``real_number`` that the fp32 kernels can carry: finite in fp32; with ``positive`` also
-    > 0 after rounding to fp32; with ``reciprocal`` its fp32 reciprocal finite too."""
-    number = real_number(value, name)
-    if not math.isfinite(number) or abs(number) > FP32_MAX:
-        raise ValueError(f"{name}={number!r} is not valid: it must be finite in float32 "
-                         f"(|{name}| <= {FP32_MAX:.4g})")
-    if positive:
-        low = FP8_SCALE_MIN if reciprocal else FP32_TINY
-        if not number >= low:
-            raise ValueError(f"{name}={number!r} is not valid: it must be a number >= {low:.4g} "
-                             "(> 0 in float32" + (", with a finite reciprocal)" if reciprocal
-                                                  else ")"))
-    return number
-
-
-def span(tensor: torch.Tensor) -> Span:
-    start = tensor.data_ptr()
-    return start, start + tensor.numel() * tensor.element_size()
-
-
-def overlap(a: Span, b: Span) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
-
-
-@dataclass(frozen=True)
-class OpShape:
-    """What every call of one ``FusedAllReduce`` must match."""
-
-    hidden: int
-    dtype: torch.dtype
-    dtype_name: str
-    device: torch.device  # with its index: a CUDA workspace lives on one device
 
 
 def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, weight_bias: Any,
@@ -178,7 +118,7 @@ def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, wei
         bias_f = fp32_number(weight_bias, "weight_bias")
     quant_name = parse_quant(quant)
     scale_f: float | None = None
-    layout_name = "swizzled_128x4"
+    layout_name: str | None = None
     group = 0
     if quant_name is not None:  # as its rows of the quantised outputs say (arfuse.pattern)
         made = quant_output(quant_name, layout)
@@ -195,9 +135,10 @@ def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, wei
         problem = made.problem(shape.dtype_name, shape.hidden, group or None)
         if problem:
             raise ValueError(problem)
-        layout_name = made.layout or layout_name
+        layout_name = made.layout
     if group == 0 and group_size is not None:
-        raise ValueError(f"group_size={group_size!r} is only for quant='fp8_group' (got "
+        grouped = ", ".join(dict.fromkeys(repr(o.quant) for o in QUANT_OUTPUTS if o.grouped))
+        raise ValueError(f"group_size={group_size!r} is only for quant={grouped} (got "
                          f"quant={quant_name!r}); pass group_size=None")
     _check_memory(x, residual, weight, out, residual_out, shared, slot_start)
     return CallArgs(x, residual, weight, eps_f, bias_f, quant_name, scale_f, layout_name, out,
@@ -217,25 +158,6 @@ def check_group_size(group_size: Any, hidden: int) -> int:
         raise ValueError(f"group_size={group_size!r} is not valid with hidden_dim={hidden}; "
                          f"use one of {allowed} dividing hidden_dim")
     return int(group_size)
-
-
-def check_plain(tensor: torch.Tensor, name: str) -> None:
-    """A tensor whose memory holds its values as they read: dense (strided) and not nested,
-    not quantized, and no lazy conjugate or negative view (the kernels read raw memory)."""
-    if tensor.layout is torch.strided and not (tensor.is_nested or tensor.is_quantized
-                                               or tensor.is_conj() or tensor.is_neg()):
-        return
-    if tensor.is_nested:
-        raise ValueError(f"{name} is a nested tensor; pass a dense [tokens, hidden] tensor")
-    if tensor.layout is not torch.strided:
-        raise ValueError(f"{name} has layout {tensor.layout}; pass a dense (torch.strided) "
-                         "tensor (.to_dense())")
-    if tensor.is_quantized:
-        raise ValueError(f"{name} is a quantized tensor ({tensor.dtype}); pass a bf16, fp16 "
-                         "or fp32 tensor (.dequantize())")
-    if tensor.is_conj():
-        raise ValueError(f"{name} is a lazily conjugated view; call .resolve_conj() first")
-    raise ValueError(f"{name} is a lazily negated view; call .resolve_neg() first")
 
 
 def _check_x(shape: OpShape, x: Any) -> None:

@@ -18,6 +18,7 @@ import ast
 import functools
 import operator
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -26,10 +27,15 @@ _LINE = re.compile(r"^\s*(?:inline\s+)?constexpr\s+(?:u?int64_t|int|double)\s+(k
                    r"([^;]+);", re.MULTILINE)
 _CONSTEXPR = re.compile(r"^[^/]*\bconstexpr\b")  # code, not a comment, that says constexpr
 _FUNCTION = re.compile(r"^\s*(?:inline\s+)?constexpr\s+[^=;{(]*\b\w+\s*\(")
-_TABLE = re.compile(r"^\s*(?:inline\s+)?constexpr\s+\w+\s+(k\w+)\[\]\s*=\s*\{\s*$")
+_TABLE = re.compile(r"^\s*(?:inline\s+)?constexpr\s+(\w+)\s+(k\w+)\[\]\s*=\s*\{\s*$")
 _ROW = re.compile(r"^\s*\{(.*)\},\s*(?://.*)?$")
 _TABLE_END = re.compile(r"^\s*\};\s*$")
 _CELL = re.compile(r'\s*("[^"]*"|[^,"]+)\s*(?:,|$)')
+_NAMESPACE = re.compile(r"^\s*namespace\s+(\w+)\s*\{")
+_NAMESPACE_END = re.compile(r"^\s*\}\s*//\s*namespace\b")
+_STRUCT = re.compile(r"^\s*struct\s+(\w+)\s*\{\s*(?://.*)?$")
+_FIELD = re.compile(r"^\s*(?:const\s+char\s*\*|u?int64_t|int|bool|double|float)\s+(\w+);")
+_STRUCT_END = re.compile(r"^\s*\};")
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
               ast.LShift: operator.lshift, ast.BitOr: operator.or_}
 
@@ -73,10 +79,23 @@ def _cell(text: str, known: dict[str, int | float], where: str) -> Cell:
     return _number(text, known, where)
 
 
-def _read(path: Path) -> tuple[dict[str, int | float], dict[str, list[tuple[Cell, ...]]]]:
+@dataclass(frozen=True)
+class _Header:
+    constants: dict[str, int | float]
+    tables: dict[str, list[tuple[Cell, ...]]]
+    qualified: dict[str, str]   # a constant's or table's name -> its C++ name with namespaces
+    columns: dict[str, tuple[str, ...]]  # a table's name -> its struct's field names
+
+
+def _read(path: Path) -> _Header:
     """The constants and the tables of ``path``; a constexpr line of another form raises."""
     known: dict[str, int | float] = {}
     tables: dict[str, list[tuple[Cell, ...]]] = {}
+    qualified: dict[str, str] = {}
+    structs: dict[str, list[str]] = {}
+    columns: dict[str, tuple[str, ...]] = {}
+    namespaces: list[str] = []
+    struct: list[str] | None = None
     table: list[tuple[Cell, ...]] | None = None
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         where = f"{path}:{number}"
@@ -91,11 +110,29 @@ def _read(path: Path) -> tuple[dict[str, int | float], dict[str, list[tuple[Cell
             table.append(tuple(_cell(cell, known, where)
                                for cell in _CELL.findall(row.group(1))))
             continue
+        if struct is not None:
+            if _STRUCT_END.match(line):
+                struct = None
+            elif (field := _FIELD.match(line)) is not None:
+                struct.append(field.group(1))
+            continue
+        if (opened := _NAMESPACE.match(line)) is not None:
+            namespaces.append(opened.group(1))
+            continue
+        if _NAMESPACE_END.match(line) and namespaces:
+            namespaces.pop()
+            continue
+        if (declared := _STRUCT.match(line)) is not None:
+            struct = structs[declared.group(1)] = []
+            continue
         if not _CONSTEXPR.match(line) or _FUNCTION.match(line):
             continue
         start = _TABLE.match(line)
         if start is not None:
-            table = tables[start.group(1)] = []
+            name = start.group(2)
+            table = tables[name] = []
+            qualified[name] = "::".join((*namespaces, name))
+            columns[name] = tuple(structs.get(start.group(1), ()))
             continue
         match = _LINE.match(line)
         if match is None:
@@ -104,13 +141,18 @@ def _read(path: Path) -> tuple[dict[str, int | float], dict[str, list[tuple[Cell
                              " on one line, or a table 'constexpr <Type> kName[] = {', is read): "
                              f"{line.strip()!r}")
         known[match.group(1)] = _number(match.group(2), known, f"{path.name}: {match.group(1)}")
+        qualified[match.group(1)] = "::".join((*namespaces, match.group(1)))
     if table is not None:
         raise ValueError(f"{path}: a table does not end with '}};'")
-    return known, tables
+    return _Header(known, tables, qualified, columns)
+
+
+_read_paths: set[Path] = set()
 
 
 @functools.cache
-def _header(path: Path) -> tuple[dict[str, int | float], dict[str, list[tuple[Cell, ...]]]]:
+def _header(path: Path) -> _Header:
+    _read_paths.add(path)
     return _read(path)
 
 
@@ -121,12 +163,12 @@ def _path(name: str, directory: Path | None) -> Path:
 def header(name: str, directory: Path | None = None) -> dict[str, int | float]:
     """Every ``constexpr`` constant of ``<directory>/<name>`` (the core's ``arfuse/csrc`` by
     default) by its C++ name (``kCacheLine``...)."""
-    return dict(_header(_path(name, directory))[0])
+    return dict(_header(_path(name, directory)).constants)
 
 
 def table(name: str, constant: str, directory: Path | None = None) -> list[tuple[Cell, ...]]:
     """The rows of the table ``constant`` of ``<directory>/<name>``, each a tuple of cells."""
-    tables = _header(_path(name, directory))[1]
+    tables = _header(_path(name, directory)).tables
     if constant not in tables:
         raise ValueError(f"{name}: no table {constant} (tables: {', '.join(tables) or 'none'})")
     return list(tables[constant])
@@ -146,3 +188,47 @@ def int_constant(name: str, constant: str, directory: Path | None = None) -> int
 
 def float_constant(name: str, constant: str, directory: Path | None = None) -> float:
     return float(header(name, directory)[constant])
+
+
+def headers_read() -> list[Path]:
+    """Every header read so far in this process."""
+    return sorted(path for path in _read_paths)
+
+
+def static_checks(paths: list[Path]) -> str:
+    """C++ (C++17) that compiles only where every constant and table cell read from ``paths``
+    has, as compiled, the value read here: each one a ``static_assert``. Compiling it checks the
+    one thing that could make the two languages differ, this module's reading of the headers."""
+    lines = ["#include <cstddef>", *(f'#include "{path.name}"' for path in paths), "",
+             "namespace ctables_check {",
+             "constexpr bool same(const char* a, const char* b) {",
+             "  return *a == *b && (*a == '\\0' || same(a + 1, b + 1));",
+             "}",
+             "}  // namespace ctables_check", ""]
+
+    def literal(value: Cell) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, float):
+            return repr(value)
+        return f"{value}ULL" if isinstance(value, int) and value >= 2**63 else str(value)
+
+    for path in paths:
+        header = _header(path)
+        for name, number in header.constants.items():
+            cpp = header.qualified[name]
+            lines.append(f'static_assert({cpp} == {literal(number)}, "{path.name}: {name}");')
+        for name, rows in header.tables.items():
+            cpp, fields = header.qualified[name], header.columns[name]
+            lines.append(f"static_assert(sizeof({cpp}) / sizeof({cpp}[0]) == {len(rows)}, "
+                         f'"{path.name}: the rows of {name}");')
+            for i, row in enumerate(rows):
+                if len(row) != len(fields):
+                    raise ValueError(f"{path}: row {i} of {name} has {len(row)} cells, its "
+                                     f"struct {len(fields)} fields")
+                for field, value in zip(fields, row, strict=True):
+                    cell = f"{cpp}[{i}].{field}"
+                    check = (f'ctables_check::same({cell}, "{value}")' if isinstance(value, str)
+                             else f"{cell} == {literal(value)}")
+                    lines.append(f'static_assert({check}, "{path.name}: {name}[{i}].{field}");')
+    return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import signature
-from .call_checks import OpShape, Span, check_plain, fp32_number, overlap, span
+from .arg_checks import OpShape, Span, check_plain, fp32_number, overlap, span
 from .pattern import REDUCTION_SHIFT, REDUCTIONS
 from .torch_types import round_to
 

@@ -19,14 +19,15 @@ import torch
 
 from . import catalog, collective, faults, log, moe
 from . import settings as settings_mod
+from .arg_checks import OpShape
 from .backends.base import Workspace
-from .backends.torch.epilogue import quantize
-from .call_checks import CallArgs, OpShape, check_call
+from .call_checks import CallArgs, check_call
 from .digest import digest_bytes
 from .dtypes import parse_dtype
 from .errors import ArfuseError, CallTimeout, MismatchedCall, WorkspaceBroken
 from .pattern import Pattern
 from .policy import Plan
+from .quant import quantize
 from .registry import REGISTRY, Lease
 from .result import FusedOutput
 from .settings import ResidualPromise
@@ -385,7 +386,7 @@ def run_on(ws: Workspace, call: CallArgs, takes: Callable[[Pattern], bool]) -> F
     if call.quant is None or takes(call.pattern):
         return ws.run(call)
     result = ws.run(call.without_quant())
-    q_out, s_out = quantize(result.out, call.quant, call.scale, call.layout, call.group_size)
+    q_out, s_out = quantize(result.out, call.output, call.scale, call.group_size)
     return FusedOutput(result.out, result.residual_out, q_out, s_out)
 
 

@@ -8,8 +8,10 @@ layout). A call's pattern follows from its arguments (``Pattern.of_call``); each
 descriptor says which patterns it fuses (``BackendDescriptor.fuses``); the call signature
 carries its code, whose numbers are the kernels' (``arfuse/csrc/signature.h``, read by
 ``arfuse.ctables``), so room for patterns to come is left in one place. The quantised outputs
-are that header's table ``kQuantOutputs`` (``QUANT_OUTPUTS`` here): a row names, numbers and
-shapes each one, for both languages.
+are the table ``kQuantOutputs`` of ``arfuse/csrc/quant_outputs.h`` (``QUANT_OUTPUTS`` here): a
+row names, numbers and shapes each one and says its scale rule, for both languages; everything
+else reads the row (``quant_output`` is the one place a ``quant`` name is looked up, and
+refused).
 
 Pure: no torch, so the policy and ``explain`` can use it as data.
 """
@@ -24,24 +26,43 @@ from typing import TypeVar
 from . import ctables
 
 _S = ctables.header("signature.h")
+_Q = ctables.header("quant_outputs.h")
 REDUCTIONS: dict[str, int] = {"all_reduce": int(_S["kReductionAllReduce"]),
                               "moe_reduce": int(_S["kReductionMoeReduce"]),
                               "moe_finalize": int(_S["kReductionMoeFinalize"])}
 EPILOGUES: dict[str, int] = {"none": int(_S["kEpilogueNone"]),
                              "rmsnorm": int(_S["kEpilogueRmsNorm"]),
                              "residual_rmsnorm": int(_S["kEpilogueResidualRmsNorm"])}
-_SCALE_IN = {int(_S["kScaleInNone"]): "none", int(_S["kScaleInDequant"]): "dequant",
-             int(_S["kScaleInEncode"]): "encode"}
-_QUANT_TYPES = {int(_S["kQuantTypeNone"]): None, int(_S["kQuantTypeE4m3"]): "float8_e4m3fn",
-                int(_S["kQuantTypeUint8"]): "uint8", int(_S["kQuantTypeFloat32"]): "float32",
-                int(_S["kQuantTypeInt32"]): "int32"}
-GROUP_OF_CALL = int(_S["kGroupOfCall"])
-GROUP_UNIT = int(_S["kGroupUnit"])
+_SCALE_IN = {int(_Q["kScaleInNone"]): "none", int(_Q["kScaleInDequant"]): "dequant",
+             int(_Q["kScaleInEncode"]): "encode"}
+_RULES = {int(_Q["kRuleNone"]): "none", int(_Q["kRuleStatic"]): "static",
+          int(_Q["kRuleAmaxOverMax"]): "amax_over_max",
+          int(_Q["kRuleFloorOverMax"]): "floor_over_max",
+          int(_Q["kRulePowerOfTwo"]): "power_of_two",
+          int(_Q["kRuleEncodeBlock"]): "encode_block"}
+_QUANT_TYPES = {int(_Q["kQuantTypeNone"]): None, int(_Q["kQuantTypeE4m3"]): "float8_e4m3fn",
+                int(_Q["kQuantTypeUint8"]): "uint8", int(_Q["kQuantTypeFloat32"]): "float32",
+                int(_Q["kQuantTypeInt32"]): "int32"}
+_ORDERS = {int(_Q["kOrderRowMajor"]): "row_major", int(_Q["kOrderColumnMajor"]): "column_major",
+           int(_Q["kOrderSwizzled"]): "swizzled"}
+GROUP_OF_CALL = int(_Q["kGroupOfCall"])
+GROUP_UNIT = int(_Q["kGroupUnit"])
 GROUP_SIZES: tuple[int, ...] = tuple(GROUP_UNIT << code
-                                     for code in range(1, int(_S["kGroupCodes"]) + 1))
+                                     for code in range(1, int(_Q["kGroupCodes"]) + 1))
 """The group sizes of a per-token-group output (32, 64, 128); signature word 1 carries the
 code ``log2(size / GROUP_UNIT)``."""
-DEFAULT_GROUP_SIZE = int(_S["kDefaultGroupSize"])
+DEFAULT_GROUP_SIZE = int(_Q["kDefaultGroupSize"])
+OUTPUT_CODES = int(_Q["kOutputCodes"])
+E4M3_MAX = float(_Q["kE4m3Max"])
+E2M1_MAX = float(_Q["kE2m1Max"])
+SWIZZLE_TILE = (int(_Q["kSwizzleTileRows"]), int(_Q["kSwizzleTileCols"]),
+                int(_Q["kSwizzleRowStripe"]))
+"""swizzled_128x4's tile: rows, columns, and the rows of a stripe (quant_outputs.h)."""
+E2M1_THRESHOLDS: tuple[tuple[float, bool], ...] = tuple(
+    (float(at), bool(strict)) for at, strict in ctables.table("quant_outputs.h",
+                                                              "kE2m1Thresholds"))
+"""(threshold, strict): the e2m1 code of |v| counts those it passes (> strict, >= not)."""
+GROUP_SIZES_TEXT = ", ".join(map(str, GROUP_SIZES))
 
 
 def group_code(group_size: int) -> int:
@@ -55,13 +76,16 @@ def _round_up(value: int, to: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class QuantOutput:
-    """One row of ``kQuantOutputs`` (``arfuse/csrc/signature.h``, whose comments say what each
-    column means): a quantised output, or ``none``."""
+    """One row of ``kQuantOutputs`` (``arfuse/csrc/quant_outputs.h``, whose comments say what
+    each column means): a quantised output, or ``none``."""
 
     quant: str | None     # the ``quant`` argument that names it (None: no quantised output)
     layout: str | None    # the ``layout`` argument that picks it among its quant's rows
     code: int             # the pattern's output bits, and the shm torch operator's ``quant``
     scale_in: str         # the caller's scale: none, dequant (reciprocal taken), encode
+    rule: str             # how codes and scales are made: none, static, amax_over_max,
+                          # floor_over_max, power_of_two, encode_block
+    floor: float          # the rule's floor, taken as float32 (0: none)
     fp32: bool            # whether fp32 rows can be quantised
     block: int            # hidden must be a multiple of it
     data_dtype: str | None   # quant_out's torch dtype name (None: not made)
@@ -71,16 +95,17 @@ class QuantOutput:
     scale_group: int      # 0: one scale per row; GROUP_OF_CALL: per the call's group_size
     scale_col_align: int
     scale_pack: int       # scales per element of scale_out
-    scale_column_major: bool
+    scale_order: str      # row_major, column_major, swizzled
 
     @classmethod
     def of_row(cls, row: tuple[ctables.Cell, ...]) -> QuantOutput:
-        (quant, layout, code, scale_in, fp32, block, data_type, data_pack, scale_type,
-         row_align, group, col_align, pack, column_major) = row
+        (quant, layout, code, scale_in, rule, floor, fp32, block, data_type, data_pack,
+         scale_type, row_align, group, col_align, pack, order) = row
         return cls(None if quant == "none" else str(quant), str(layout) or None, int(code),
-                   _SCALE_IN[int(scale_in)], bool(fp32), int(block), _QUANT_TYPES[int(data_type)],
-                   int(data_pack), _QUANT_TYPES[int(scale_type)], int(row_align), int(group),
-                   int(col_align), int(pack), bool(column_major))
+                   _SCALE_IN[int(scale_in)], _RULES[int(rule)], float(floor), bool(fp32),
+                   int(block), _QUANT_TYPES[int(data_type)], int(data_pack),
+                   _QUANT_TYPES[int(scale_type)], int(row_align), int(group), int(col_align),
+                   int(pack), _ORDERS[int(order)])
 
     @property
     def grouped(self) -> bool:
@@ -91,15 +116,22 @@ class QuantOutput:
         """quant_out's shape (``None``: not made)."""
         return None if self.data_dtype is None else (tokens, hidden // self.data_pack)
 
+    def span(self, hidden: int, group_size: int = 0) -> int:
+        """The columns one scale covers (the kernel's ``scale_span``): the row, the call's
+        ``group_size`` or the row's fixed block."""
+        if self.scale_group == 0:
+            return hidden
+        return group_size if self.scale_group == GROUP_OF_CALL else self.scale_group
+
     def scale_geometry(self, tokens: int, hidden: int,
                        group_size: int = 0) -> tuple[tuple[int, int], tuple[int, int], int]:
         """scale_out's (shape, strides, elements of its storage), padding included, as the
-        kernel's ``scale_geometry`` (signature.h); ``group_size``: the call's."""
+        kernel's ``scale_geometry`` (quant_outputs.h); ``group_size``: the call's."""
         padded = _round_up(tokens, self.scale_row_align)
-        per = group_size if self.scale_group == GROUP_OF_CALL else self.scale_group
-        cols = 1 if per == 0 else (_round_up(hidden // per, self.scale_col_align)
-                                   // self.scale_pack)
-        if self.scale_column_major:
+        cols = 1 if self.scale_group == 0 else (
+            _round_up(hidden // self.span(hidden, group_size), self.scale_col_align)
+            // self.scale_pack)
+        if self.scale_order == "column_major":
             return (tokens, cols), (1, padded), (cols - 1) * padded + tokens if cols else 0
         return (padded, cols), (cols, 1), padded * cols
 
@@ -121,11 +153,11 @@ class QuantOutput:
             if group_size is None:  # some call's group size can divide hidden
                 if hidden % min(GROUP_SIZES):
                     return (f"quant={self.quant!r} needs hidden a multiple of a group size "
-                            f"({', '.join(map(str, GROUP_SIZES))}), got hidden={hidden}")
+                            f"({GROUP_SIZES_TEXT}), got hidden={hidden}")
             elif group_size not in GROUP_SIZES or hidden % group_size:
                 return (f"group_size={group_size!r} is not valid for quant={self.quant!r} with "
-                        f"hidden_dim={hidden}; use one of "
-                        f"{', '.join(map(str, GROUP_SIZES))} dividing hidden_dim")
+                        f"hidden_dim={hidden}; use one of {GROUP_SIZES_TEXT} dividing "
+                        "hidden_dim")
             return ""
         if hidden % self.block:
             return (f"quant={self.quant!r} needs hidden a multiple of {self.block}, "
@@ -134,7 +166,7 @@ class QuantOutput:
 
 
 QUANT_OUTPUTS: tuple[QuantOutput, ...] = tuple(
-    QuantOutput.of_row(row) for row in ctables.table("signature.h", "kQuantOutputs"))
+    QuantOutput.of_row(row) for row in ctables.table("quant_outputs.h", "kQuantOutputs"))
 """Every quantised output, ``none`` first."""
 OUTPUTS: dict[tuple[str | None, str | None], int] = {(o.quant, o.layout): o.code
                                                      for o in QUANT_OUTPUTS}

@@ -1,37 +1,56 @@
-"""FP8 and NVFP4 formats with FlashInfer's all-reduce-fusion semantics, in plain torch.
+"""The quantised outputs in plain torch, by their rows' scale rules (``csrc/quant_outputs.h``).
 
-The rules (FlashInfer 0.6.13, ``trtllm_allreduce_fusion.cuh`` / ``quantization_utils.cuh``):
+``quantize`` makes any output of the table from ``out`` (the values already rounded to the
+activation dtype) with the kernel's bytes: the rule says how the codes and each span's scale are
+made (every step one fp32 operation; e4m3 and e2m1 rounded to nearest even and saturating), the
+row where the scales go (``place_scales``). The rules follow FlashInfer's all-reduce fusion
+(0.6.13, ``trtllm_allreduce_fusion.cuh`` / ``quantization_utils.cuh``) and vLLM's
+``per_token_group_quant_fp8``:
 
-* FP8 (e4m3): ``scale`` is the *dequantisation* scale: ``q = e4m3(x * (1/scale))``, the
-  reciprocal taken once in fp32, round-to-nearest-even, saturating to +-448.
-* NVFP4: blocks of 16 along a row; ``scale`` is the *global encode* scale (typically
+* ``static`` (fp8): ``scale`` is the *dequantisation* scale: ``q = e4m3(x * (1/scale))``, the
+  reciprocal taken once in fp32.
+* ``amax_over_max`` (fp8_dynamic), ``floor_over_max`` and ``power_of_two`` (fp8_group's fp32
+  and UE8M0 formats): a scale per span of the row from its amax (NaN ignored, as ``fmaxf``
+  drops it) and the row's floor; ``q = e4m3(x / s)``.
+* ``encode_block`` (NVFP4): blocks of 16; ``scale`` is the *global encode* scale (typically
   ``448*6/amax``) and is multiplied: ``sf = e4m3(scale * (amax * f32(1/6)))``; element scale
-  ``scale / sf`` (0 when ``sf`` rounds to 0); values rounded to e2m1 {0,.5,1,1.5,2,3,4,6}
-  nearest-even, saturating to +-6; two codes per byte, the even element in the low nibble.
-  Block scales are e4m3 bytes in the ``linear`` ``[T, H/16]`` or the ``swizzled_128x4``
-  layout ``[round_up(T,128), round_up(H/16,4)]`` (padding zero).
+  ``scale / sf`` (0 when ``sf`` rounds to 0); values rounded to e2m1 {0,.5,1,1.5,2,3,4,6},
+  two codes per byte, the even element in the low nibble. NaN follows FlashInfer
+  (``cvt_warp_fp16_to_fp4``): the block amax ignores NaN, as ``__hmax2`` does (it is NaN only
+  when all 16 are, and the block scale is then the e4m3 NaN 0x7f); an infinity saturates the
+  block scale to 448; the e2m1 conversion saturates +-inf to +-6 and turns NaN into +6.
 
-* FP8 per token and group (``fp8_group``, docs/design.md 3.6): ``fp8_group_quantize``.
-
-Inputs are the values already rounded to the activation dtype, as in FlashInfer. CUDA kernels
-built with fast-math may differ from these exact-IEEE rules by one ulp in rare ties.
+CUDA kernels built with fast-math may differ from these exact-IEEE rules by one ulp in rare ties.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import ctables
-from .pattern import DEFAULT_GROUP_SIZE, quant_output
-from .sizing import round_up
-from .spec import NVFP4_BLOCK
+from .pattern import (
+    DEFAULT_GROUP_SIZE,
+    E2M1_MAX,
+    E2M1_THRESHOLDS,
+    E4M3_MAX,
+    SWIZZLE_TILE,
+    QuantOutput,
+    quant_output,
+)
 
-FP8_MAX = 448.0
-_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()  # f32(1/6), as the kernels use
-# Magnitude code thresholds: code = number of thresholds passed. Ties go to the even code,
-# hence alternating strict (>) and non-strict (>=) comparisons.
-_E2M1_STRICT = (0.25, 1.25, 2.5, 5.0)
-_E2M1_LOOSE = (0.75, 1.75, 3.5)
+FP8_MAX = E4M3_MAX
+"""The largest finite e4m3 (``kE4m3Max``)."""
+
+
+def f32(value: float) -> float:
+    """``value`` rounded to float32 (as the kernels take a double constant)."""
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
+_SIXTH = f32(1.0 / E2M1_MAX)  # f32(1/6), as the kernels use
+_E2M1_NAN_CODE = len(E2M1_THRESHOLDS)  # +6: a NaN's code (e2m1 has no NaN)
+FP8_DYNAMIC_MIN_SCALE = f32(quant_output("fp8_dynamic").floor)
+FP8_GROUP_EPS = f32(quant_output("fp8_group").floor)
+"""fp8_group's eps (1e-10 as float32), vLLM's and FlashInfer's."""
 
 
 def to_e4m3(values: torch.Tensor) -> torch.Tensor:
@@ -39,128 +58,77 @@ def to_e4m3(values: torch.Tensor) -> torch.Tensor:
     return values.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def fp8_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``e4m3(x * (1/scale))`` with ``scale`` the dequantisation scale."""
-    inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32)
-    return to_e4m3(x.float() * inv.to(x.device))
+def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
+    """fp32 -> 4-bit e2m1 codes (uint8 0..15), nearest-even, saturating to +-6."""
+    mag = values.abs()
+    code = torch.zeros(values.shape, dtype=torch.uint8, device=values.device)
+    for threshold, strict in E2M1_THRESHOLDS:
+        code += (mag > threshold if strict else mag >= threshold).to(torch.uint8)
+    return code | (torch.signbit(values).to(torch.uint8) << 3)
 
 
-FP8_DYNAMIC_MIN_SCALE = torch.tensor(1.0 / (512.0 * 448.0), dtype=torch.float32).item()
-
-
-def fp8_dynamic_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token FP8: ``scale = max(amax / 448, 1 / (512 * 448))`` per row in fp32 (a NaN does
-    not count towards the amax, as ``fmaxf`` drops it), ``q = e4m3(x / scale)`` (a division,
-    nearest-even, saturating). Returns codes ``[T, H]`` and the dequantisation scales
-    ``[T, 1]`` float32 (FlashInfer's patterns 10/11; its fast-math division may differ by an
-    ulp in rare ties)."""
-    values = x.float()
-    magnitude = values.abs()
-    amax = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude),
-                       magnitude).amax(dim=-1, keepdim=True)
-    scale = torch.clamp_min(amax / torch.tensor(FP8_MAX, dtype=torch.float32),
-                            FP8_DYNAMIC_MIN_SCALE)
-    return to_e4m3(values / scale), scale
-
-
-FP8_GROUP_EPS = torch.tensor(ctables.float_constant("signature.h", "kFp8GroupEps"),
-                             dtype=torch.float32).item()
-"""fp8_group's eps (1e-10 as float32), vLLM's and FlashInfer's."""
-
-
-def _amax_ignoring_nan(values: torch.Tensor) -> torch.Tensor:
+def amax_ignoring_nan(values: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude along the last dimension, a NaN not counting (0 when all are)."""
     magnitude = values.abs()
     return torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude),
                        magnitude).amax(dim=-1)
 
 
-def fp8_group_scales(amax: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 group amaxes -> (the fp32 scales, their UE8M0 exponent bytes as int32): for
-    ``fp32`` and ``fp32_column_major`` ``max(amax, eps) / 448`` (vLLM's
-    ``per_token_group_quant_fp8``); for ``ue8m0_packed`` ``s = max(amax / 448, eps)`` rounded
-    up to a power of two by its bits (FlashInfer's ``compute_ue8m0_scale``: mantissa bits
-    set -> exponent + 1, mantissa cleared). Each step one fp32 operation."""
+def quantize(out: torch.Tensor, output: QuantOutput, scale: float | None,
+             group_size: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``out`` ``[T, H]`` -> (quant_out, scale_out) as ``output``'s row says (None where the
+    row makes none); ``scale``: the caller's (rules ``static`` and ``encode_block``);
+    ``group_size``: the call's (0: the default of a row with groups)."""
+    if output.rule == "none":
+        return None, None
+    if output.scale_in != "none" and scale is None:
+        raise ValueError(f"quant={output.quant!r} needs scale")
+    tokens, hidden = out.shape
+    group_size = group_size or (DEFAULT_GROUP_SIZE if output.grouped else 0)
+    problem = output.problem("bf16", hidden, group_size if output.grouped else None)
+    if problem:
+        raise ValueError(problem)
+    values = out.float()
+    if output.rule == "static":
+        assert scale is not None
+        inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32)
+        return to_e4m3(values * inv.to(out.device)), None
+    span = output.span(hidden, group_size)
+    spans = values.reshape(tokens, hidden // span, span)
+    if output.rule == "encode_block":
+        assert scale is not None
+        codes, stored = _encode_blocks(spans, scale)
+    else:
+        scales, stored = span_scales(output, amax_ignoring_nan(spans))
+        codes = to_e4m3(spans / scales.unsqueeze(-1)).reshape(tokens, hidden)
+        if output.scale_dtype == "float32":
+            stored = scales
+    return codes, place_scales(output, stored, tokens, hidden, group_size)
+
+
+def span_scales(output: QuantOutput, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 span amaxes -> (the fp32 scales, their exponent bytes as uint8) by the row's rule,
+    each step one fp32 operation (quant_outputs.h)."""
     fp8_max = torch.tensor(FP8_MAX, dtype=torch.float32, device=amax.device)
-    if layout != "ue8m0_packed":
-        scale = torch.clamp_min(amax, FP8_GROUP_EPS) / fp8_max
-        return scale, (scale.view(torch.int32) >> 23) & 0xFF
-    bits = torch.clamp_min(amax / fp8_max, FP8_GROUP_EPS).view(torch.int32)
-    bits = torch.where((bits & 0x7FFFFF) != 0, (bits + 0x800000) & 0x7F800000, bits)
-    return bits.view(torch.float32), (bits >> 23) & 0xFF
+    floor = f32(output.floor)
+    if output.rule == "amax_over_max":
+        scale = torch.clamp_min(amax / fp8_max, floor)
+    elif output.rule == "floor_over_max":
+        scale = torch.clamp_min(amax, floor) / fp8_max
+    elif output.rule == "power_of_two":
+        bits = torch.clamp_min(amax / fp8_max, floor).view(torch.int32)
+        bits = torch.where((bits & 0x7FFFFF) != 0, (bits + 0x800000) & 0x7F800000, bits)
+        scale = bits.view(torch.float32)
+    else:
+        raise ValueError(f"rule {output.rule!r} makes no scale from an amax")
+    return scale, ((scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
 
 
-def fp8_group_quantize(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
-                       layout: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token and group of ``group_size`` columns: amax of ``f32(x)`` over the group (a
-    NaN does not count), its scale (``fp8_group_scales``), ``q = e4m3(x / scale)`` (an IEEE
-    division, nearest-even, saturating). Returns codes ``[T, H]`` and ``scale_out`` in
-    ``layout``: ``fp32`` float32 ``[T, H/g]``; ``fp32_column_major`` the same values with
-    strides ``(1, T)``; ``ue8m0_packed`` int32 ``[T, ceil(G/4)]`` with strides
-    ``(1, ceil(T/4)*4)``, the exponent byte of group j in byte ``j % 4`` of word ``j / 4``
-    (little-endian), padding bytes zero (FlashInfer's patterns 8/9)."""
-    made = quant_output("fp8_group", layout)  # a layout of fp8_group's, or ValueError
-    tokens, hidden = x.shape
-    if made.problem("fp32", hidden, group_size):
-        raise ValueError(made.problem("fp32", hidden, group_size))
-    groups = hidden // group_size
-    values = x.float().reshape(tokens, groups, group_size)
-    scale, exponent = fp8_group_scales(_amax_ignoring_nan(values), layout)
-    codes = to_e4m3(values / scale.unsqueeze(-1)).reshape(tokens, hidden)
-    shape, strides, storage = made.scale_geometry(tokens, hidden, group_size)
-    if layout == "fp32":
-        return codes, scale
-    if layout == "fp32_column_major":
-        flat = torch.empty(storage, dtype=torch.float32, device=x.device)
-        out = torch.as_strided(flat, shape, strides)
-        out.copy_(scale)
-        return codes, out
-    padded, packs = strides[1], shape[1]
-    words = torch.zeros(max(packs * padded, 1), 4, dtype=torch.uint8, device=x.device)
-    by_pack = torch.zeros(tokens, packs * 4, dtype=torch.uint8, device=x.device)
-    by_pack[:, :groups] = exponent.to(torch.uint8)
-    words.view(packs, padded, 4)[:, :tokens] = by_pack.view(tokens, packs, 4).transpose(0, 1)
-    flat = words.view(torch.int32).view(-1)[:max(storage, 1)]
-    return codes, torch.as_strided(flat, shape, strides)
-
-
-def fp8_group_scale_values(scale_out: torch.Tensor, groups: int) -> torch.Tensor:
-    """fp8_group's ``scale_out`` in any layout -> float32 ``[T, groups]`` (a UE8M0 byte e is
-    ``2^(e - 127)``; 0xff is +inf)."""
-    if scale_out.dtype == torch.float32:
-        return scale_out.contiguous()
-    tokens = scale_out.shape[0]
-    exponents = torch.stack([((scale_out >> (8 * byte)) & 0xFF) for byte in range(4)], dim=-1)
-    exponents = exponents.reshape(tokens, -1)[:, :groups]
-    return (exponents.to(torch.int32) << 23).view(torch.float32)
-
-
-def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
-    """fp32 -> 4-bit e2m1 codes (uint8 0..15), nearest-even, saturating to +-6."""
-    mag = values.abs()
-    code = torch.zeros(values.shape, dtype=torch.uint8, device=values.device)
-    for threshold in _E2M1_STRICT:
-        code += (mag > threshold).to(torch.uint8)
-    for threshold in _E2M1_LOOSE:
-        code += (mag >= threshold).to(torch.uint8)
-    return code | (torch.signbit(values).to(torch.uint8) << 3)
-
-
-def nvfp4_quantize(x: torch.Tensor, global_scale: float,
-                   layout: str = "swizzled_128x4") -> tuple[torch.Tensor, torch.Tensor]:
-    """``[T, H]`` -> (packed codes ``[T, H/2]`` uint8, block scales uint8 in ``layout``).
-
-    NaN and infinities follow FlashInfer (``cvt_warp_fp16_to_fp4`` in
-    ``trtllm_allreduce_fusion.cuh``): the block amax ignores NaN, as ``__hmax2``/``__hmax`` do
-    (it is NaN only when all 16 values are, and the block scale is then the e4m3 NaN 0x7f);
-    an infinity saturates the block scale to 448; the e2m1 conversion
-    (``cvt.rn.satfinite.e2m1x2.f32``) saturates +-inf to +-6 and turns NaN into +6 (code 7,
-    sign dropped), since e2m1 has no NaN."""
-    quant_output("nvfp4", layout)  # a layout of nvfp4's, or ValueError naming layout
-    tokens, hidden = x.shape
-    if hidden % NVFP4_BLOCK:
-        raise ValueError(f"nvfp4 needs hidden a multiple of {NVFP4_BLOCK}, got {hidden}")
-    gs = torch.tensor(global_scale, dtype=torch.float32, device=x.device)
-    blocks = x.float().reshape(tokens, hidden // NVFP4_BLOCK, NVFP4_BLOCK)
+def _encode_blocks(blocks: torch.Tensor, global_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The encode-block rule on fp32 ``[T, blocks, 16]``: packed e2m1 codes ``[T, H/2]`` and
+    the e4m3 block scales' bytes ``[T, blocks]``."""
+    tokens = blocks.shape[0]
+    gs = torch.tensor(global_scale, dtype=torch.float32, device=blocks.device)
     magnitude = blocks.abs()
     nan = magnitude.isnan()
     amax = magnitude.masked_fill(nan, 0.0).amax(dim=-1, keepdim=True)
@@ -169,19 +137,97 @@ def nvfp4_quantize(x: torch.Tensor, global_scale: float,
     sf_f = sf.float()
     elem_scale = torch.where(sf_f != 0, gs / sf_f, torch.zeros_like(sf_f))
     scaled = blocks * elem_scale
-    codes = e2m1_codes(scaled).masked_fill(scaled.isnan(), 7).reshape(tokens, hidden)
+    codes = e2m1_codes(scaled).masked_fill(scaled.isnan(), _E2M1_NAN_CODE).reshape(tokens, -1)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    scales = sf.reshape(tokens, hidden // NVFP4_BLOCK).view(torch.uint8)
-    return packed, (swizzle_128x4(scales) if layout == "swizzled_128x4" else scales)
+    return packed, sf.reshape(tokens, -1).view(torch.uint8)
 
 
-def swizzle_128x4(linear: torch.Tensor) -> torch.Tensor:
-    """Linear ``[T, K]`` scale bytes -> the ``[round_up(T,128), round_up(K,4)]`` swizzled tile
-    layout: ``offset = (m//128)*Kp*128 + (k//4)*512 + (m%32)*16 + ((m%128)//32)*4 + k%4``."""
-    rows, cols = linear.shape
-    rows_p, cols_p = round_up(rows, 128), round_up(cols, 4)
-    padded = torch.zeros((rows_p, cols_p), dtype=linear.dtype, device=linear.device)
-    padded[:rows, :cols] = linear
-    tiles = padded.view(rows_p // 128, 4, 32, cols_p // 4, 4).permute(0, 3, 2, 1, 4)
-    return tiles.contiguous().view(rows_p, cols_p)
+def scale_elements(output: QuantOutput, tokens: int, spans: int, hidden: int,
+                   group_size: int = 0) -> torch.Tensor:
+    """``[T, spans]``: the element of scale_out that holds each scale (the kernel's
+    ``scale_element``; a byte-wide one's byte is the span's index % ``scale_pack``)."""
+    shape, strides, _ = output.scale_geometry(tokens, hidden, group_size)
+    rows = torch.arange(tokens).unsqueeze(1)
+    cols = (torch.arange(spans) // output.scale_pack).unsqueeze(0)
+    if output.scale_order != "swizzled":
+        return rows * strides[0] + cols * strides[1]
+    tile_rows, tile_cols, stripe = SWIZZLE_TILE
+    tile = tile_rows * tile_cols
+    return ((rows // tile_rows) * (shape[1] // tile_cols) * tile + (cols // tile_cols) * tile
+            + (rows % stripe) * (tile // stripe) + (rows % tile_rows) // stripe * tile_cols
+            + cols % tile_cols)
 
+
+def place_scales(output: QuantOutput, stored: torch.Tensor, tokens: int, hidden: int,
+                 group_size: int = 0) -> torch.Tensor:
+    """``[T, spans]`` float32 scales (a float32 scale_out) or scale bytes (a byte-wide one)
+    -> scale_out in the row's dtype, shape, strides and order, padding zero."""
+    shape, strides, storage = output.scale_geometry(tokens, hidden, group_size)
+    spans = stored.shape[1]
+    element = scale_elements(output, tokens, spans, hidden, group_size).to(stored.device)
+    if output.scale_dtype == "float32":
+        flat = torch.zeros(max(storage, 1), dtype=torch.float32, device=stored.device)
+        flat[element.reshape(-1)] = stored.reshape(-1).to(torch.float32)
+    else:
+        pack = output.scale_pack
+        raw = torch.zeros(max(storage, 1) * pack, dtype=torch.uint8, device=stored.device)
+        byte = element * pack + (torch.arange(spans, device=stored.device) % pack)
+        raw[byte.reshape(-1)] = stored.reshape(-1).to(torch.uint8)
+        flat = raw.view(getattr(torch, str(output.scale_dtype)))
+    return torch.as_strided(flat, shape, strides)
+
+
+# The named forms, each one row's ``quantize`` (tests, the CLI's checks).
+
+def fp8_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``e4m3(x * (1/scale))`` with ``scale`` the dequantisation scale."""
+    codes, _ = quantize(x, quant_output("fp8"), scale)
+    assert codes is not None
+    return codes
+
+
+def fp8_dynamic_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8: codes ``[T, H]`` and the dequantisation scales ``[T, 1]`` float32."""
+    codes, scales = quantize(x, quant_output("fp8_dynamic"), None)
+    assert codes is not None and scales is not None
+    return codes, scales
+
+
+def fp8_group_quantize(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
+                       layout: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and group of ``group_size`` columns: codes ``[T, H]`` and ``scale_out`` in
+    ``layout`` (``fp32`` ``[T, H/g]``; ``fp32_column_major`` strides ``(1, T)``;
+    ``ue8m0_packed`` int32 ``[T, ceil(G/4)]``, strides ``(1, ceil(T/4)*4)``, the exponent
+    byte of group j in byte ``j % 4`` of word ``j / 4``)."""
+    codes, scales = quantize(x, quant_output("fp8_group", layout), None, group_size)
+    assert codes is not None and scales is not None
+    return codes, scales
+
+
+def fp8_group_scale_values(scale_out: torch.Tensor, groups: int) -> torch.Tensor:
+    """fp8_group's ``scale_out`` in any layout -> float32 ``[T, groups]``."""
+    if scale_out.dtype == torch.float32:
+        return scale_out.contiguous()
+    tokens = scale_out.shape[0]
+    exponents = torch.stack([((scale_out >> (8 * byte)) & 0xFF) for byte in range(4)], dim=-1)
+    exponents = exponents.reshape(tokens, -1)[:, :groups]
+    return (exponents.to(torch.int32) << 23).view(torch.float32)
+
+
+def nvfp4_quantize(x: torch.Tensor, global_scale: float,
+                   layout: str = "swizzled_128x4") -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, H]`` -> (packed codes ``[T, H/2]`` uint8, block scales uint8 in ``layout``)."""
+    codes, scales = quantize(x, quant_output("nvfp4", layout), global_scale)
+    assert codes is not None and scales is not None
+    return codes, scales
+
+
+def caller_scale(output: QuantOutput, amax: float) -> float | None:
+    """The scale a caller would pass for values of magnitude up to ``amax``: a dequantisation
+    scale ``amax / 448``, an encode scale ``448 * 6 / amax`` (NVFP4's usual global scale), or
+    None for an output that makes its own."""
+    if output.scale_in == "dequant":
+        return amax / FP8_MAX
+    if output.scale_in == "encode":
+        return FP8_MAX * E2M1_MAX / amax
+    return None

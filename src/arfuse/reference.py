@@ -1,7 +1,7 @@
 """The op in float64, no intermediate rounding: what every backend's result is checked
 against (the tests, ``arfuse run``, the scenarios, the GPU check). Quantised patterns give
-``out`` before its quantisation; each caller bounds the quantised codes its own way
-(``fp8_group`` has its float64 scales and values here: ``fp8_group``).
+``out`` before its quantisation; ``quantised`` gives any row's values and scales in float64
+from its rule, and each caller bounds the quantised codes its own way.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .pattern import Pattern
+from .pattern import DEFAULT_GROUP_SIZE, E2M1_MAX, E4M3_MAX, Pattern, QuantOutput, quant_output
 
 
 @dataclass(frozen=True)
@@ -43,30 +43,47 @@ def expected(xs: Sequence[Any], pattern: Pattern, residual: Any = None, weight: 
     return Expected(total, abs_sum, pre * inv * (weight.double() + weight_bias), pre)
 
 
-FP8_GROUP_EPS = 1e-10
-FP8_MAX = 448.0
-
-
-def fp8_group(out: Any, group_size: int, layout: str) -> tuple[Any, Any]:
-    """fp8_group in float64 from its documented formula (docs/design.md 3.6), on ``out`` as
-    given (the output rounded to the activation dtype): per token and group of
-    ``group_size`` columns, ``amax`` = the largest magnitude ignoring NaN; the scale
-    ``max(amax, 1e-10) / 448`` (``fp32``, ``fp32_column_major``) or
-    ``2^ceil(log2(max(amax / 448, 1e-10)))`` (``ue8m0_packed``); returns ``(out / scale``
-    as float64 ``[T, H]`` before its e4m3 rounding and saturation, the scales float64
-    ``[T, H / group_size]``, unpacked).
-    Each kernel rounds the scale's operations to fp32: a caller bounds the difference."""
+def quantised(out: Any, output: QuantOutput, scale: float | None = None,
+              group_size: int = 0) -> tuple[Any, Any | None]:
+    """The quantised output of ``output``'s row in float64 from its rule (quant_outputs.h),
+    no step rounded, on ``out`` as given (the output rounded to the activation dtype): the
+    values the codes round (``out`` over its scale, before the e4m3 or e2m1 rounding and
+    saturation) ``[T, H]``, and the scales ``[T, spans]`` before any rounding of theirs (None
+    for a rule without). Per span, ``amax`` is the largest magnitude ignoring NaN; the scale
+    is ``max(amax / 448, floor)`` (``amax_over_max``), ``max(amax, floor) / 448``
+    (``floor_over_max``), ``2^ceil(log2(max(amax / 448, floor)))`` (``power_of_two``),
+    ``scale * amax / 6`` (``encode_block``, its values ``out * scale / that``). Each kernel
+    rounds the scale's operations to fp32: a caller bounds the difference."""
     import torch
 
     values = out.double()
+    if output.rule == "static":
+        assert scale is not None
+        return values / scale, None
     tokens, hidden = values.shape
-    grouped = values.reshape(tokens, hidden // group_size, group_size)
-    magnitude = grouped.abs()
+    span = output.span(hidden, group_size or DEFAULT_GROUP_SIZE)
+    spans = values.reshape(tokens, hidden // span, span)
+    magnitude = spans.abs()
     amax = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude),
                        magnitude).amax(dim=-1)
-    if layout == "ue8m0_packed":
-        floor = torch.clamp_min(amax / FP8_MAX, FP8_GROUP_EPS)
-        scale = torch.exp2(torch.ceil(torch.log2(floor)))
+    if output.rule == "amax_over_max":
+        scales = torch.clamp_min(amax / E4M3_MAX, output.floor)
+    elif output.rule == "floor_over_max":
+        scales = torch.clamp_min(amax, output.floor) / E4M3_MAX
+    elif output.rule == "power_of_two":
+        scales = torch.exp2(torch.ceil(torch.log2(torch.clamp_min(amax / E4M3_MAX,
+                                                                  output.floor))))
+    elif output.rule == "encode_block":
+        assert scale is not None
+        scales = scale * amax / E2M1_MAX
+        return (spans * (scale / scales).unsqueeze(-1)).reshape(tokens, hidden), scales
     else:
-        scale = torch.clamp_min(amax, FP8_GROUP_EPS) / FP8_MAX
-    return (grouped / scale.unsqueeze(-1)).reshape(tokens, hidden), scale
+        raise ValueError(f"rule {output.rule!r} quantises nothing")
+    return (spans / scales.unsqueeze(-1)).reshape(tokens, hidden), scales
+
+
+def fp8_group(out: Any, group_size: int, layout: str) -> tuple[Any, Any]:
+    """fp8_group's ``quantised`` (``layout``: its row), the scales unpacked."""
+    values, scales = quantised(out, quant_output("fp8_group", layout), None, group_size)
+    assert scales is not None
+    return values, scales

@@ -55,9 +55,9 @@ def _signed(word: int) -> int:
 
 def moe_bits(fan_in: int, shared: bool, rows: int, routed_scaling_bits: int) -> int:
     """The MoE fields of word 0: ``fan_in`` (top_k, or the experts of a reduction; at most
-    ``MAX_MOE_FAN_IN``), whether a shared expert is given, and an 11-bit digest of the expanded
+    ``MAX_MOE_FAN_IN``), whether a shared expert is given, and a 10-bit digest of the expanded
     rows and the routed scaling factor's fp32 bits (ranks that differ there fail but for a
-    chance of 1 in 2048; the other fields are exact)."""
+    chance of 1 in 1024; the other fields are exact)."""
     mixed = ((rows * _MOE_ROWS_MUL ^ routed_scaling_bits * _MOE_ROUTED_MUL) & (2**64 - 1))
     digest = (mixed >> (64 - MOE_DIGEST_BITS)) & ((1 << MOE_DIGEST_BITS) - 1)
     return (fan_in << MOE_FAN_IN_SHIFT | int(shared) << MOE_SHARED_SHIFT

@@ -645,8 +645,9 @@ def moe_runs(env: Any, kernels: list[tuple[str, dict[str, Any]]]) -> None:
     """arfuse's own run of MoE calls, through the real unified API to the kernel bindings."""
     torch = env.torch
     from arfuse import moe
+    from arfuse.arg_checks import OpShape
     from arfuse.backends.flashinfer import moe_rules as r
-    from arfuse.call_checks import CallArgs, OpShape
+    from arfuse.call_checks import CallArgs
     from arfuse.spec import Spec
     from arfuse.torch_types import TORCH_DTYPES
 

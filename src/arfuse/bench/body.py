@@ -160,12 +160,11 @@ def _unfused_quantisation(opts: BenchOptions) -> Any:
     quantisation step (None without)."""
     if opts.quant is None:
         return None
-    from ..backends.torch.epilogue import quantize
-    from ..pattern import DEFAULT_GROUP_SIZE, quant_output
+    from ..pattern import quant_output
+    from ..quant import quantize
 
-    layout = quant_output(opts.quant, opts.scale_format).layout or ""
-    group = opts.group_size or DEFAULT_GROUP_SIZE
-    return lambda out, quant=opts.quant: quantize(out, quant, None, layout, group)
+    output = quant_output(opts.quant, opts.scale_format)
+    return lambda out: quantize(out, output, None, opts.group_size or 0)
 
 
 def _entry(st: _Rank, dname: str, tokens: int, backend: str, size: int, times: list[float],

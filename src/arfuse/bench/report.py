@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..pattern import DEFAULT_GROUP_SIZE, quant_output
 from .options import BASELINE
 from .targets import moe_verdicts
 
@@ -52,7 +53,8 @@ def _moe_words(options: dict[str, Any]) -> str:
         quant = options.get("quant")
         if quant is None:
             return ""
-        group = f" group_size {options.get('group_size') or 128}" if quant == "fp8_group" else ""
+        grouped = quant_output(quant).grouped
+        group = f" group_size {options.get('group_size') or DEFAULT_GROUP_SIZE}" if grouped else ""
         layout = f" {options['scale_format']}" if options.get("scale_format") else ""
         return (f"; every row quantises: {quant}{layout}{group} (the unfused rows after "
                 "their RMSNorm)")

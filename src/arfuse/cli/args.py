@@ -8,7 +8,8 @@ from typing import NoReturn
 
 from .. import settings
 from ..dtypes import parse_dtype
-from ..spec import parse_quant
+from ..pattern import DEFAULT_GROUP_SIZE, GROUP_SIZES_TEXT, QUANT_OUTPUTS, quant_output
+from ..spec import QUANTS, parse_quant
 from ..topology import MAX_WORLD_SIZE
 
 CALL_SIZE_MAX = 2**31 - 1
@@ -45,7 +46,7 @@ def call_size(text: str) -> int:
     return _int(text, CALL_SIZE_MAX, "the GPU kernels take it as a 32-bit int")
 
 
-def group_size(text: str) -> int:
+def world_size(text: str) -> int:
     """Ranks of a group arfuse describes: 1..MAX_WORLD_SIZE (whether this machine can start
     them is the launcher's check, ``launch.check_ranks``)."""
     return _int(text, MAX_WORLD_SIZE, "the largest group a topology describes")
@@ -103,15 +104,31 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=call_size, default=4096, help="hidden size (4096)")
     p.add_argument("--dtype", type=dtype, default="bf16", help="bf16, fp16 or fp32 (bf16)")
     p.add_argument("--quant", type=quant, default=None,
-                   help="none, fp8, nvfp4, fp8_dynamic or fp8_group (none)")
+                   help=f"none, {', '.join(QUANTS)} (none)")
+
+
+def _grouped_quants() -> str:
+    return " or ".join(dict.fromkeys(str(o.quant) for o in QUANT_OUTPUTS if o.grouped))
+
+
+def _layouts() -> str:
+    """Each quant of several rows with its layouts, its default first."""
+    by_quant: dict[str, list[str]] = {}
+    for o in QUANT_OUTPUTS:
+        if o.quant and o.layout:
+            by_quant.setdefault(o.quant, []).append(o.layout)
+    return "; ".join(f"{q}: {', '.join(layouts)}" for q, layouts in by_quant.items())
 
 
 def add_quant_format_flags(p: argparse.ArgumentParser) -> None:
-    """fp8_group's group size and scale format (the call's ``group_size`` and ``layout``)."""
+    """A quantised output's group size and scale layout (the call's ``group_size`` and
+    ``layout``)."""
     p.add_argument("--group-size", type=positive_int, default=None,
-                   help="fp8_group: columns per scale, 32, 64 or 128 dividing --hidden (128)")
+                   help=f"{_grouped_quants()}: columns per scale, {GROUP_SIZES_TEXT} dividing "
+                        f"--hidden ({DEFAULT_GROUP_SIZE})")
     p.add_argument("--scale-format", default=None,
-                   help="fp8_group: fp32 (default), fp32_column_major or ue8m0_packed")
+                   help=f"the scale layout of a quant with several ({_layouts()}; the first "
+                        "is the default)")
 
 
 def check_quant_format(quant: str | None, group_size: int | None, scale_format: str | None,
@@ -119,15 +136,18 @@ def check_quant_format(quant: str | None, group_size: int | None, scale_format: 
     """``--group-size`` and ``--scale-format`` as the call checks take them (ValueError,
     which the CLI prints as one line and exit 2)."""
     from ..call_checks import check_group_size
-    from ..pattern import quant_output
 
-    if quant != "fp8_group":
-        for flag, value in (("--group-size", group_size), ("--scale-format", scale_format)):
-            if value is not None:
-                raise ValueError(f"{flag} is for --quant fp8_group, got --quant {quant or 'none'}")
-        return
-    check_group_size(group_size, hidden)
-    quant_output(quant, scale_format)  # ValueError naming layout and fp8_group's
+    rows = [o for o in QUANT_OUTPUTS if o.quant == quant]
+    if group_size is not None and not any(o.grouped for o in rows):
+        raise ValueError(f"--group-size is for --quant {_grouped_quants()}, got --quant "
+                         f"{quant or 'none'}")
+    if scale_format is not None and not any(o.layout for o in rows):
+        raise ValueError(f"--scale-format is for a quant with several scale layouts "
+                         f"({_layouts()}), got --quant {quant or 'none'}")
+    if any(o.grouped for o in rows):
+        check_group_size(group_size, hidden)
+    if scale_format is not None:
+        quant_output(quant, scale_format)  # ValueError naming layout and the quant's
 
 
 def add_moe_flags(p: argparse.ArgumentParser) -> None:

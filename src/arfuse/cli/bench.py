@@ -16,6 +16,7 @@ from ..bench.body import bench_body
 from ..bench.options import BENCH_TOKENS, BENCH_TOKENS_MOE, ROWS, BenchOptions, memory_needs
 from ..bench.report import write_plot, write_table
 from ..moe_workload import MOE_PATTERNS, check_moe_sizes
+from ..pattern import QUANT_OUTPUTS, quant_output
 from . import args as cli_args
 
 DEFAULT_OUT = "out/bench"
@@ -25,7 +26,7 @@ and never writes over the recorded figures in benchmarks/results/."""
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="latency sweep: shm vs torch (gloo) vs deepspeed")
-    p.add_argument("--world-size", type=cli_args.group_size, default=None,
+    p.add_argument("--world-size", type=cli_args.world_size, default=None,
                    help="ranks to start (2; under torchrun: the ranks it started)")
     p.add_argument("--tokens", type=cli_args.int_list, default=None,
                    help="token counts (1,2,4,...,4096; a MoE pattern: 1,2,4,...,512)")
@@ -50,8 +51,10 @@ def add_parser(sub: Any) -> None:
                    help="intra-op threads per rank, each rank pinned to this many cores (1)")
     cli_args.add_moe_flags(p)
     p.add_argument("--quant", type=cli_args.quant, default=None,
-                   help="the quantised output every row makes: fp8_dynamic or fp8_group (none; "
-                   "the unfused rows quantise after their RMSNorm)")
+                   help="the quantised output every row makes, one that makes its own scales: "
+                   + ", ".join(dict.fromkeys(str(o.quant) for o in QUANT_OUTPUTS
+                                             if o.quant and o.scale_in == "none"))
+                   + " (none; the unfused rows quantise after their RMSNorm)")
     cli_args.add_quant_format_flags(p)
     p.set_defaults(func=run)
 
@@ -85,9 +88,11 @@ def run(args: argparse.Namespace) -> int:
     moe = args.pattern != "residual_rmsnorm"
     if moe:
         check_moe_sizes(args.pattern, args.top_k, args.experts)
-    if args.quant is not None and (moe or args.quant not in ("fp8_dynamic", "fp8_group")):
-        raise ValueError(f"--quant {args.quant}: bench times the scale-free quants "
-                         "(fp8_dynamic, fp8_group) after residual_rmsnorm only")
+    if args.quant is not None and (moe or quant_output(args.quant).scale_in != "none"):
+        free = ", ".join(dict.fromkeys(str(o.quant) for o in QUANT_OUTPUTS
+                                       if o.quant and o.scale_in == "none"))
+        raise ValueError(f"--quant {args.quant}: bench times the quants that make their own "
+                         f"scales ({free}) after residual_rmsnorm only")
     cli_args.check_quant_format(args.quant, args.group_size, args.scale_format, args.hidden)
     tokens = args.tokens or (BENCH_TOKENS_MOE if moe else BENCH_TOKENS)
     ranks = job_ranks(args.world_size)

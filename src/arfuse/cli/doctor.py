@@ -15,7 +15,7 @@ from .explain import this_machine_blockers
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("doctor", help="what this machine has, and which backends can run")
-    p.add_argument("--world-size", type=cli_args.group_size, default=None,
+    p.add_argument("--world-size", type=cli_args.world_size, default=None,
                    help="ranks to check for (default: GPUs, or 2 on CPU)")
     p.set_defaults(func=run)
 

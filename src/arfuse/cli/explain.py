@@ -15,7 +15,7 @@ from . import args as cli_args
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("explain", help="what arfuse would pick, and why")
     p.add_argument("--topology", default=None, help="topology JSON (default: this machine)")
-    p.add_argument("--world-size", type=cli_args.group_size, default=None,
+    p.add_argument("--world-size", type=cli_args.world_size, default=None,
                    help="ranks, for this machine without --topology (default: GPUs, or 2 on CPU)")
     p.add_argument("--max-tokens", type=cli_args.call_size, default=2048,
                    help="tokens per call (2048)")

@@ -8,10 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,42 +16,27 @@ import torch
 
 from ..digest import digest
 from ..moe_workload import MOE_PATTERNS, check_moe_sizes, expert_rows_bytes
-from ..pattern import DEFAULT_GROUP_SIZE, Pattern, quant_output
+from ..pattern import Pattern, quant_output
+from ..quant import caller_scale
 from ..reference import expected
 from ..torch_types import TORCH_DTYPES, device_of
 from . import args as cli_args
-
-EPS = 1e-6
-# max |out - reference| / max |reference| allowed, per dtype: a few roundings of the dtype
-TOLERANCE = {"bf16": 8 * 2.0**-8, "fp16": 8 * 2.0**-11, "fp32": 1e-4}
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    world_size: int
-    tokens: tuple[int, ...]
-    hidden: int
-    dtype: str
-    quant: str | None
-    steps: int
-    backend: str | None
-    device: str
-    strict: bool | None = None
-    pattern: str = "residual_rmsnorm"  # or a MoE pattern (``moe_workload.MOE_PATTERNS``)
-    top_k: int = 8
-    experts: int = 64
-    group_size: int | None = None  # fp8_group's (None: its default)
-    scale_format: str | None = None  # the quant's scale layout (None: its default)
+from .run_checks import (
+    EPS,
+    TOLERANCE,
+    RunOptions,
+    SizeResult,
+    quant_matches,
+    relative_error,
+    rmsnorm,
+    rounds_of,
+    time_pair,
+)
 
 
 def _say(rank: int, text: str = "") -> None:
     if rank == 0:
         print(text, flush=True)
-
-
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()).to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -69,18 +51,6 @@ class _Layer:
     shard: int
 
 
-@dataclass(frozen=True)
-class SizeResult:
-    tokens: int
-    out_err: float
-    res_err: float
-    identical: bool
-    quant_ok: bool
-    fused_us: float
-    unfused_us: float
-    ok: bool
-
-
 def _make_layer(rank: int, world: int, opts: RunOptions, gen: torch.Generator) -> _Layer:
     dtype, device = TORCH_DTYPES[opts.dtype], device_of(opts.device)
     width = in_features(opts.hidden, world)
@@ -89,52 +59,6 @@ def _make_layer(rank: int, world: int, opts: RunOptions, gen: torch.Generator) -
     gamma = (torch.rand(opts.hidden, generator=gen) + 0.5).to(dtype).to(device)
     weight_shard = weight_full[:, rank * shard:(rank + 1) * shard].contiguous().to(device)
     return _Layer(weight_full, weight_shard, gamma, width, shard)
-
-
-def quant_matches(result: Any, quant: str | None, scale: float | None,
-                  group_size: int | None = None, layout: str | None = None) -> bool:
-    """The quantised outputs equal arfuse's own quantisation of the output it returned
-    (fp8_group: its float64 reference, ``arfuse.reference.fp8_group``)."""
-    from arfuse import quant as q
-
-    if quant == "fp8":
-        assert scale is not None
-        return _mostly_equal(result.quant_out, q.fp8_quantize(result.out.cpu(), scale))
-    if quant == "fp8_dynamic":
-        codes, scales = q.fp8_dynamic_quantize(result.out.cpu())
-        return _mostly_equal(result.quant_out, codes) and result.scale_out is not None \
-            and torch.equal(result.scale_out.cpu(), scales)
-    if quant == "nvfp4":
-        assert scale is not None
-        packed, scales = q.nvfp4_quantize(result.out.cpu(), scale)
-        return _mostly_equal(result.quant_out, packed) and _mostly_equal(result.scale_out, scales)
-    if quant == "fp8_group":
-        return fp8_group_matches(result, group_size or DEFAULT_GROUP_SIZE, layout or "fp32")
-    return True
-
-
-def fp8_group_matches(result: Any, group_size: int, layout: str) -> bool:
-    """fp8_group's outputs against the float64 reference of the output returned: the scales
-    within the fp32 rounding of their two operations (UE8M0: equal powers of two but where
-    that rounding crosses one, at most 0.1%), the codes equal but for rare ties."""
-    from arfuse import quant as q
-    from arfuse import reference
-
-    if result.scale_out is None or result.quant_out is None:
-        return False
-    values, scales = reference.fp8_group(result.out.cpu(), group_size, layout)
-    got = q.fp8_group_scale_values(result.scale_out.cpu(), scales.shape[1]).double()
-    if got.shape != scales.shape:
-        return False
-    if layout == "ue8m0_packed":
-        scales_ok = (got != scales).double().mean().item() <= 1e-3
-    else:
-        scales_ok = bool(((got - scales).abs() <= scales * 2.0**-22).all())
-    return scales_ok and _mostly_equal(result.quant_out, q.to_e4m3(values.float()))
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float(((got.double().cpu() - want).abs().max() / want.abs().max()).item())
 
 
 def _check_size(comm: Any, layer: _Layer, tokens: int, rank: int, world: int, opts: RunOptions,
@@ -149,10 +73,8 @@ def _check_size(comm: Any, layer: _Layer, tokens: int, rank: int, world: int, op
     a_shard = act[:, rank * layer.shard:(rank + 1) * layer.shard].contiguous().to(device)
     partial = a_shard @ layer.weight_shard.t()
     first = comm(partial, residual=residual, weight=layer.gamma, eps=EPS)
-    scale = None
-    if opts.quant in ("fp8", "nvfp4"):
-        amax = first.out.abs().max().float().item()
-        scale = amax / 448.0 if opts.quant == "fp8" else 448.0 * 6.0 / amax
+    scale = caller_scale(quant_output(opts.quant, opts.scale_format),
+                         first.out.abs().max().float().item())
     result = comm(partial, residual=residual, weight=layer.gamma, eps=EPS, quant=opts.quant,
                   scale=scale, **quant_keywords(opts))
     digests: list[Any] = [None] * world
@@ -182,7 +104,7 @@ def _print_table(rank: int, world: int, rows: list[SizeResult], opts: RunOptions
              f"{r.unfused_us:>10.1f} {r.unfused_us / r.fused_us:>7.1f}x  "
              f"{'ok' if r.ok else 'MISMATCH'}")
     _say(rank, f"\nworld size {world}, hidden {opts.hidden}, {opts.dtype}, quant "
-         f"{opts.quant or 'none'}, {math.prod(_rounds(opts.steps))} timed steps per size "
+         f"{opts.quant or 'none'}, {math.prod(rounds_of(opts.steps))} timed steps per size "
          f"and path; latency = median per call on "
          f"rank 0; unfused = torch.distributed all_reduce + add + RMSNorm"
          f"{' + quantisation' if opts.quant else ''}{_moe_words(opts)}; stats {stats}")
@@ -237,15 +159,6 @@ def run_body(rank: int, world: int, opts: RunOptions) -> int:
     return 0
 
 
-def _mostly_equal(got: torch.Tensor | None, expected: torch.Tensor) -> bool:
-    """Quantised codes equal but for rare one-ulp ties (at most 0.1% of them)."""
-    if got is None:
-        return False
-    a = got.cpu().view(torch.uint8)
-    b = expected.view(torch.uint8)
-    return a.shape == b.shape and (a != b).float().mean().item() <= 1e-3
-
-
 def quant_keywords(opts: RunOptions) -> dict[str, Any]:
     """The call's ``layout`` (``--scale-format``) and ``group_size`` (``--group-size``),
     where given."""
@@ -257,20 +170,13 @@ def quant_keywords(opts: RunOptions) -> dict[str, Any]:
     return kwargs
 
 
-def _rounds(steps: int) -> tuple[int, int]:
-    """Rounds of consecutive timed steps (up to 5), and steps per round: ``steps`` in all
-    where 5 divides it or it is under 5, else the largest multiple of the rounds below it."""
-    rounds = min(5, steps)
-    return rounds, steps // rounds
-
-
 def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
                        gamma: torch.Tensor, opts: RunOptions,
                        scale: float | None) -> tuple[float, float]:
     """Median microseconds of the fused op and of the unfused path (``time_pair``)."""
     import torch.distributed as dist
 
-    from ..backends.torch.epilogue import quantize
+    from ..quant import quantize
 
     def fused() -> None:
         comm(partial, residual=residual, weight=gamma, eps=EPS, quant=opts.quant, scale=scale,
@@ -282,38 +188,10 @@ def _time_side_by_side(comm: Any, partial: torch.Tensor, residual: torch.Tensor,
         pre = summed + residual
         out = rmsnorm(pre, gamma)
         if opts.quant:
-            quantize(out, opts.quant, scale, quant_output(opts.quant, opts.scale_format).layout
-                     or "", opts.group_size or DEFAULT_GROUP_SIZE)
+            quantize(out, quant_output(opts.quant, opts.scale_format), scale,
+                     opts.group_size or 0)
 
     return time_pair(fused, unfused, opts.steps, partial.is_cuda)
-
-
-def time_pair(fused: Callable[[], None], unfused: Callable[[], None], steps: int,
-              cuda: bool) -> tuple[float, float]:
-    """Median microseconds of two paths, in alternating rounds of consecutive steps
-    (alternating every step would time the fused op waiting for a peer still leaving its
-    previous gloo call)."""
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-    for _ in range(3):
-        fused()
-        unfused()
-    sync()
-    fused_t: list[int] = []
-    unfused_t: list[int] = []
-    rounds, per_round = _rounds(steps)
-    for _ in range(rounds):
-        for fn, times in ((fused, fused_t), (unfused, unfused_t)):
-            fn()  # the first step of a round absorbs the ranks' skew; not timed
-            sync()
-            for _ in range(per_round):
-                start = time.perf_counter_ns()
-                fn()
-                sync()
-                times.append(time.perf_counter_ns() - start)
-    return statistics.median(fused_t) / 1e3, statistics.median(unfused_t) / 1e3
 
 
 DEFAULT_TOKENS = (1, 8, 64, 512)
@@ -322,7 +200,7 @@ DEFAULT_TOKENS = (1, 8, 64, 512)
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("run", help="the main job: row-parallel layer + fused all-reduce, "
                        "checked against a reference and timed against the unfused path")
-    p.add_argument("--world-size", type=cli_args.group_size, default=None,
+    p.add_argument("--world-size", type=cli_args.world_size, default=None,
                    help="ranks to start (2; under torchrun: the ranks it started)")
     p.add_argument("--tokens", type=cli_args.int_list, default=DEFAULT_TOKENS,
                    help="token counts (1,8,64,512)")

@@ -11,10 +11,11 @@ import torch
 
 from ..digest import digest
 from ..moe_workload import ExpertRows, expert_step_float64, make_expert_rows, torch_expert_step
-from ..pattern import Pattern
+from ..pattern import Pattern, quant_output
+from ..quant import caller_scale
 from ..reference import expected
 from ..torch_types import TORCH_DTYPES, device_of
-from .run import (
+from .run_checks import (
     EPS,
     TOLERANCE,
     RunOptions,
@@ -59,16 +60,13 @@ def check_moe_size(comm: Any, gamma: torch.Tensor, tokens: int, world: int, opts
     draws what every rank has alike (the residual), ``own_gen`` this rank's expert rows."""
     import torch.distributed as dist
 
-    from ..backends.torch.epilogue import quantize
+    from ..quant import quantize
 
     dtype, device = TORCH_DTYPES[opts.dtype], device_of(opts.device)
     inputs = _inputs(tokens, opts, own_gen)
     residual = torch.randn(tokens, opts.hidden, generator=gen).to(dtype).to(device)
     first = inputs.call(comm, residual=residual, weight=gamma, eps=EPS)
-    scale = None
-    if opts.quant in ("fp8", "nvfp4"):
-        amax = first.out.abs().max().float().item()
-        scale = amax / 448.0 if opts.quant == "fp8" else 448.0 * 6.0 / amax
+    scale = caller_scale(quant_output(opts.quant), first.out.abs().max().float().item())
     result = inputs.call(comm, residual=residual, weight=gamma, eps=EPS, quant=opts.quant,
                          scale=scale)
     digests: list[Any] = [None] * world
@@ -92,7 +90,7 @@ def check_moe_size(comm: Any, gamma: torch.Tensor, tokens: int, world: int, opts
         dist.all_reduce(summed)
         out = rmsnorm(summed + residual, gamma)
         if opts.quant:
-            quantize(out, opts.quant, scale, "swizzled_128x4")
+            quantize(out, quant_output(opts.quant), scale)
 
     fused_us, unfused_us = time_pair(fused, unfused, opts.steps, residual.is_cuda)
     return SizeResult(tokens, out_err, res_err, identical, quant_ok, fused_us, unfused_us, ok)

@@ -16,7 +16,7 @@ group_name))``; the pattern matcher finds that pair, and the handler looks after
   round otherwise stays in the graph after the fused chain, and the debug log says why.
 
 Chains of other groups, other reductions, sums used elsewhere, norms ``find_norm`` does not
-know, an ``eps`` the fused call would refuse (``call_checks.fp32_number``) and weights
+know, an ``eps`` the fused call would refuse (``arg_checks.fp32_number``) and weights
 computed after the chain starts are left as they are; each graph's count of what was
 replaced and what was not (and why) is logged once.
 """
@@ -36,7 +36,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, Node
 
 from .. import log
-from ..call_checks import fp32_number
+from ..arg_checks import fp32_number
 from . import match, runtime
 
 _c10d = torch.ops._c10d_functional

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .. import log
-from ..call_checks import fp32_number
+from ..arg_checks import fp32_number
 from ..ops import FusedAllReduce
 from ..quant import FP8_GROUP_EPS, FP8_MAX
 from . import match

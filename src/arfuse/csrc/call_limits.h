@@ -1,4 +1,4 @@
-// The limits of a call's numbers: what the fp32 kernels can carry. arfuse/call_checks.py reads
+// The limits of a call's numbers: what the fp32 kernels can carry. arfuse/arg_checks.py reads
 // the constexpr lines of this file too (arfuse/ctables.py), so the Python checks and the fast
 // path refuse exactly the same values: eps and an NVFP4 scale >= the smallest positive fp32,
 // an FP8 scale >= 1 / FLT_MAX (its reciprocal finite), all <= FLT_MAX; |weight_bias| <= FLT_MAX.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ...catalog import BackendDescriptor, Footprint
 from ...pattern import Pattern
 from ...sizing import largest_fitting
-from ...spec import QUANTS, Spec
+from ...spec import Spec
 from ...topology import Topology
 from . import group_rules, moe_rules
 from .sizes import (
@@ -111,7 +111,8 @@ def _fusable(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
     """FlashInfer's patterns: the all-reduce alone, or with (residual and) RMSNorm, then
     optionally quantised (it has no quantisation without RMSNorm). NVFP4 needs SM >= 100 and a
     16-bit dtype; ``fp8_dynamic`` (patterns 10/11) needs a FlashInfer that has the patterns
-    (``FP8_DYNAMIC_FROM``); ``fp8_group`` is trtllm's alone (``group_rules``), so not here."""
+    (``FP8_DYNAMIC_FROM``); ``fp8_group`` is trtllm's alone (``group_rules``), so not here, nor
+    is an output of the table that FlashInfer has no pattern for (the op quantises it apart)."""
     if pattern.quant is None:
         return True
     if not pattern.norm:
@@ -120,11 +121,8 @@ def _fusable(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
         return (topology.sm or 0) >= 100 and spec.dtype != "fp32"
     if pattern.quant == "fp8_dynamic":
         return version_tuple(topology.flashinfer) >= FP8_DYNAMIC_FROM
-    if pattern.quant == "fp8":
-        return True
-    if pattern.quant == group_rules.QUANT:
-        return False
-    raise ValueError(f"quant={pattern.quant!r} is not valid; use one of none, {', '.join(QUANTS)}")
+    # fp8_group is trtllm's alone; an output FlashInfer has no pattern for is not fused
+    return pattern.quant == "fp8"
 
 
 def mnnvl_fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:

@@ -19,8 +19,8 @@ Read in those releases (``flashinfer/comm/allreduce.py``, ``trtllm_ar.py``,
   the call, on the GPU only): ``launch_refusal`` predicts that from hidden, dtype and group.
 
 The ``fp32`` and ``fp32_column_major`` formats are not FlashInfer's: their calls run pattern 1
-(residual + RMSNorm, fused) and then the quantisation in torch (``epilogue.quantize``, the
-reference's bytes for the kernel's norm output).
+(residual + RMSNorm, fused) and then the quantisation in torch (``arfuse.quant.quantize``,
+the reference's bytes for the kernel's norm output).
 """
 
 from __future__ import annotations

@@ -33,13 +33,13 @@ from ... import catalog, log, moe
 from ...call_checks import CallArgs
 from ...errors import ArfuseError, CreationFailed, NegotiationTimeout
 from ...pattern import quant_output
+from ...quant import quantize
 from ...result import FusedOutput
 from ...sizing import largest_fitting
 from ...spec import Spec
 from ...topology import Topology, flashinfer_version
 from ...torch_types import TORCH_DTYPES, device_of
 from ..base import Backend, Workspace
-from ..torch.epilogue import quantize
 from . import MNNVL_WORLD_SIZES, TRTLLM_WORLD_SIZES, group_rules, moe_rules
 from .comm import agree_to_enter, channel_comm
 from .probe import confidential_compute, fabric_handles, multicast_support
@@ -301,7 +301,7 @@ class FlashInferWorkspace(Workspace):
                                         device=x.device)
             else:
                 pattern = K_OUT_FP4_QUANT
-                kwargs["layout_code"] = LAYOUT_CODE[call.layout]
+                kwargs["layout_code"] = LAYOUT_CODE[str(call.layout)]
                 quant_out = torch.empty((tokens, hidden // 2), dtype=torch.uint8, device=x.device)
                 shape = quant_output("nvfp4", call.layout).scale_shape(tokens, hidden)
                 assert shape is not None
@@ -318,8 +318,7 @@ class FlashInferWorkspace(Workspace):
         (the same bytes as the reference's for the kernel's norm output)."""
         self._log_apart(why)
         result = self._run_all_reduce(call.without_quant())
-        quant_out, scale_out = quantize(result.out, call.quant, call.scale, call.layout,
-                                        call.group_size)
+        quant_out, scale_out = quantize(result.out, call.output, call.scale, call.group_size)
         return FusedOutput(result.out, result.residual_out, quant_out, scale_out)
 
     def _log_apart(self, why: str) -> None:

@@ -1,5 +1,5 @@
 """The hierarchical workspace: the shm kernel on each host's ranks, gloo between hosts, the
-torch epilogue on the reduced rows (DESIGN 4, "hier").
+epilogue in the kernel on the reduced rows (DESIGN 4, "hier").
 
 One call, on every rank (H hosts of L ranks; rank l of host h):
 
@@ -9,18 +9,19 @@ One call, on every rank (H hosts of L ranks; rank l of host h):
    host that disagree fail there, R11);
 2. between hosts, over the subgroup of local index l (one per index, so the L links run in
    parallel): the verdicts (the signature, and whether the host's step failed, so every rank
-   of every host raises at the same call) and chunk l of ``P_h`` (1/L of its elements) through
-   ``all_gather_into_tensor``; chunk l of the sum is ``P_0 + P_1 + ...`` in host order, in
-   fp32. The chunk rides in the verdicts' message when it has the size of the last call's
-   (which every rank of the subgroup knows alike), so a steady decode crosses once per call;
-   otherwise it crosses after the verdicts. With one rank per host there is no host step:
+   of every host raises at the same call) and chunk l of ``P_h`` (1/L of its elements) to
+   every host (``collective.gather_rows``: one exchange, large rows in pieces all in flight);
+   chunk l of the sum is ``P_0 + P_1 + ...`` in host order, in fp32. The chunk rides in the
+   verdicts' message when it has the size of the last call's (which every rank of the
+   subgroup knows alike), so a steady decode crosses once per call; otherwise it crosses
+   after the verdicts. With one rank per host there is no host step:
    its rows cross as they are (they are its host's sum exactly);
 3. host step again, fused: each rank writes its chunk of the sum, rounded to the activation
    dtype as the epilogue's first step rounds it, into a slot of -0.0 (the additive identity of
    IEEE addition, so the slots' sum is that chunk exactly, signed zeros and NaN included), and
    one shm call in the activation dtype gathers the chunks and runs the epilogue (residual,
    RMSNorm, quantisation) in the kernel: the bytes of the torch backend's epilogue
-   (``backends/torch/epilogue.apply``) on the fp32 sum, which runs instead for a pattern the
+   (``arfuse.epilogue.apply``) on the fp32 sum, which runs instead for a pattern the
    kernel does not fuse (after an fp32 gather). With one rank per host the hosts' rows are
    added in host order and finished as the torch backend finishes them
    (``backends/torch/finish``: in the kernel where the process has it).
@@ -43,6 +44,7 @@ import torch.distributed as dist
 
 from ... import collective, group, moe, signature, topology
 from ...call_checks import CallArgs
+from ...epilogue import apply, rank_order_sum
 from ...errors import (
     CallTimeout,
     CreationFailed,
@@ -57,7 +59,6 @@ from ...torch_types import round_to
 from ..base import Backend, Workspace
 from ..shm.backend import ShmBackend
 from ..shm.workspace import ShmWorkspace
-from ..torch.epilogue import apply, rank_order_sum
 from ..torch.finish import finish
 from . import HostLayout, footprint, host_layout, partial_spec
 
@@ -157,8 +158,9 @@ class HierWorkspace(Workspace):
         return f"{super().describe()}, {self.layout.describe()}"
 
     def takes(self, topology: Any, pattern: Pattern) -> bool:
-        """Always: the torch epilogue quantises, and the call's signature carries the
-        quantisation so that ranks which differ in it fail together (R11)."""
+        """Always: the kernel's epilogue (or, for a pattern it does not fuse, the same bytes
+        in torch) quantises, and the call's signature carries the quantisation so that ranks
+        which differ in it fail together (R11)."""
         return True
 
     def poison(self) -> None:

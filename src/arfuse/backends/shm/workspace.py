@@ -18,6 +18,7 @@ import torch
 from ... import log, moe, signature
 from ...call_checks import CallArgs
 from ...dtypes import DTYPES
+from ...epilogue import apply, rank_order_sum
 from ...errors import (
     CallTimeout,
     CreationFailed,
@@ -31,7 +32,6 @@ from ...sizing import ceil_div
 from ...spec import Spec
 from ...torch_types import TORCH_DTYPES
 from ..base import Workspace
-from ..torch.epilogue import apply, rank_order_sum
 from . import build as shm_build
 from .layout import (
     ARRIVE_OFFSET,
@@ -51,7 +51,7 @@ from .segment import LIVENESS_LOOK_S, alive, process_identity
 # same pass, every rank finishes the other blocks from their owners' sums) above. One-shot makes
 # every rank read every peer's whole input across cores and run the epilogue on every row;
 # two-shot halves both (two ranks) for one more meeting, which pays from the second row of the
-# usual hidden sizes on (benchmarks/shm_threshold.py; figures in benchmarks/RESULTS.md), hence
+# usual hidden sizes on (benchmarks/shm_threshold.py; figures in docs/design.md 6), hence
 # one-shot for single rows only. With more ranks the crossover can only move down; the two-rank
 # value is used for them too.
 ONESHOT_MAX_BYTES = 8 * 1024

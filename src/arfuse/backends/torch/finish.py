@@ -15,12 +15,12 @@ from collections.abc import Sequence
 import torch
 
 from ...call_checks import CallArgs
+from ...epilogue import apply, rank_order_sum
 from ...pattern import output_code
 from ...result import FusedOutput
 from ...torch_types import TORCH_NAMES
 from ..shm import build as shm_build
 from ..shm.layout import MAX_WORLD
-from .epilogue import apply, rank_order_sum
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

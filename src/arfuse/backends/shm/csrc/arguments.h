@@ -7,7 +7,7 @@
 
 namespace arfuse {
 
-// A float or int, not a bool (call_checks.real_number takes more; those go to Python).
+// A float or int, not a bool (arg_checks.real_number takes more; those go to Python).
 inline bool plain_number(py::handle obj, double* out) {
   PyObject* p = obj.ptr();
   if (PyFloat_Check(p)) {

@@ -18,109 +18,6 @@
 namespace arfuse {
 namespace {
 
-py::dict layout_constants() {
-  py::dict d;
-  d["CACHE_LINE"] = layout::kCacheLine;
-  d["PAGE"] = layout::kPage;
-  d["HEADER_BYTES"] = layout::kHeaderBytes;
-  d["BUFFERS"] = layout::kBuffers;
-  d["MAX_WORLD"] = layout::kMaxWorld;
-  d["SEGMENT_MAGIC"] = layout::kSegmentMagic;
-  d["SEGMENT_VERSION"] = layout::kSegmentVersion;
-  d["MAGIC_OFFSET"] = layout::kMagicOffset;
-  d["VERSION_OFFSET"] = layout::kVersionOffset;
-  d["CREATOR_PID_OFFSET"] = layout::kCreatorPidOffset;
-  d["CREATOR_START_OFFSET"] = layout::kCreatorStartOffset;
-  d["CREATOR_PIDNS_OFFSET"] = layout::kCreatorPidnsOffset;
-  d["SEGMENT_ID_BYTES"] = layout::kSegmentIdBytes;
-  d["IDENTITY_OFFSET"] = layout::kIdentityOffset;
-  d["ARRIVE_OFFSET"] = layout::kArriveOffset;
-  d["DONE_OFFSET"] = layout::kDoneOffset;
-  d["VOTE_OFFSET"] = layout::kVoteOffset;
-  d["VOTE_BUCKETS"] = layout::kVoteBuckets;
-  d["PROGRESS_UNITS"] = layout::kProgressUnits;
-  d["MAX_TOKENS"] = layout::kMaxTokens;
-  d["SIGNATURE_OFFSET"] = layout::kSignatureOffset;
-  d["SIGNATURE_BYTES"] = layout::kSignatureBytes;
-  d["WAITERS_OFFSET"] = layout::kWaitersOffset;
-  d["CPU_OFFSET"] = layout::kCpuOffset;
-  return d;
-}
-
-// The call signature's numbers and the call limits as compiled (the contract test compares
-// them with what arfuse/ctables.py reads from the headers).
-py::dict signature_constants() {
-  py::dict d;
-  d["kBF16"] = kBF16;
-  d["kFP16"] = kFP16;
-  d["kFP32"] = kFP32;
-  d["kTokensShift"] = signature::kTokensShift;
-  d["kPatternShift"] = signature::kPatternShift;
-  d["kPatternBits"] = signature::kPatternBits;
-  d["kModeShift"] = signature::kModeShift;
-  d["kDtypeShift"] = signature::kDtypeShift;
-  d["kOpShift"] = signature::kOpShift;
-  d["kMaxHidden"] = signature::kMaxHidden;
-  d["kMaxOp"] = signature::kMaxOp;
-  d["kOpBits"] = signature::kOpBits;
-  d["kGroupShift"] = signature::kGroupShift;
-  d["kGroupBits"] = signature::kGroupBits;
-  d["kReductionShift"] = signature::kReductionShift;
-  d["kEpilogueShift"] = signature::kEpilogueShift;
-  d["kReductionAllReduce"] = signature::kReductionAllReduce;
-  d["kReductionMoeReduce"] = signature::kReductionMoeReduce;
-  d["kReductionMoeFinalize"] = signature::kReductionMoeFinalize;
-  d["kMoeFanInShift"] = signature::kMoeFanInShift;
-  d["kMoeFanInBits"] = signature::kMoeFanInBits;
-  d["kMoeSharedShift"] = signature::kMoeSharedShift;
-  d["kMoeDigestShift"] = signature::kMoeDigestShift;
-  d["kMoeDigestBits"] = signature::kMoeDigestBits;
-  d["kMaxMoeFanIn"] = signature::kMaxMoeFanIn;
-  d["kMoeDigestRowsMul"] = signature::kMoeDigestRowsMul;
-  d["kMoeDigestRoutedMul"] = signature::kMoeDigestRoutedMul;
-  d["kEpilogueNone"] = signature::kEpilogueNone;
-  d["kEpilogueRmsNorm"] = signature::kEpilogueRmsNorm;
-  d["kEpilogueResidualRmsNorm"] = signature::kEpilogueResidualRmsNorm;
-  d["kOutputNone"] = kOutputNone;
-  d["kOutputFp8"] = kOutputFp8;
-  d["kOutputNvfp4Swizzled"] = kOutputNvfp4Swizzled;
-  d["kOutputNvfp4Linear"] = kOutputNvfp4Linear;
-  d["kOutputFp8Dynamic"] = kOutputFp8Dynamic;
-  d["kOutputFp8GroupFp32"] = kOutputFp8GroupFp32;
-  d["kOutputFp8GroupColumnMajor"] = kOutputFp8GroupColumnMajor;
-  d["kOutputFp8GroupUe8m0"] = kOutputFp8GroupUe8m0;
-  d["kGroupOfCall"] = kGroupOfCall;
-  d["kGroupUnit"] = kGroupUnit;
-  d["kGroupCodes"] = kGroupCodes;
-  d["kDefaultGroupSize"] = kDefaultGroupSize;
-  d["kFp8GroupEps"] = kFp8GroupEps;
-  d["kScaleInNone"] = kScaleInNone;
-  d["kScaleInDequant"] = kScaleInDequant;
-  d["kScaleInEncode"] = kScaleInEncode;
-  d["kQuantTypeNone"] = kQuantTypeNone;
-  d["kQuantTypeE4m3"] = kQuantTypeE4m3;
-  d["kQuantTypeUint8"] = kQuantTypeUint8;
-  d["kQuantTypeFloat32"] = kQuantTypeFloat32;
-  d["kQuantTypeInt32"] = kQuantTypeInt32;
-  d["kFp32Max"] = kFp32Max;
-  d["kFp32Tiny"] = kFp32Tiny;
-  d["kFp8ScaleMin"] = kFp8ScaleMin;
-  return d;
-}
-
-// The table of quantised outputs as compiled, one tuple a row (the contract test compares it
-// with what arfuse/ctables.py reads).
-py::list quant_outputs() {
-  py::list rows;
-  for (const QuantOutput& o : kQuantOutputs) {
-    rows.append(py::make_tuple(o.quant, o.layout, o.code, o.scale_in, o.fp32, o.block,
-                               o.data_type, o.data_pack, o.scale_type, o.scale_row_align,
-                               o.scale_group, o.scale_col_align, o.scale_pack,
-                               o.scale_column_major));
-  }
-  return rows;
-}
-
 py::dict slot_geometry(int64_t world, int64_t max_tokens, int64_t hidden, int64_t elem) {
   const layout::SlotGeometry g = layout::slot_geometry(world, max_tokens, hidden, elem);
   py::dict d;
@@ -279,9 +176,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return isa::stream_output_min_bytes(int(dtype));
   });
   m.def("set_error_types", &set_error_types);
-  m.def("layout_constants", &layout_constants);
-  m.def("signature_constants", &signature_constants);
-  m.def("quant_outputs", &quant_outputs);
   m.def("slot_geometry", &slot_geometry);
   m.def("describe_signature", &describe_signature);
   m.def("mismatch_message", &mismatch_message);

@@ -18,7 +18,7 @@ namespace arfuse {
 
 namespace {
 
-// The torch dtype of a kQuantType* (signature.h).
+// The torch dtype of a kQuantType* (quant_outputs.h).
 at::ScalarType quant_type(int type) {
   switch (type) {
     case kQuantTypeE4m3: return at::kFloat8_e4m3fn;
@@ -30,7 +30,7 @@ at::ScalarType quant_type(int type) {
 
 }  // namespace
 
-// quant_out and scale_out of a call as the output's row of kQuantOutputs says (signature.h),
+// quant_out and scale_out of a call as the output's row of kQuantOutputs says (quant_outputs.h),
 // made by `make`, their addresses in c.
 void make_quant_outputs(const Numbers& n, int64_t tokens, int64_t hidden,
                         const at::TensorOptions& x_options, const MakeOutput& make,
@@ -41,11 +41,10 @@ void make_quant_outputs(const Numbers& n, int64_t tokens, int64_t hidden,
     c->quant_out = reinterpret_cast<uint8_t*>(quant_out->data_ptr());
   }
   if (q.scale_type != kQuantTypeNone) {
-    const ScaleGeometry g = scale_geometry(q, tokens, hidden, n.group);
-    const int64_t per = q.scale_group == kGroupOfCall ? n.group : q.scale_group;
-    const int64_t used = per == 0 ? 1 : hidden / per;
+    const ScaleGeometry g = scale_geometry(q, tokens, hidden, n.group_size);
+    const int64_t used = q.scale_group == 0 ? 1 : hidden / scale_span(q, hidden, n.group_size);
     const auto options = x_options.dtype(quant_type(q.scale_type));
-    if (q.scale_column_major) {
+    if (q.scale_order == kOrderColumnMajor) {
       *scale_out = make({g.storage}, options).as_strided({g.rows, g.cols},
                                                         {g.row_stride, g.col_stride});
     } else {
@@ -190,18 +189,18 @@ void ShmComm::remember_failure(const ShmError& e) {
 }
 
 void ShmComm::announce(int64_t tokens, int64_t pattern, int64_t op, int64_t moe,
-                       int64_t group) {
+                       int64_t group_size) {
   using namespace signature;
   const int64_t output = pattern & ((int64_t(1) << kEpilogueShift) - 1);
   TORCH_CHECK_VALUE(tokens >= 0 && pattern >= 0 && (pattern >> kReductionShift) == 0 &&
                         (pattern >> kEpilogueShift) <= kEpilogueResidualRmsNorm &&
                         quant_output(output) != nullptr && op >= 0 && op <= kMaxOp &&
-                        moe_bits_only(moe) && (group == 0 || group_code_of(group) != 0),
+                        moe_bits_only(moe) && (group_size == 0 || group_code_of(group_size) != 0),
                     "arfuse shm: announce needs tokens >= 0, the code of an all-reduce pattern, "
-                    "op 0..536870911, MoE bits of word 0 only and a group size of 0, 32, 64 "
-                    "or 128");
+                    "op 0..", kMaxOp, ", MoE bits of word 0 only and a group size of 0 or ",
+                    group_sizes_text());
   const int64_t word0 = signature::word0(tokens, pattern, !oneshot(tokens), dtype_) | moe;
-  const int64_t word1 = signature::word1(hidden_, op, group_code_of(group));
+  const int64_t word1 = signature::word1(hidden_, op, group_code_of(group_size));
   py::gil_scoped_release no_gil;
   const std::lock_guard<std::mutex> one_call(call_mutex_);
   if (failed()) throw_broken();
@@ -256,7 +255,7 @@ Call ShmComm::make_call(const Tensors& t, const Numbers& n, std::array<at::Tenso
   c.weight_bias = float(n.weight_bias);
   c.output = n.output;
   c.scale = float(n.scale);
-  c.group = n.group;
+  c.group_size = n.group_size;
   c.gain = scratch_.data();
   auto& [out, residual_out, quant_out, scale_out] = *r;
   out = t.out ? *t.out : output({tokens, hidden_}, x.options());
@@ -307,7 +306,7 @@ void ShmComm::exchange_once(const void* x, Call& c, bool copy, const CopyTuner::
   const Exchange e{seg_, waiter_, tuner_, c, x, seq, hidden_ * elem_, copy, plan.streaming,
                    plan.decide,
                    signature::word0(c.tokens, pattern_code(c), twoshot, dtype_) | c.moe,
-                   signature::word1(hidden_, c.op, group_code_of(c.group))};
+                   signature::word1(hidden_, c.op, group_code_of(c.group_size))};
   publish_signature(seg_, seq, e.word0, e.word1);  // before any progress is announced
   if (c.tokens == 0) run_empty(e);
   else if (!twoshot) run_oneshot<D>(e);

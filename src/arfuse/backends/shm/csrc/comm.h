@@ -62,12 +62,15 @@ struct Tensors {  // the tensors of one call (nullptr: not given)
   const at::Tensor* residual_out = nullptr;
 };
 
+// "32, 64, 128": the group sizes a call may ask for (group_size_of), for messages.
+const std::string& group_sizes_text();
+
 struct Numbers {  // the scalars of one call
-  double eps = 1e-6, weight_bias = 0.0, scale = 0.0;  // scale: unused by fp8_dynamic
-  int output = kOutputNone;  // a code of kQuantOutputs (signature.h)
+  double eps = 1e-6, weight_bias = 0.0, scale = 0.0;  // scale: the caller's (kScaleIn*)
+  int output = kOutputNone;  // a code of kQuantOutputs (quant_outputs.h)
   int64_t op = 0;  // the op making the call: its signature names it (signature.h)
   int64_t moe = 0;  // a MoE call's word-0 bits: its reduction and fields (signature.h)
-  int64_t group = 0;  // a per-token-group output's group size (0 for the other outputs)
+  int64_t group_size = 0;  // a per-token-group output's group size (0 for the other outputs)
 };
 
 // Makes one output tensor of a call (the workspace's pool, or plain memory).
@@ -131,10 +134,10 @@ class ShmComm {
   std::array<at::Tensor, 4> run(const Tensors& t, const Numbers& n, bool release_gil);
   // Meet the group with the signature of a call this rank runs elsewhere (over capacity, on
   // the unfused backend): a group whose calls differ raises MismatchedCall here, on every
-  // rank, instead of waiting in two backends. pattern: its code (signature.h); group: a
-  // per-token-group output's group size (0: none).
+  // rank, instead of waiting in two backends. pattern: its code (signature.h); group_size: a
+  // per-token-group output's (0: none).
   void announce(int64_t tokens, int64_t pattern, int64_t op, int64_t moe = 0,
-                int64_t group = 0);
+                int64_t group_size = 0);
   // The group this workspace belongs to (a number the Python side gives each group of the
   // process): a rank waiting in a call looks at the other workspaces of its group for peers
   // that are in a call there instead (ops called in another order), see look_elsewhere.

@@ -22,7 +22,7 @@ Span span(const at::Tensor& t) {
 }
 bool overlap(Span a, Span b) { return a.begin < b.end && b.begin < a.end; }
 
-// What the torch operator's `quant` may be: the codes of kQuantOutputs (signature.h).
+// What the torch operator's `quant` may be: the codes of kQuantOutputs (quant_outputs.h).
 const char* quant_codes_text() {
   static const std::string text = [] {
     std::string t = "quant must be the code of a quantised output:";
@@ -37,9 +37,20 @@ const char* quant_codes_text() {
 
 }  // namespace
 
+const std::string& group_sizes_text() {
+  static const std::string text = [] {
+    std::string t;
+    for (int64_t code = 1; code <= kGroupCodes; ++code) {
+      t += (code > 1 ? ", " : "") + std::to_string(group_size_of(code));
+    }
+    return t;
+  }();
+  return text;
+}
+
 // ---- checks (call_checks.check_call, rule for rule) --------------------------------------------
 
-// call_checks.check_plain: memory that holds the values as they read (dense, not nested, not
+// arg_checks.check_plain: memory that holds the values as they read (dense, not nested, not
 // quantized, no lazy conjugate or negative view). First: sizes and strides of the others throw.
 static bool plain_tensor(const at::Tensor& t) {
   return t.layout() == c10::kStrided && !t.is_nested() && !t.is_quantized() && !t.is_conj() &&
@@ -95,10 +106,12 @@ const char* ShmComm::numbers_problem(bool norm, const Numbers& n) const {
     return "an encode scale (nvfp4) must be in [1.4e-45, 3.4e38] (> 0 and finite in float32)";
   }
   if (q->block == kGroupOfCall) {
-    if (group_code_of(n.group) == 0 || hidden_ % n.group != 0) {
-      return "group_size must be one of 32, 64, 128 dividing hidden_dim";
+    if (group_code_of(n.group_size) == 0 || hidden_ % n.group_size != 0) {
+      thread_local std::string why;
+      why = "group_size must be one of " + group_sizes_text() + " dividing hidden_dim";
+      return why.c_str();
     }
-  } else if (n.group != 0) {
+  } else if (n.group_size != 0) {
     return "group_size must be 0 for an output without groups";
   }
   if ((dtype_ == kFP32 && !q->fp32) || (q->block > 0 && hidden_ % q->block != 0)) {
@@ -195,14 +208,14 @@ bool ShmComm::take_numbers(bool norm, py::handle eps, py::handle weight_bias, py
   n->output = q->code;
   // group_size: None (the default of an output with groups), or an int of those it allows
   if (group_size.is_none()) {
-    n->group = q->block == kGroupOfCall ? kDefaultGroupSize : 0;
+    n->group_size = q->block == kGroupOfCall ? kDefaultGroupSize : 0;
   } else {
     if (q->block != kGroupOfCall || !PyLong_Check(group_size.ptr()) ||
         PyBool_Check(group_size.ptr())) {
       return false;
     }
-    n->group = PyLong_AsLongLong(group_size.ptr());
-    if (n->group == -1 && PyErr_Occurred()) {
+    n->group_size = PyLong_AsLongLong(group_size.ptr());
+    if (n->group_size == -1 && PyErr_Occurred()) {
       PyErr_Clear();
       return false;
     }

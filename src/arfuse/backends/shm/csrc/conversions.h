@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <cstring>
 
-#include "signature.h"  // the dtype and quantisation codes
+#include "numerics.h"       // kSumLanes
+#include "quant_outputs.h"  // the formats' numbers
+#include "signature.h"      // the dtype codes
 
 namespace arfuse {
 
@@ -16,7 +18,7 @@ namespace arfuse {
 // the exponent, saturate finite values and infinities to kMaxCode; below kMinNormal, steps of
 // 1 / kSubnormalSteps. The vector forms round those with the 2^23 trick (kIntegerRounding).
 namespace e4m3 {
-constexpr float kMax = 448.0f;              // the largest finite value, code kMaxCode
+constexpr float kMax = float(kE4m3Max);     // the largest finite value, code kMaxCode
 constexpr uint32_t kMaxCode = 0x7e;
 constexpr uint32_t kNaNCode = 0x7f;
 constexpr float kMinNormal = 0.015625f;     // 2^-6
@@ -26,21 +28,8 @@ constexpr uint32_t kRebias = 120;           // fp32's exponent bias 127 less e4m
 constexpr float kIntegerRounding = 8388608.0f;  // 2^23: v + 2^23, v in [0, 2^22], rounds v
 constexpr uint32_t kIntegerRoundingBits = 0x4b000000;  // the bits of 2^23
 }  // namespace e4m3
-// fp8_dynamic's smallest scale: the fp32 value of the double 1 / (512 * 448), as
-// torch.tensor(1 / (512 * 448), dtype=float32) gives it (quant.FP8_DYNAMIC_MIN_SCALE).
-constexpr float kFp8DynamicMinScale = float(1.0 / (512.0 * double(e4m3::kMax)));
-// The e2m1 (NVFP4 element) code of |v| counts the thresholds it passes: ">" where strict,
-// ">=" otherwise (nearest even on {0, .5, 1, 1.5, 2, 3, 4, 6}).
-struct E2M1Threshold {
-  float at;
-  bool strict;
-};
-constexpr E2M1Threshold kE2M1Thresholds[] = {{0.25f, true}, {0.75f, false}, {1.25f, true},
-                                             {1.75f, false}, {2.5f, true},  {3.5f, false},
-                                             {5.0f, true}};
-// The sum of squares is added up in 32 lanes, lane = h % 32, each in order of h; so many that
-// the vector forms keep independent accumulators (no chain of dependent adds).
-constexpr int kSumLanes = 32;
+// The encode-block rule's f32(1 / kE2m1Max) (NVFP4: f32(1/6)).
+constexpr float kE2m1MaxInverse = float(1.0 / kE2m1Max);
 // What the first pass also stores into the two-shot result slot, from which the other ranks
 // finish the owner's rows: nothing, the rounded sum, or residual_out (when the residual is
 // the same on every rank, a rank need not read its own to finish another owner's rows).
@@ -166,18 +155,14 @@ inline uint8_t f32_to_e4m3(float f) {
 // Nearest even on {0,.5,1,1.5,2,3,4,6}, saturating (infinities to +-6). NaN -> 0x7 (+6): what
 // cvt.rn.satfinite.e2m1x2.f32 gives (e2m1 has no NaN), as in FlashInfer's NVFP4 quantisation.
 inline uint8_t f32_to_e2m1(float v) {
-  if (std::isnan(v)) return 0x7;
+  constexpr uint8_t kNaNCode = uint8_t(sizeof(kE2m1Thresholds) / sizeof(kE2m1Thresholds[0]));
+  if (std::isnan(v)) return kNaNCode;
   const float m = std::fabs(v);
   uint8_t code = 0;
-  for (const E2M1Threshold& t : kE2M1Thresholds) code += t.strict ? m > t.at : m >= t.at;
+  for (const E2m1Threshold& t : kE2m1Thresholds) {
+    code += t.strict ? m > float(t.at) : m >= float(t.at);
+  }
   return uint8_t(code | (std::signbit(v) ? 8 : 0));
-}
-
-// Offset of block scale (m, k) in the swizzled_128x4 layout of a [*, cols] scale matrix.
-inline int64_t swizzled_offset(int64_t m, int64_t k, int64_t cols) {
-  int64_t k_tiles = (cols + 3) / 4;
-  return (m / 128) * k_tiles * 512 + (k / 4) * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 +
-         (k % 4);
 }
 
 }  // namespace arfuse

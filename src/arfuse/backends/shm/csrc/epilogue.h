@@ -5,20 +5,8 @@
 //   r = f32(residual_out); ss = sum of r*r in 32 lanes (lane = h % 32, each in order of h),
 //          combined by halving (lane i + lane i + 16 for i < 16, then i + 8, 4, 2, 1);
 //   inv = 1 / sqrt(ss / H + eps); out = T((r * inv) * (weight_bias + f32(w)));
-//   fp8:   q = e4m3_satfinite_rne(f32(out) * (1 / scale))
-//   fp8_dynamic: per row: amax = max |f32(out)| ignoring NaN (max_ignoring_nan);
-//          scale = max(amax / 448, f32(1 / (512 * 448))); q = e4m3_satfinite_rne(f32(out) / scale)
-//          (an IEEE division); scale_out[row] = scale (float32)
-//   fp8_group: per group of the call's group size g in a row: amax = max |f32(out)| over the
-//          group ignoring NaN; fp32 formats: scale = max(amax, float(kFp8GroupEps)) / 448; ue8m0:
-//          s = max(amax / 448, float(kFp8GroupEps)), scale = s rounded up to a power of two (its
-//          mantissa bits cleared, the exponent raised by one if any was set); q =
-//          e4m3_satfinite_rne(f32(out) / scale); scale_out: the fp32 scale at [row, group]
-//          (row-major or column-major), or its exponent byte at byte group % 4 of int32
-//          [row, group / 4] (little-endian) of the packed layout
-//   nvfp4: per 16: amax = max |v| ignoring NaN (NaN when all 16 are NaN);
-//          sf = e4m3(gs * (amax * f32(1/6))); es = sf != 0 ? gs / sf : 0;
-//          q = e2m1_rne_satfinite(f32(out) * es), a NaN giving 0x7 (+6)
+//   then quant_out and scale_out from out by the output's rule (quant_outputs.h: its row
+//          says the rule, the span of a scale, the floor and where each scale goes).
 // The NVFP4 NaN rule is FlashInfer's (trtllm_allreduce_fusion.cuh, cvt_warp_fp16_to_fp4): the
 // block amax is taken with __hmax2/__hmax, which return the other operand for a NaN, and the
 // codes with cvt.rn.satfinite.e2m1x2.f32, which turns a NaN into +MAX_NORM (cuda_fp4.hpp).
@@ -48,9 +36,9 @@ struct Call {  // one call's arguments, resolved to raw pointers
   const void* residual = nullptr;
   const void* weight = nullptr;
   float eps = 0.0f, weight_bias = 0.0f;
-  int output = kOutputNone;  // a code of kQuantOutputs (signature.h)
+  int output = kOutputNone;  // a code of kQuantOutputs (quant_outputs.h)
   float scale = 0.0f;
-  int64_t group = 0;  // fp8_group's group size
+  int64_t group_size = 0;  // a per-token-group output's group size (0: none)
   void* out = nullptr;
   void* residual_out = nullptr;
   uint8_t* quant_out = nullptr;
@@ -77,8 +65,9 @@ void compute_gain(const typename Elem<D>::T* w, float weight_bias, int64_t hidde
   for (; k < hidden; ++k) gain[k] = weight_bias + Elem<D>::load(w[k]);
 }
 
-// One NVFP4 block of 16 in scalar code: the same values as isa::nvfp4_block. Always compiled,
-// so that a test can compare it with the vector form on a machine that has one.
+// One block of the encode-block rule (NVFP4) in scalar code: the same values as
+// isa::nvfp4_block. Always compiled, so that a test can compare it with the vector form on a
+// machine that has one.
 template <int D>
 void nvfp4_block_scalar(const typename Elem<D>::T* v16, float gs, uint8_t* codes8,
                         uint8_t* sf) {
@@ -88,7 +77,7 @@ void nvfp4_block_scalar(const typename Elem<D>::T* v16, float gs, uint8_t* codes
     vals[i] = Elem<D>::load(v16[i]);
     amax = std::fmax(amax, std::fabs(vals[i]));
   }
-  const uint8_t scale = f32_to_e4m3(gs * (amax * (1.0f / 6.0f)));
+  const uint8_t scale = f32_to_e4m3(gs * (amax * kE2m1MaxInverse));
   const float sfq = g_e4m3_decode[scale];
   const float es = sfq != 0.0f ? gs / sfq : 0.0f;
   for (int i = 0; i < 16; i += 2) {
@@ -122,83 +111,77 @@ void fp8_divide(const typename Elem<D>::T* out, float scale, int64_t n, uint8_t*
   for (; h < n; ++h) dst[h] = f32_to_e4m3(Elem<D>::load(out[h]) / scale);
 }
 
-// fp8_group's scale of a group whose amax is `amax`: an fp32 scale, or (ue8m0) a power of two
-// whose exponent byte goes to *exponent.
-inline float fp8_group_scale(int output, float amax, uint8_t* exponent) {
-  if (output != kOutputFp8GroupUe8m0) return std::max(amax, float(kFp8GroupEps)) / e4m3::kMax;
-  uint32_t b = bits_of(std::max(amax / e4m3::kMax, float(kFp8GroupEps)));
+// The scale of a span whose amax (NaN ignored) is `amax`, by an amax rule of quant_outputs.h;
+// *byte: what a byte-wide scale_out stores of it (the power-of-two rule's exponent byte).
+inline float span_scale(const QuantOutput& q, float amax, uint8_t* byte) {
+  const float floor = float(q.floor);
+  if (q.rule == kRuleAmaxOverMax) return std::max(amax / e4m3::kMax, floor);
+  if (q.rule == kRuleFloorOverMax) return std::max(amax, floor) / e4m3::kMax;
+  uint32_t b = bits_of(std::max(amax / e4m3::kMax, floor));  // kRulePowerOfTwo
   if (b & 0x7fffffu) b = (b + 0x800000u) & 0x7f800000u;
-  *exponent = uint8_t(b >> 23);
+  *byte = uint8_t(b >> 23);
   return float_of(b);
 }
 
-inline bool is_fp8_group(int output) {
-  return output == kOutputFp8GroupFp32 || output == kOutputFp8GroupColumnMajor ||
-         output == kOutputFp8GroupUe8m0;
+// Where scale k of row `row` goes: its float in a float32 scale_out, else its byte.
+inline float* scale_float(const QuantOutput& q, const Call& c, const ScaleGeometry& g,
+                          int64_t row, int64_t k) {
+  return reinterpret_cast<float*>(c.scale_out) + scale_element(q, g, row, k);
 }
-
-// fp8_group on the groups of columns [s, e) of row `row` (s and e multiples of the group).
-template <int D>
-void fp8_group_columns(const typename Elem<D>::T* out, const Call& c, int64_t row, int64_t s,
-                       int64_t e) {
-  const int64_t g = c.group;
-  const QuantOutput& q = *quant_output(c.output);
-  const ScaleGeometry geo = scale_geometry(q, c.tokens, c.hidden, g);
-  uint8_t* dst = c.quant_out + row * c.hidden;
-  for (int64_t k = s / g; k < e / g; ++k) {
-    uint8_t exponent = 0;
-    const float scale = fp8_group_scale(c.output, amax_of<D>(out + k * g, g), &exponent);
-    if (c.output == kOutputFp8GroupUe8m0) {
-      c.scale_out[(row * geo.row_stride + (k / 4) * geo.col_stride) * 4 + k % 4] = exponent;
-    } else {
-      reinterpret_cast<float*>(c.scale_out)[row * geo.row_stride + k * geo.col_stride] = scale;
-    }
-    fp8_divide<D>(out + k * g, scale, g, dst + k * g);
-  }
+inline uint8_t* scale_byte(const QuantOutput& q, const Call& c, const ScaleGeometry& g,
+                           int64_t row, int64_t k) {
+  return c.scale_out + scale_element(q, g, row, k) * q.scale_pack + k % q.scale_pack;
 }
 
 // Quantise columns [s, e) of row `row` of out (already rounded to T) into c.quant_out /
-// c.scale_out, for the formats whose codes depend on those columns only: FP8 with a static
-// scale (per element), NVFP4 (per block of 16; s and e multiples of 16, or e = H) and FP8 per
-// group (s and e multiples of the group: whole units of kColumnUnit, or e = H).
+// c.scale_out by the output's rule (quant_outputs.h); s and e are multiples of its span (a
+// group, a block of 16), or 0 and H.
 template <int D>
 void quantize_columns(const typename Elem<D>::T* out, const Call& c, int64_t row, int64_t s,
                       int64_t e) {
+  const QuantOutput& q = *quant_output(c.output);
   const int64_t H = c.hidden;
-  if (is_fp8_group(c.output)) {
-    fp8_group_columns<D>(out, c, row, s, e);
-  } else if (c.output == kOutputFp8) {
+  if (q.rule == kRuleNone) return;
+  uint8_t* dst = c.quant_out + row * (H / q.data_pack);
+  if (q.rule == kRuleStatic) {
     const float inv_scale = 1.0f / c.scale;
-    uint8_t* dst = c.quant_out + row * H;
     int64_t h = s + isa::fp8_row<D>(out + s, inv_scale, e - s, dst + s);
     for (; h < e; ++h) dst[h] = f32_to_e4m3(Elem<D>::load(out[h]) * inv_scale);
-  } else if (c.output == kOutputNvfp4Swizzled || c.output == kOutputNvfp4Linear) {
-    const bool swizzled = c.output == kOutputNvfp4Swizzled;
-    const int64_t cols = H / 16;
-    uint8_t* dst = c.quant_out + row * (H / 2);
-    for (int64_t k = s / 16; k < e / 16; ++k) {
-      uint8_t* sf = c.scale_out + (swizzled ? swizzled_offset(row, k, cols) : row * cols + k);
-      if (!isa::nvfp4_block<D>(out + k * 16, c.scale, dst + k * 8, sf)) {
-        nvfp4_block_scalar<D>(out + k * 16, c.scale, dst + k * 8, sf);
+    return;
+  }
+  const int64_t span = scale_span(q, H, c.group_size);
+  const ScaleGeometry g = scale_geometry(q, c.tokens, H, c.group_size);
+  for (int64_t k = s / span; k < e / span; ++k) {
+    const typename Elem<D>::T* v = out + k * span;
+    if (q.rule == kRuleEncodeBlock) {  // span == kEncodeBlock: the block forms' 16
+      uint8_t* sf = scale_byte(q, c, g, row, k);
+      if (!isa::nvfp4_block<D>(v, c.scale, dst + k * (span / 2), sf)) {
+        nvfp4_block_scalar<D>(v, c.scale, dst + k * (span / 2), sf);
       }
+      continue;
     }
+    uint8_t byte = 0;
+    const float scale = span_scale(q, amax_of<D>(v, span), &byte);
+    if (q.scale_type == kQuantTypeFloat32) {
+      *scale_float(q, c, g, row, k) = scale;
+    } else {
+      *scale_byte(q, c, g, row, k) = byte;
+    }
+    fp8_divide<D>(v, scale, span, dst + k * span);
   }
 }
 
-// Whether quantize_columns covers the call's format (FP8 dynamic takes a whole row's amax).
-inline bool quantizes_by_columns(const Call& c) { return c.output != kOutputFp8Dynamic; }
+// Whether quantize_columns can take a row by column ranges (an output with one scale per row
+// takes the whole row's amax: the calling thread quantises it at the end).
+inline bool quantizes_by_columns(const Call& c) {
+  const QuantOutput& q = *quant_output(c.output);
+  return q.rule == kRuleStatic || q.scale_group != 0;
+}
 
 // Quantise row `row` of out (already rounded to T) into c.quant_out / c.scale_out.
 template <int D>
 void quantize_row(const typename Elem<D>::T* out, const Call& c, int64_t row) {
-  const int64_t H = c.hidden;
-  if (c.output == kOutputFp8Dynamic) {
-    const float scale = std::max(amax_of<D>(out, H) / e4m3::kMax, kFp8DynamicMinScale);
-    reinterpret_cast<float*>(c.scale_out)[row] = scale;
-    fp8_divide<D>(out, scale, H, c.quant_out + row * H);
-  } else {
-    quantize_columns<D>(out, c, row, 0, H);
-  }
+  quantize_columns<D>(out, c, row, 0, c.hidden);
 }
 
 // The lane sums combined in the documented order (halving: lane i + lane i + width).

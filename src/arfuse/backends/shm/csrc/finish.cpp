@@ -66,7 +66,7 @@ std::vector<at::Tensor> finish_parts(const std::vector<at::Tensor>& parts,
   c.weight_bias = float(n.weight_bias);
   c.output = n.output;
   c.scale = float(n.scale);
-  c.group = n.group;
+  c.group_size = n.group_size;
   result = out ? *out : at::empty({tokens, hidden}, first.options());
   c.out = result.data_ptr();
   if (weight) {

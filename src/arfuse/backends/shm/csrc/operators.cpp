@@ -82,7 +82,7 @@ Tensors tensors_of(const at::Tensor& x, const std::optional<at::Tensor>& residua
 Numbers numbers_of(double eps, double weight_bias, int64_t quant, double scale,
                    int64_t group_size) {
   Numbers n;
-  n.group = group_size;
+  n.group_size = group_size;
   n.eps = eps;
   n.weight_bias = weight_bias;
   n.output = quant_output(quant) != nullptr ? int(quant) : -1;  // -1: refused by the checks

@@ -9,7 +9,7 @@
 // operations as in the serial path, and a sum along a row (RMSNorm's sum of squares, an
 // FP8 dynamic amax) is taken on the calling thread in the serial order. Either way the bytes
 // never depend on the thread count. One thread, or a call below the threshold, runs the serial
-// code exactly as before (no parallel_for at all). Waits, flags and the two-shot copy of the
+// code alone (no parallel_for at all). Waits, flags and the two-shot copy of the
 // next step (between()) stay on the calling thread.
 #pragma once
 

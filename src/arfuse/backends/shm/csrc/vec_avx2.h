@@ -26,7 +26,7 @@ constexpr int kWide = 8;  // fp32 lanes per vector
 
 // Auto mode's smallest total of a call's own outputs (bytes) to store with streaming stores
 // (see ShmComm::streams_outputs): where this build's op turned faster with them, the next op's
-// first read included (benchmarks/RESULTS.md). bf16, rounded in integer arithmetic 8 lanes at
+// first read included (docs/design.md 6, streaming output stores). bf16, rounded in integer arithmetic 8 lanes at
 // a time, keeps the core busy enough that a read for ownership costs little until far larger
 // sizes.
 constexpr int64_t stream_output_min_bytes(int dtype) {
@@ -431,7 +431,7 @@ inline __m256i e2m1x8(__m256 v) {
                         : _mm256_cmp_ps(m, _mm256_set1_ps(threshold), _CMP_NLT_UQ);
     code = _mm256_sub_epi32(code, _mm256_castps_si256(hit));  // a hit is -1
   };
-  for (const E2M1Threshold& t : kE2M1Thresholds) count(t.at, t.strict);
+  for (const E2m1Threshold& t : kE2m1Thresholds) count(float(t.at), t.strict);
   const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
   const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(_mm256_castps_si256(v), 31), 3);
   return _mm256_or_si256(code, _mm256_and_si256(sign, ordered));
@@ -466,7 +466,7 @@ bool nvfp4_block(const typename Elem<D>::T* v16, float gs, uint8_t* codes8, uint
     m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
     float amax = _mm_cvtss_f32(m4);
     if (_mm256_movemask_ps(_mm256_or_ps(ord0, ord1)) == 0) amax = NAN;  // all 16 NaN
-    const uint8_t scale = f32_to_e4m3(gs * (amax * (1.0f / 6.0f)));
+    const uint8_t scale = f32_to_e4m3(gs * (amax * kE2m1MaxInverse));
     const float sfq = g_e4m3_decode[scale];
     const __m256 es = _mm256_set1_ps(sfq != 0.0f ? gs / sfq : 0.0f);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes8),

@@ -45,7 +45,7 @@ constexpr int kWide = 16;  // fp32 lanes per vector
 
 // Auto mode's smallest total of a call's own outputs (bytes) to store with streaming stores
 // (see ShmComm::streams_outputs): where this build's op turned faster with them, the next op's
-// first read included (benchmarks/RESULTS.md).
+// first read included (docs/design.md 6, streaming output stores).
 constexpr int64_t stream_output_min_bytes(int /*dtype*/) { return int64_t(16) << 20; }
 
 inline __m512i splat(int v) { return _mm512_set1_epi32(v); }
@@ -426,7 +426,7 @@ inline __m512i e2m1x16(__m512 v) {
                : _mm512_cmp_ps_mask(m, _mm512_set1_ps(threshold), _CMP_NLT_UQ);
     code = _mm512_mask_add_epi32(code, hit, code, one);
   };
-  for (const E2M1Threshold& t : kE2M1Thresholds) count(t.at, t.strict);
+  for (const E2m1Threshold& t : kE2m1Thresholds) count(float(t.at), t.strict);
   const __mmask16 ordered = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
   const __m512i sign = _mm512_slli_epi32(_mm512_srli_epi32(as_si(v), 31), 3);
   return _mm512_mask_or_epi32(code, ordered, code, sign);
@@ -440,7 +440,7 @@ bool nvfp4_block(const typename Elem<D>::T* v16, float gs, uint8_t* codes8, uint
   const __mmask16 ord = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
   const __m512 mag = as_ps(_mm512_maskz_and_epi32(ord, as_si(v), splat(0x7fffffff)));
   const float amax = ord == 0 ? NAN : _mm512_reduce_max_ps(mag);  // all 16 NaN: NaN
-  const uint8_t scale = f32_to_e4m3(gs * (amax * (1.0f / 6.0f)));
+  const uint8_t scale = f32_to_e4m3(gs * (amax * kE2m1MaxInverse));
   const float sfq = g_e4m3_decode[scale];
   const __m512 es = _mm512_set1_ps(sfq != 0.0f ? gs / sfq : 0.0f);
   const __m128i bytes = _mm512_cvtepi32_epi8(e2m1x16(_mm512_mul_ps(v, es)));

@@ -11,7 +11,7 @@ not depend on which path, and so which batch, it went through. From the fp32 ran
   ``ss`` = the squares ``r * r`` added up in 32 lanes (lane = h % 32, each in order of h),
   the lanes combined by halving (lane i + lane i + 16 for i < 16, then i + 8, 4, 2, 1);
   ``inv = 1 / sqrt(ss / H + eps)``; ``out = T((r * inv) * (weight_bias + f32(w)))``;
-* quantisation reads ``out`` after its rounding to ``T`` (``arfuse.quant``, the kernel's rules).
+* quantisation reads ``out`` after its rounding to ``T`` (``arfuse.quant``: the row's rule).
 
 Every step is one correctly rounded fp32 operation per element (add, multiply, divide, square
 root; no fused multiply-add, no reduction whose order torch leaves open), and every rounding to
@@ -28,15 +28,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ... import quant as q
-from ...call_checks import CallArgs
-from ...pattern import DEFAULT_GROUP_SIZE
-from ...result import FusedOutput, deliver
-from ...spec import QUANTS
-from ...torch_types import nans_differ, round_to
+from . import ctables
+from . import quant as q
+from .call_checks import CallArgs
+from .result import FusedOutput, deliver
+from .torch_types import nans_differ, round_to
 
-SUM_LANES = 32
-"""The lanes of the sum of squares (the kernel's ``kSumLanes``, conversions.h)."""
+SUM_LANES = ctables.int_constant("numerics.h", "kSumLanes")
+"""The lanes of the sum of squares (the kernel's ``kSumLanes``)."""
 
 
 def rank_order_sum(parts: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
@@ -112,7 +111,7 @@ def apply(acc: torch.Tensor, call: CallArgs) -> FusedOutput:
     out, residual_out = rows(acc, call, nans=False)
     if nans_differ(out):  # a NaN in sum or residual_out makes its row of out all NaN
         out, residual_out = rows(acc, call, nans=True)
-    quant_out, scale_out = quantize(out, call.quant, call.scale, call.layout, call.group_size)
+    quant_out, scale_out = q.quantize(out, call.output, call.scale, call.group_size)
     return deliver(FusedOutput(out, residual_out, quant_out, scale_out), call)
 
 
@@ -137,21 +136,3 @@ def rows(acc: torch.Tensor, call: CallArgs,
         return round_to(normed.mul_(gain), dtype, nans), residual_out
     # the product rounded to T as it is stored: torch's rounding, as round_to's without nans
     return torch.mul(normed, gain, out=torch.empty_like(residual_out)), residual_out
-
-
-def quantize(out: torch.Tensor, quant: str | None, scale: float | None,
-             layout: str, group_size: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The quantisation step alone, for backends that do not fuse it (``group_size``:
-    fp8_group's)."""
-    if quant is None:
-        return None, None
-    if quant == "fp8_dynamic":
-        return q.fp8_dynamic_quantize(out)
-    if quant == "fp8_group":
-        return q.fp8_group_quantize(out, group_size or DEFAULT_GROUP_SIZE, layout)
-    if quant not in ("fp8", "nvfp4"):
-        raise ValueError(f"quant={quant!r} is not valid; use one of None, {', '.join(QUANTS)}")
-    assert scale is not None
-    if quant == "fp8":
-        return q.fp8_quantize(out, scale), None
-    return q.nvfp4_quantize(out, scale, layout)
