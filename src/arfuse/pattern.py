@@ -216,11 +216,10 @@ _REDUCTION_TEXT = {"all_reduce": "all-reduce",
 
 @dataclass(frozen=True, slots=True)
 class Pattern:
-    """One fused pattern. ``quant`` is ``None``, ``fp8``, ``fp8_dynamic``, ``nvfp4`` or
-    ``fp8_group``; ``layout`` is the scale layout of a quant with several (NVFP4:
-    ``swizzled_128x4``, ``linear``; fp8_group: ``fp32``, ``fp32_column_major``,
-    ``ue8m0_packed``; ``None`` there: the quant's default), ``None`` otherwise. fp8_group's
-    group size is the call's, not the pattern's (the signature carries it)."""
+    """One fused pattern. ``quant`` and ``layout`` name a row of ``QUANT_OUTPUTS`` (``None``:
+    no quantised output; ``layout`` ``None`` for a quant with several rows: its first). A
+    per-token-group output's group size is the call's, not the pattern's (the signature
+    carries it)."""
 
     epilogue: str = "none"
     quant: str | None = None
