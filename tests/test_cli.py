@@ -128,7 +128,8 @@ HUGE = "99999999999999999999"  # beyond int64
       "linear"], {},
      "layout='linear' is not valid for quant='fp8_group'"),
     (["bench", "--tokens", "1", "--quant", "nvfp4"], {}, "--quant nvfp4: bench times"),
-    (["bench", "--tokens", "1", "--scale-format", "fp32"], {}, "--scale-format is for --quant"),
+    (["bench", "--tokens", "1", "--scale-format", "fp32"], {},
+     "--scale-format is for a quant with several scale layouts (nvfp4: swizzled_128x4"),
 ])
 def test_bad_settings_exit_2_with_one_line(args: list[str], env: dict[str, str],
                                            message: str) -> None:
