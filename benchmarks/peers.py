@@ -13,9 +13,11 @@ projects will do, and only the files below are read):
 
 or, from a clone already on disk, just the few files needed, outside this repository:
 
-    git -C vllm archive HEAD csrc/cpu | tar -x -C /work/peer-src/vllm
-    git -C sglang archive HEAD sgl-kernel/csrc/cpu | tar -x -C /work/peer-src/sglang
-    git -C vllm rev-parse HEAD > /work/peer-src/vllm/COMMIT   # recorded in the report
+    mkdir -p ~/peer-src/vllm ~/peer-src/sglang
+    git -C vllm archive HEAD csrc/cpu | tar -x -C ~/peer-src/vllm
+    git -C sglang archive HEAD sgl-kernel/csrc/cpu | tar -x -C ~/peer-src/sglang
+    git -C vllm rev-parse HEAD > ~/peer-src/vllm/COMMIT       # recorded in the report
+    git -C sglang rev-parse HEAD > ~/peer-src/sglang/COMMIT
 
 Read from ``--vllm-src`` (a vLLM source root): ``csrc/cpu/shm.cpp``, ``csrc/cpu/layernorm.cpp``
 and the headers they include (``cpu_types.hpp``, ``cpu_types_x86.hpp``). From ``--sglang-src``
@@ -41,8 +43,8 @@ inputs restored before each call (untimed), rows interleaved in rounds, per-rank
 slowest rank's median kept. ``--runs`` repeats the whole job; the table gives the median over
 runs and each row as a multiple of arfuse's.
 
-    python benchmarks/peers.py --vllm-src /work/peer-src/vllm \\
-        --sglang-src /work/peer-src/sglang --runs 3 \\
+    python benchmarks/peers.py --vllm-src ~/peer-src/vllm \\
+        --sglang-src ~/peer-src/sglang --runs 3 \\
         --out benchmarks/results/epyc-zen5-avx512/peers
 
 Writes ``peers.json`` (machine, peers' commits, flags and file hashes, every run's rows, the
