@@ -93,10 +93,8 @@ class _Chains:
         kernel.register_compiled_ops(_run, _run_fp8)
         hidden = int(x.shape[-1])
         kernel.set_compiled_route(self.group_name, x.dtype, hidden, handle, op, self.capacity)
-        dtype = x.dtype
-        self._route = (kernel, handle, dtype, hidden)
-        self.comm.count_calls_from(
-            lambda: int(kernel.compiled_route_calls(self.group_name, dtype, hidden)))
+        self._route = (kernel, handle, x.dtype, hidden)
+        self.comm.count_calls_from(lambda: self.routed)
 
     def stats(self) -> dict[str, Any]:
         """The backend and the chains run: ``calls``, ``fused`` (the op's, the kernel's route
@@ -112,6 +110,14 @@ class _Chains:
     def calls(self) -> int:
         """Chains run (fused or not), by Python or by the kernel's route."""
         return int(self.stats()["calls"])
+
+    @property
+    def routed(self) -> int:
+        """Of ``calls``, those the kernel's route ran (without Python)."""
+        if self._route is None:
+            return 0
+        kernel, _, dtype, hidden = self._route
+        return int(kernel.compiled_route_calls(self.group_name, dtype, hidden))
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float, weight_bias: float, form: int,
