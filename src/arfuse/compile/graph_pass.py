@@ -118,12 +118,13 @@ class FusionPass(CustomGraphPass):
         key = _graph_key(gm, example_inputs, self.uuid())
         passed, self._compiling = self._passed, key
         try:
-            return compile_fx(gm, example_inputs, **kwargs)
+            compiled = compile_fx(gm, example_inputs, **kwargs)
         finally:
             self._compiling = None
-            if self._passed == passed:
-                self._log(f"{_recorded(key) or 'its count was not recorded'} "
-                          "(from Inductor's cache: the pass did not run)")
+        if self._passed == passed:
+            self._log(f"{_recorded(key) or 'its count was not recorded'} "
+                      "(from Inductor's cache: the pass did not run)")
+        return compiled
 
     def _log(self, count: str) -> None:
         self.graphs += 1
