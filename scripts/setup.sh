@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv: PyTorch (the CPU build on this machine's disk, unless torch is already there),
-# then arfuse itself, editable, with the test tools. EXTRAS=bench adds matplotlib, tqdm and
-# deepspeed for `arfuse bench`.
+# then arfuse itself, editable, with the test tools (transformers, accelerate and deepspeed
+# among them). EXTRAS=bench: what `arfuse bench` needs (matplotlib, tqdm, deepspeed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}

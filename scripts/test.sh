@@ -4,9 +4,10 @@
 # SGLang drop-in against SGLang 0.5.23's real module (.venv-sglang on .venv's torch). What CI
 # runs. Those three venvs are built, and their checks run, in the background while the suite
 # runs (mostly downloads, unpacking and imports); what they print follows the suite's.
-# The shm kernel of each instruction set this CPU runs (the suite loads them all) is compiled
-# into the user's kernel cache in the background too, from while lint and the type check run
-# (a build is most of a minute of one core; the suite's own loads wait for it, not build again).
+# The shm kernel of each instruction set this CPU runs (the suite loads them all), then
+# DeepSpeed's shm op (its AutoTP test's ranks load it), is compiled into the user's kernel
+# cache in the background too, from while lint and the type check run (a build is most of a
+# minute of one core; the suite's own loads wait for it, not build again).
 # The suite runs on two pytest-xdist workers that take tests as they free up (much of it waits
 # on ranks and timeouts; `-n 0` as an argument runs it in one process).
 set -euo pipefail
@@ -21,7 +22,9 @@ checks_job=$!
 print(' '.join(build.host_isas()))"); do
    ARFUSE_SHM_ISA=$isa .venv/bin/python -c "from arfuse.backends.shm import build
 build.load() or print('$isa: no kernel:', build.why_not())"
- done) >"$kernel_log" 2>&1 &
+ done
+ .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op
+build_shm_op() or print('DeepSpeed: no kernel')") >"$kernel_log" 2>&1 &
 kernels=$!
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/mypy

@@ -22,9 +22,11 @@ def _group_name() -> str:
 
 
 def _fusion_pass(max_token_num: int | None = None) -> Any:
-    from arfuse.compile.graph_pass import FusionPass
+    """The pass for the default group; in one process it fuses too (the plan is unfused)."""
+    from arfuse.compile import graph_pass
 
-    return FusionPass(_group_name(), max_token_num)
+    graph_pass.MIN_RANKS = 1
+    return graph_pass.FusionPass(_group_name(), max_token_num)
 
 
 def _unfused_and_fused(fn: Any, args: tuple[Any, ...], fusion: Any) -> tuple[Any, Any]:
@@ -332,8 +334,9 @@ def kernel_route(rank: int, world: int, calls: int) -> dict[str, Any]:
             found["equal"].append(all(torch.allclose(a, b, atol=1e-5) and a.shape == b.shape
                                       for a, b in zip(want, got, strict=True)))
         (chains,) = runtime._chains.values()
-        found[f"python_calls_{opened}"] = chains._calls
+        found[f"python_calls_{opened}"] = chains.calls - chains.routed
         found[f"calls_{opened}"] = chains.calls
+        found[f"op_stats_{opened}"] = chains.comm.stats()  # the route's calls included
         if opened == 0:
             runtime.close_all()  # the next call negotiates a new op, and routes to it
     found["cpu_kernel"] = torch._C._dispatch_has_kernel_for_dispatch_key(
@@ -432,7 +435,7 @@ def fp8(rank: int, world: int) -> dict[str, Any]:
 
     def counts() -> tuple[int, int]:
         chains = runtime._chains.values()
-        return sum(c._calls for c in chains), sum(c.calls for c in chains)
+        return sum(c.calls - c.routed for c in chains), sum(c.calls for c in chains)
 
     found: dict[str, Any] = {}
     for name, (fn, args) in _fp8_chains(rank).items():

@@ -67,7 +67,7 @@ def test_inductor_dynamic_and_graph_break_give_the_whole_models_tokens() -> None
     assert mine["tokens"] == mine["reference"]
     assert mine["calls"] == STEPS * mine["reduces"]
     assert all(f["bits"] == mine["bits"] for f in found)
-    # logged once per graph (an FX graph cache hit compiles nothing, and logs nothing)
+    # logged once per graph (an FX graph cache hit logs the count the pass recorded)
     assert all("2 of 2 all-reduces fused" in line or "run on shm" in line
                for line in mine["log"]), mine["log"]
 
@@ -123,6 +123,9 @@ def test_the_operators_cpu_kernel_runs_every_call_after_the_first_without_python
         # each op's first call negotiates in Python; the kernel's route runs the rest
         assert mine["python_calls_0"] == mine["python_calls_1"] == 1, mine
         assert mine["calls_0"] == mine["calls_1"] == calls, mine
+        for opened in range(2):  # the op's own count has the route's calls
+            stats = mine[f"op_stats_{opened}"]
+            assert stats["calls"] == stats["fused"] == calls, mine
         assert "weight" in mine["declined"], mine
 
 
@@ -135,7 +138,8 @@ def test_entry_points_check_their_arguments() -> None:
     assert callable(backend)
 
 
-def test_without_a_process_group_the_config_is_left_as_it_was() -> None:
+def test_without_a_process_group_the_pass_is_installed_for_the_block_only() -> None:
+    """Installed anyway: its graphs' line says there was nothing to fuse."""
     from torch._inductor import config
 
     import arfuse.compile
@@ -143,7 +147,8 @@ def test_without_a_process_group_the_config_is_left_as_it_was() -> None:
     assert not torch.distributed.is_initialized()
     before = config.post_grad_custom_pre_pass
     with arfuse.compile.fusion() as installed:
-        assert installed is before
+        assert config.post_grad_custom_pre_pass is installed
+        assert installed.then is before
     assert config.post_grad_custom_pre_pass is before
 
 
@@ -168,7 +173,7 @@ import logging, os, socket, sys
 sys.path.insert(0, {tests!r})
 import torch, torch.distributed as dist, torch.nn.functional as F
 import tp_models as tm
-from arfuse.compile.graph_pass import FusionPass
+from arfuse.compile import graph_pass
 
 if {user_config!r}:
     logging.basicConfig(format="mine: %(message)s", level=logging.INFO)
@@ -183,8 +188,9 @@ def chain(x, r, w):
     h = y + r
     return F.rms_norm(h, (32,), w, 1e-5), h
 
-# one process (a group of one gets no pass from make_pass): the pass itself, unfused runtime
-fusion = FusionPass(str(dist.distributed_c10d._get_default_group().group_name))
+# one process (the pass leaves a group of one, unless told): the pass, unfused runtime
+graph_pass.MIN_RANKS = 1
+fusion = graph_pass.FusionPass(str(dist.distributed_c10d._get_default_group().group_name))
 compiled = torch.compile(chain, backend=tm.post_grad_backend(fusion), fullgraph=True)
 with torch.no_grad():
     compiled(torch.ones(4, 32), torch.ones(4, 32), torch.ones(32))

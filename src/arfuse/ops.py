@@ -82,6 +82,7 @@ class FusedAllReduce:
         self._fuses: dict[tuple[str, Pattern], bool] = {}  # (backend, pattern) -> taken whole
         self._unfused: Workspace | None = None
         self._calls = self._fused_calls = self._over_capacity = self._fast_calls = 0
+        self._native_calls: Callable[[], int] | None = None  # count_calls_from
         self._broken = ""  # a residual check that timed out: the group is out of step
         # the kernel's own checked entry (it declines what it does not fuse), unless faults
         # must fire on calls or residuals must be compared first
@@ -148,9 +149,15 @@ class FusedAllReduce:
             return self._unfused_workspace().input_buffer(tokens)
         return ws.input_buffer(tokens)
 
+    def count_calls_from(self, calls: Callable[[], int]) -> None:
+        """``calls()``: the calls native code ran through ``kernel_entry()`` (the compiled
+        graphs' operators), counted where they run; ``stats()`` adds them, as fused calls."""
+        self._native_calls = calls
+
     def stats(self) -> dict[str, int]:
-        """Calls so far: fused, and unfused (over capacity, or an unfused backend)."""
-        fast = self._fast_calls
+        """Calls so far: fused, and unfused (over capacity, or an unfused backend); those run
+        through ``kernel_entry()`` included (``count_calls_from``)."""
+        fast = self._fast_calls + (self._native_calls() if self._native_calls else 0)
         return {"calls": self._calls + fast, "fused": self._fused_calls + fast,
                 "unfused_over_capacity": self._over_capacity,
                 "unfused": self._calls - self._fused_calls}

@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["close", "compile_backend", "fusion", "make_pass"]
+__all__ = ["close", "compile_backend", "fusion", "make_pass", "stats"]
 
 
 def _check(max_token_num: object) -> int | None:
@@ -35,50 +35,47 @@ def _check(max_token_num: object) -> int | None:
 
 
 def _group_name(group: Any) -> str | None:
-    """The name the traced collectives carry for ``group`` (``None``: the default group), or
-    ``None`` when there is nothing to fuse: no process group, a group of one rank, or
-    ``ARFUSE_BACKEND=torch`` (unfused by request, so the graph stays as it is)."""
+    """The name the traced collectives carry for ``group``; ``None`` (every group) for
+    ``None``."""
+    if group is None:
+        return None
     import torch.distributed as dist
 
-    from .. import settings
-
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    if group is None:
-        group = dist.distributed_c10d._get_default_group()
-    if not isinstance(group, dist.ProcessGroup):
+    if not dist.is_available() or not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got "
                         f"{type(group).__name__}")
-    if group.size() < 2 or settings.load().backend == "torch":
-        return None
     return str(group.group_name)
 
 
 def make_pass(group: Any = None, max_token_num: int | None = None, then: Any = None) -> Any:
-    """The pass (an Inductor ``CustomGraphPass``) for ``group``'s all-reduces, or ``then``
-    when there is nothing to fuse (see ``_group_name``); ``then``: a pass to run after it."""
+    """The pass (an Inductor ``CustomGraphPass``) for the all-reduces of every process group
+    the graphs name, or of ``group``'s only (a group with the same ranks under another name
+    is another group); ``then``: a pass to run after it."""
     capacity = _check(max_token_num)
     name = _group_name(group)
-    if name is None:
-        return then
     from .graph_pass import FusionPass
 
     return FusionPass(name, capacity, then)
 
 
 def compile_backend(group: Any = None, max_token_num: int | None = None) -> Callable[..., Any]:
-    """A ``torch.compile`` backend: Inductor with the pass for ``group`` (``None``: the default
-    process group). ``max_token_num``: the fused capacity (tokens per call; larger calls run
-    unfused); by default the largest token count traced."""
+    """A ``torch.compile`` backend: Inductor with the pass, for every process group the
+    graphs' all-reduces name (``group``: that group's only). ``max_token_num``: the fused
+    capacity (tokens per call; larger calls run unfused); by default the largest token count
+    traced. Every graph it compiles logs its count, one served from Inductor's cache too."""
     _check(max_token_num)
+    _group_name(group)
+    made: list[Any] = []  # the pass, made at the first graph: one count of graphs
 
     def backend(gm: Any, example_inputs: Any) -> Any:
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx
 
-        fusion_pass = make_pass(group, max_token_num, config.post_grad_custom_pre_pass)
-        return compile_fx(gm, example_inputs,
-                          config_patches={"post_grad_custom_pre_pass": fusion_pass})
+        if not made:
+            made.append(make_pass(group, max_token_num, config.post_grad_custom_pre_pass))
+        fusion_pass = made[0]
+        return fusion_pass.compile(compile_fx, gm, example_inputs,
+                                   config_patches={"post_grad_custom_pre_pass": fusion_pass})
 
     return backend
 
@@ -86,7 +83,8 @@ def compile_backend(group: Any = None, max_token_num: int | None = None) -> Call
 @contextlib.contextmanager
 def fusion(group: Any = None, max_token_num: int | None = None) -> Iterator[Any]:
     """Inductor's ``post_grad_custom_pre_pass`` set to the pass (before any pass already
-    there) for the block; compiles inside it get the fusion. Yields the pass."""
+    there) for the block; compiles inside it get the fusion. Yields the pass. A graph served
+    from Inductor's cache is not passed, and logs nothing (``compile_backend``'s does)."""
     from torch._inductor import config
 
     previous = config.post_grad_custom_pre_pass
@@ -96,6 +94,15 @@ def fusion(group: Any = None, max_token_num: int | None = None) -> Iterator[Any]
         yield installed
     finally:
         config.post_grad_custom_pre_pass = previous
+
+
+def stats() -> dict[str, dict[str, Any]]:
+    """The ops compiled graphs made in this process, by ``"group <name>, <dtype>, hidden
+    <n>"``: the backend and the chains' calls (``calls``, ``fused``, ``unfused``), those the
+    shm kernel ran straight from the graph included."""
+    from . import runtime
+
+    return runtime.stats()
 
 
 def close() -> None:

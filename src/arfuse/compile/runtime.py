@@ -63,7 +63,7 @@ class _Chains:
         self.group = resolve(group_name)
         self.group_name = group_name
         self.capacity = capacity
-        self._calls = 0  # the chains Python ran
+        self._unfused_calls = 0  # the chains Python ran as the graph had them
         # (kernel, handle, dtype, hidden) once the kernel routes this op's calls: _enter_route
         self._route: tuple[Any, int, torch.dtype, int] | None = None
         device = "cpu" if x.device.type == "cpu" else str(x.device)
@@ -94,21 +94,35 @@ class _Chains:
         hidden = int(x.shape[-1])
         kernel.set_compiled_route(self.group_name, x.dtype, hidden, handle, op, self.capacity)
         self._route = (kernel, handle, x.dtype, hidden)
+        self.comm.count_calls_from(lambda: self.routed)
+
+    def stats(self) -> dict[str, Any]:
+        """The backend and the chains run: ``calls``, ``fused`` (the op's, the kernel's route
+        included) and ``unfused`` (over capacity, an unfused plan, a refused eps)."""
+        counted = self.comm.stats() if self.comm is not None else {"calls": 0, "fused": 0,
+                                                                    "unfused": 0}
+        own = self._unfused_calls
+        return {"backend": self.comm.backend if self.comm is not None else "unfused",
+                "calls": counted["calls"] + own, "fused": counted["fused"],
+                "unfused": counted["unfused"] + own}
 
     @property
     def calls(self) -> int:
-        """Chains run (fused or not), by Python or by the kernel's route; for tests and
-        stats."""
+        """Chains run (fused or not), by Python or by the kernel's route."""
+        return int(self.stats()["calls"])
+
+    @property
+    def routed(self) -> int:
+        """Of ``calls``, those the kernel's route ran (without Python)."""
         if self._route is None:
-            return self._calls
+            return 0
         kernel, _, dtype, hidden = self._route
-        return self._calls + int(kernel.compiled_route_calls(self.group_name, dtype, hidden))
+        return int(kernel.compiled_route_calls(self.group_name, dtype, hidden))
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float, weight_bias: float, form: int,
                  scale: torch.Tensor | None = None,
                  group_size: int = 0) -> tuple[torch.Tensor, ...]:
-        self._calls += 1
         comm = self.comm
         if comm is None or not _eps_valid(eps):
             return self._unfused(x, residual, weight, eps, weight_bias, form, scale, group_size)
@@ -144,6 +158,7 @@ class _Chains:
                  scale: torch.Tensor | None, group_size: int = 0) -> tuple[torch.Tensor, ...]:
         """The chain as the graph had it, op for op in eager aten: the same functional
         collective, the add, the norm in its form, the quantisation."""
+        self._unfused_calls += 1
         c10d = torch.ops._c10d_functional
         summed = c10d.wait_tensor(c10d.all_reduce(x, "sum", self.group.group_name))
         h = summed if residual is None else summed + residual
@@ -293,6 +308,14 @@ def register(name: str = OP_NAME) -> Any:
                 torch.library.register_fake(f"arfuse::{op}", fake, lib=library)
             _library.append(library)
     return getattr(torch.ops.arfuse, name).default
+
+
+def stats() -> dict[str, dict[str, Any]]:
+    """``_Chains.stats`` of every op the compiled graphs made, by group, dtype and hidden."""
+    with _lock:
+        chains = list(_chains.items())
+    return {f"group {name}, {str(dtype).removeprefix('torch.')}, hidden {hidden}": c.stats()
+            for (name, dtype, hidden, _), c in chains}
 
 
 def close_all() -> None:
