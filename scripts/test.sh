@@ -9,12 +9,26 @@
 # (a build is most of a minute of one core; the suite's own loads wait for it, not build again).
 # The suite runs on two pytest-xdist workers that take tests as they free up (much of it waits
 # on ranks and timeouts; `-n 0` as an argument runs it in one process).
+# The aarch64 job (scripts/arm_check.sh: the kernel cross-compiled, its instruction-set tests
+# and the cross-machine bytes under qemu) runs in the background too, from the start; its
+# output and time follow the suite's. ARM_CHECK=0 leaves it out (a machine without root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 checks_log=$(mktemp)
 kernel_log=$(mktemp)
-trap 'rm -f "$checks_log" "$kernel_log"' EXIT
+arm_log=$(mktemp)
+trap 'rm -f "$checks_log" "$kernel_log" "$arm_log"' EXIT
+arm_job=""
+if [ "${ARM_CHECK:-1}" != 0 ]; then
+  (start=$SECONDS; status=0
+   ./scripts/arm_check.sh -k "not numerics_matrix or 3-twoshot-streaming-True" \
+     tests/test_isa_paths.py tests/test_cross_machine.py \
+     tests/test_moe.py::test_the_kernel_gives_the_reference_bytes_on_every_isa \
+     || status=$?
+   echo "arm_check: $((SECONDS - start)) s"; exit $status) >"$arm_log" 2>&1 &
+  arm_job=$!
+fi
 (./scripts/flashinfer_contract.sh && ./scripts/sglang_check.sh) >"$checks_log" 2>&1 &
 checks_job=$!
 (for isa in $(.venv/bin/python -c "from arfuse.backends.shm import build
@@ -32,8 +46,17 @@ grep "no kernel" "$kernel_log" || true
 checks=0
 wait "$checks_job" || checks=$?
 cat "$checks_log"
+arm=0
+if [ -n "$arm_job" ]; then
+  wait "$arm_job" || arm=$?
+  cat "$arm_log"
+fi
 if [ "$checks" -ne 0 ]; then
   echo "test.sh: the FlashInfer contract or the SGLang check failed (exit $checks)" >&2
+  exit 1
+fi
+if [ "$arm" -ne 0 ]; then
+  echo "test.sh: the aarch64 check (scripts/arm_check.sh) failed (exit $arm)" >&2
   exit 1
 fi
 exit "$status"
