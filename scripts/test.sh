@@ -19,14 +19,17 @@ checks_log=$(mktemp)
 kernel_log=$(mktemp)
 arm_log=$(mktemp)
 trap 'rm -f "$checks_log" "$kernel_log" "$arm_log"' EXIT
+# Under emulation a process start costs seconds, so the job leaves out what another of its
+# tests covers: the numerics matrix keeps world 3 (two-shot, streaming, replicated), since
+# tests/test_cross_machine.py runs world 2 in both modes on every path (against x86's bytes,
+# the MoE step's too); each path's name is checked there as well.
+ARM_SELECTION=(-k "not numerics_matrix and not each_process_runs or 3-twoshot-streaming-True"
+  tests/test_isa_paths.py tests/test_cross_machine.py
+  tests/test_kernel_exact.py::test_the_callers_float_environment_changes_nothing_and_is_given_back)
 arm_job=""
 if [ "${ARM_CHECK:-1}" != 0 ]; then
   (start=$SECONDS; status=0
-   ./scripts/arm_check.sh -k "not numerics_matrix or 3-twoshot-streaming-True" \
-     tests/test_isa_paths.py tests/test_cross_machine.py \
-     tests/test_moe.py::test_the_kernel_gives_the_reference_bytes_on_every_isa \
-     tests/test_kernel_exact.py::test_the_callers_float_environment_changes_nothing_and_is_given_back \
-     || status=$?
+   ./scripts/arm_check.sh "${ARM_SELECTION[@]}" || status=$?
    echo "arm_check: $((SECONDS - start)) s"; exit $status) >"$arm_log" 2>&1 &
   arm_job=$!
 fi
