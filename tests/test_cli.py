@@ -64,6 +64,10 @@ def test_explain_human_output_for_this_machine() -> None:
     result = arfuse("explain")
     assert result.returncode == 0, result.stderr
     assert "candidate" in result.stdout and "chosen:" in result.stdout and "MiB" in result.stdout
+    assert "shm kernel here: " in result.stdout  # the path this CPU gets, and why
+    from arfuse.backends.shm import build as shm_build
+
+    assert shm_build.isa_reason() in result.stdout or "pure-torch path" in result.stdout
 
 
 RUN_SMALL = ["--world-size", "2", "--tokens", "1", "--hidden", "64", "--steps", "1"]
@@ -159,7 +163,8 @@ def test_doctor() -> None:
     fused = result.stdout.split("patterns each fuses here", 1)[1].splitlines()
     assert any(ln.split()[:3] == ["shm", "all", "72"] for ln in fused[1:4]), fused
     assert any(ln.split()[:1] == ["torch"] and "no pattern" in ln for ln in fused[1:4]), fused
-    if "shm kernel: compiled for" in result.stdout:
+    if "shm kernel: compiled for" in result.stdout:  # which instruction set, and why
+        assert "the best of" in result.stdout or "ARFUSE_SHM_ISA names it" in result.stdout
         assert "own outputs: " in result.stdout and ("MiB (" in result.stdout
                                                      or "never streams" in result.stdout)
 

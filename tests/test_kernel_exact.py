@@ -162,8 +162,28 @@ def int_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
 
 
-# <fenv.h>'s rounding modes on x86 (glibc); other machines name them otherwise
-FE_TONEAREST, FE_UPWARD = 0x000, 0x800
+ARM = platform.machine() in ("aarch64", "arm64")
+# <fenv.h>'s rounding modes (glibc): x86's, or aarch64's (FPCR.RMode)
+FE_TONEAREST, FE_UPWARD = (0x000, 0x400000) if ARM else (0x000, 0x800)
+
+
+class ArmFloatEnv(ctypes.Structure):  # glibc's fenv_t on aarch64
+    _fields_ = [("fpcr", ctypes.c_uint), ("fpsr", ctypes.c_uint)]
+
+
+FPCR_FZ_DN = (1 << 24) | (1 << 25)  # flush-to-zero, default-NaN mode
+
+
+def set_flush_to_zero(libm: Any, on: bool) -> None:
+    """Flush-to-zero in this thread: torch.set_flush_denormal on x86 (FTZ and DAZ); on aarch64,
+    where torch cannot, FPCR's FZ (with DN) through glibc's fesetenv."""
+    if not ARM:
+        torch.set_flush_denormal(on)
+        return
+    env = ArmFloatEnv()
+    assert libm.fegetenv(ctypes.byref(env)) == 0
+    env.fpcr = env.fpcr | FPCR_FZ_DN if on else env.fpcr & ~FPCR_FZ_DN
+    assert libm.fesetenv(ctypes.byref(env)) == 0
 
 
 def tiny_norm_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -180,11 +200,12 @@ def tiny_norm_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, to
 @pytest.mark.parametrize("in_place", [False, True])
 def test_the_callers_float_environment_changes_nothing_and_is_given_back(
         dtype: torch.dtype, in_place: bool) -> None:
-    """A thread with flush-to-zero and denormals-are-zero (torch.set_flush_denormal(True)) or
-    another rounding mode (fesetround) gets the bytes of the default environment, and its own
-    environment back after the call (float_env.h): ranks whose threads differ still agree."""
-    if platform.machine() not in ("x86_64", "AMD64", "i686"):
-        pytest.skip("the rounding-mode constants here are x86's")
+    """A thread with flush-to-zero and denormals-are-zero (torch.set_flush_denormal(True); on
+    aarch64 FPCR's FZ and DN) or another rounding mode (fesetround) gets the bytes of the
+    default environment, and its own environment back after the call (float_env.h): ranks
+    whose threads differ still agree."""
+    if platform.machine() not in ("x86_64", "AMD64", "i686", "aarch64", "arm64"):
+        pytest.skip("the floating-point environment here is x86's or aarch64's")
     libm = ctypes.CDLL(ctypes.util.find_library("m"))
     x, residual, weight = tiny_norm_inputs(dtype)
     comm, _memory = kernel_on_private_memory(8, 1040, dtype)
@@ -199,12 +220,12 @@ def test_the_callers_float_environment_changes_nothing_and_is_given_back(
     if dtype != torch.float16:  # the inputs reach the denormals that FTZ/DAZ would change
         assert any(bool(((t.float().abs() < 2.0**-126) & (t.float() != 0)).any())
                    for t in (x, residual))
-    torch.set_flush_denormal(True)
+    set_flush_to_zero(libm, True)
     try:
         flushed = call()
         still_flushing = float(torch.tensor([2.0**-140]) * 1.0) == 0.0
     finally:
-        torch.set_flush_denormal(False)
+        set_flush_to_zero(libm, False)
     assert still_flushing, "the call did not give the thread its flush-to-zero back"
     libm.fesetround(FE_UPWARD)
     try:

@@ -64,16 +64,16 @@ def run(args: argparse.Namespace) -> int:
     topo = topology.this_machine(world, device, facts)
     print(f"arfuse doctor: {topo.world_size} ranks on this machine ({device})")
     print(f"  torch {torch.__version__}; flashinfer {topo.flashinfer or 'not installed'}")
-    isa = cpu_flags() & {"avx2", "avx512f", "avx512bw", "fma", "f16c", "asimd"}
+    isa = cpu_flags() & {"avx2", "avx512f", "avx512bw", "fma", "f16c", "asimd", "bf16"}
     print(f"  cores {os.cpu_count()}; ISA {' '.join(sorted(isa)) or 'unknown'}")
     if device == "cuda":
         for line in gpu_lines(facts, topo):
             print(line)
     print(f"  C++ compiler: {shm_build.compiler() or 'none'}")
     module = shm_build.load()
-    kernel = (f"compiled for {module.isa} ({module.__file__})" if module
-              else f"pure-torch path: {shm_build.why_not()}")
-    print(f"  shm kernel: {kernel}")
+    print(f"  shm kernel: {shm_build.summary()}")
+    if module is not None:
+        print(f"  shm kernel file: {module.__file__}")
     if module is not None:
         print(f"  own outputs: {_output_stores(module)}")
     directory = shm_segment.segment_dir()

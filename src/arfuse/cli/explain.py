@@ -98,6 +98,7 @@ def check_job(backend: str | None, strict: bool | None, ranks: JobRanks, device:
 def run(args: argparse.Namespace) -> int:
     conf = settings.load(backend=args.backend, strict=args.strict)
     spec = Spec(max_tokens=args.max_tokens, hidden=args.hidden, dtype=args.dtype, quant=args.quant)
+    kernel = ""  # the shm kernel this machine builds, and why (this machine's plans only)
     if args.topology or conf.topology_path:
         topo = (topology.load(args.topology, "--topology") if args.topology
                 else topology.load(str(conf.topology_path)))
@@ -108,8 +109,14 @@ def run(args: argparse.Namespace) -> int:
         plan = resolve(conf, topology.this_machine(world, device), spec,
                        this_machine_blockers(conf, world, device, spec))
         checks = LOCAL_CHECKS_RUN
+        if device == "cpu":
+            from ..backends.shm import build as shm_build
+
+            kernel = shm_build.summary()
     if args.json:
-        print(json.dumps({**plan.to_dict(), "local_checks": checks}, indent=2))
+        print(json.dumps({**plan.to_dict(), "local_checks": checks,
+                          **({"shm_kernel": kernel} if kernel else {})}, indent=2))
     else:
-        print(f"{plan.explain()}\nlocal checks: {checks}")
+        print(f"{plan.explain()}\nlocal checks: {checks}" +
+              (f"\nshm kernel here: {kernel}" if kernel else ""))
     return 0

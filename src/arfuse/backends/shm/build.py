@@ -11,11 +11,15 @@ build) is not an error: the shm backend then runs its pure-torch path, which ``a
 reports and the log says once. A build takes about a minute, so the log says so, once, before it
 starts (with where it is cached).
 
-Instruction sets (``csrc/vec.h`` picks the vector header from the compiler's target): the best
-this CPU has of ``avx512`` (AVX-512 F/BW/VL/DQ, with AVX512_BF16 when present), ``avx2`` (with
-F16C and FMA when present) and ``scalar`` (no vector code), or the one ``ARFUSE_SHM_ISA`` names
-(also ``avx512-nobf16``: AVX-512 without AVX512_BF16; tests build every path the machine has;
-one that it lacks is refused, not built). Every path gives the same bytes.
+Instruction sets: the best this CPU has of its architecture's (x86-64: ``avx512`` (AVX-512
+F/BW/VL/DQ, with AVX512_BF16 when present), ``avx2`` (with F16C and FMA when present); aarch64:
+``neon`` (Advanced SIMD, with BF16's conversions when the CPU has BF16)) and ``scalar`` (no
+vector code), or the one ``ARFUSE_SHM_ISA`` names (also ``avx512-nobf16`` and ``neon-nobf16``:
+without the BF16 conversion, as on CPUs that lack it; tests build every path the machine has;
+one that it lacks is refused, not built). The build names its instruction set to the compiler
+(``-DARFUSE_ISA_<NAME>``, read by ``csrc/vec.h``), never leaving it to the compiler's own target
+macros: aarch64 compilers always define ``__ARM_NEON``, and the scalar path must stay
+buildable. Every path gives the same bytes.
 
 Where the kernel is cached, and how an entry is checked, verified and loaded: ``cache`` (the
 path's checks: ``trust``).
@@ -26,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -84,19 +89,32 @@ def kernel_files() -> list[Path]:
                   if p.suffix in (".cpp", ".h"))
 
 
-# best first; avx512-nobf16 is avx512 without AVX512_BF16's conversion, as on CPUs that lack
-# it (Skylake-X, Ice Lake): the tests build it to check that path where the CPU has BF16
-ISAS = ("avx512", "avx512-nobf16", "avx2", "scalar")
-# what each needs of /proc/cpuinfo's flags, and what it uses where the CPU has it
+# The machine's architecture, as the kernel's instruction sets are named for it.
+ARCH = "aarch64" if platform.machine().lower() in ("aarch64", "arm64") else "x86_64"
+# best first; a -nobf16 path is its family without the BF16 conversion, as on CPUs that lack
+# it (Skylake-X, Ice Lake; Neoverse N1, Graviton 2): the tests build it to check that path where
+# the CPU has BF16
+_X86_ISAS = ("avx512", "avx512-nobf16", "avx2", "scalar")
+_ARM_ISAS = ("neon", "neon-nobf16", "scalar")
+ISAS = _ARM_ISAS if ARCH == "aarch64" else _X86_ISAS
+# what each needs of /proc/cpuinfo's flags (x86 ``flags``, Arm ``Features``), and what it uses
+# where the CPU has it
 _AVX512 = ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq")
-_ISA_NEEDS = {"avx512": _AVX512, "avx512-nobf16": _AVX512, "avx2": ("avx2",), "scalar": ()}
+_ISA_NEEDS = {"avx512": _AVX512, "avx512-nobf16": _AVX512, "avx2": ("avx2",),
+              "neon": ("asimd",), "neon-nobf16": ("asimd",), "scalar": ()}
+# Arm's extensions go into one -march; x86's are one -m option each
 _ISA_OPTIONS = {"avx2": "-mavx2", "f16c": "-mf16c", "fma": "-mfma", "avx512f": "-mavx512f",
                 "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
                 "avx512dq": "-mavx512dq", "avx512_bf16": "-mavx512bf16",
-                "3dnowprefetch": "-mprfchw"}  # Linux's name for PREFETCHW
+                "3dnowprefetch": "-mprfchw",  # Linux's name for PREFETCHW
+                "bf16": "+bf16"}
 _ISA_USES = {"avx512": (*_AVX512, "fma", "avx512_bf16", "3dnowprefetch"),
              "avx512-nobf16": (*_AVX512, "fma", "3dnowprefetch"),
-             "avx2": ("avx2", "f16c", "fma", "3dnowprefetch"), "scalar": ("3dnowprefetch",)}
+             "avx2": ("avx2", "f16c", "fma", "3dnowprefetch"),
+             "neon": ("bf16",), "neon-nobf16": (),
+             "scalar": ("3dnowprefetch",) if ARCH == "x86_64" else ()}
+# BF16 came with Armv8.6; its conversions need no more of it than +bf16 on top of Armv8.2
+_ARM_BASE = "-march=armv8.2-a"
 
 
 def host_isas() -> list[str]:
@@ -108,11 +126,29 @@ def host_isas() -> list[str]:
 def isa_problem(isa: str) -> str:
     """Why the kernel cannot be built for ``isa`` here ("" when it can)."""
     if isa not in ISAS:
-        return f"ARFUSE_SHM_ISA={isa!r} is not one of {', '.join(ISAS)}"
+        return (f"ARFUSE_SHM_ISA={isa!r} is not one of {', '.join(ISAS)} (the instruction sets "
+                f"of {ARCH})")
     missing = [flag for flag in _ISA_NEEDS[isa] if flag not in cpu_flags()]
     if missing:
         return f"ARFUSE_SHM_ISA={isa}: this CPU lacks {' '.join(missing)}"
     return ""
+
+
+def isa_reason(isa: str | None = None) -> str:
+    """Why the kernel is built for ``isa`` (``target_isa()`` by default): named by
+    ``ARFUSE_SHM_ISA``, or the best this CPU has, and which of the CPU's features it uses
+    (``arfuse doctor`` and ``arfuse explain`` say it)."""
+    isa = target_isa() if isa is None else isa
+    cpu = cpu_flags()
+    uses = [flag for flag in _ISA_USES.get(isa, ()) if flag in cpu]
+    lacks = [flag for flag in ("avx512_bf16", "bf16") if flag in _ISA_USES.get(isa, ())
+             and flag not in cpu]
+    why = ("ARFUSE_SHM_ISA names it" if os.environ.get("ARFUSE_SHM_ISA", "").strip()
+           else f"the best of {', '.join(ISAS)} this {ARCH} CPU has")
+    detail = f"; uses {' '.join(uses)}" if uses else ""
+    if lacks:
+        detail += f"; the CPU lacks {' '.join(lacks)} (its conversion is done in integers)"
+    return f"{isa}: {why}{detail}"
 
 
 def target_isa() -> str:
@@ -121,14 +157,19 @@ def target_isa() -> str:
 
 
 def compile_flags(isa: str | None = None) -> list[str]:
-    """-O3, no FP contraction (results must not depend on FMA), the -m options of ``isa``
+    """-O3, no FP contraction (results must not depend on FMA), the instruction set named to
+    the kernel (``-DARFUSE_ISA_<NAME>``, see ``csrc/vec.h``), the target options of ``isa``
     (``target_isa()`` by default) that the CPU has, and hidden symbols (only the module's entry
     point is exported, as pybind11 advises)."""
     isa = target_isa() if isa is None else isa
     flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-fvisibility=hidden",
-             "-fopenmp"]
+             "-fopenmp", f"-DARFUSE_ISA_{isa.split('-')[0].upper()}"]
     cpu = cpu_flags()
-    flags.extend(_ISA_OPTIONS[flag] for flag in _ISA_USES.get(isa, ()) if flag in cpu)
+    options = [_ISA_OPTIONS[flag] for flag in _ISA_USES.get(isa, ()) if flag in cpu]
+    if ARCH == "aarch64":
+        flags.extend([_ARM_BASE + "".join(options)] if options else [])
+    else:
+        flags.extend(options)
     return flags
 
 
@@ -180,6 +221,16 @@ def loaded() -> ModuleType | None:
 def why_not() -> str:
     """Why the compiled kernel is not used ("" when it is, or before the first ``load``)."""
     return str(_state.get("why", ""))
+
+
+def summary() -> str:
+    """Which kernel this process runs: the instruction set it was compiled for and why
+    (``isa_reason``), or why the pure-torch path (builds it at the first look, as ``load``;
+    ``arfuse doctor`` and ``arfuse explain`` print it)."""
+    module = load()
+    if module is None:
+        return f"pure-torch path: {why_not()}"
+    return f"compiled for {module.isa} ({isa_reason()})"
 
 
 def _attach(module: ModuleType) -> None:

@@ -38,13 +38,17 @@ enum SlotStore { kSlotNone = 0, kSlotSum = 1, kSlotResidualOut = 2 };
 inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 
-// NaN propagation, made independent of the compiler: C++ leaves open which NaN an operation
-// with two NaN operands returns, and compilers swap the operands of + and * freely (to fold a
-// load, say), so the bytes of a NaN could differ between builds. The kernel's rule is the x86
-// one, stated in the documented operand order: the first operand if it is a NaN, else the
-// second, made quiet; a NaN from numbers (inf - inf, 0 * inf) is the machine's default NaN.
-// The scalar forms apply it explicitly; the vector forms (vec_*.h) issue the instruction with
-// the operands in that order (inline asm), which is how x86 computes it.
+// NaN propagation, made independent of the compiler and the machine: C++ leaves open which
+// NaN an operation with two NaN operands returns, compilers swap the operands of + and *
+// freely (to fold a load, say), and machines differ (aarch64 prefers a signaling operand, and
+// its default NaN is positive), so the bytes of a NaN could differ between builds. The
+// kernel's rule, on every instruction set, is the x86 one, stated in the documented operand
+// order: the first operand if it is a NaN, else the second, made quiet; a NaN from numbers
+// (inf - inf, 0 * inf, 0 / 0) is kDefaultNaN, x86's default NaN (negative; aarch64's own
+// is 0x7fc00000). The scalar forms and the NEON forms apply it explicitly to every NaN result;
+// the x86 vector forms issue the instruction with the operands in that order (inline asm),
+// which is how x86 computes it.
+constexpr uint32_t kDefaultNaNBits = 0xffc00000u;
 inline float quiet_nan(float x) {
   uint32_t u;
   std::memcpy(&u, &x, 4);
@@ -52,16 +56,21 @@ inline float quiet_nan(float x) {
   std::memcpy(&x, &u, 4);
   return x;
 }
-inline float nan_rule(float a, float b, float made) {
-  return std::isnan(a) ? quiet_nan(a) : std::isnan(b) ? quiet_nan(b) : made;
+inline float nan_rule(float a, float b) {
+  if (std::isnan(a)) return quiet_nan(a);
+  return std::isnan(b) ? quiet_nan(b) : float_of(kDefaultNaNBits);
 }
 inline float add_o(float a, float b) {
   const float r = a + b;
-  return r == r ? r : nan_rule(a, b, r);
+  return r == r ? r : nan_rule(a, b);
 }
 inline float mul_o(float a, float b) {
   const float r = a * b;
-  return r == r ? r : nan_rule(a, b, r);
+  return r == r ? r : nan_rule(a, b);
+}
+inline float div_o(float a, float b) {
+  const float r = a / b;
+  return r == r ? r : nan_rule(a, b);
 }
 
 inline float bf16_to_f32(uint16_t v) { return float_of(uint32_t(v) << 16); }

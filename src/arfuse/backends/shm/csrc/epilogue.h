@@ -62,14 +62,14 @@ struct Call {  // one call's arguments, resolved to raw pointers
 template <int D>
 void compute_gain(const typename Elem<D>::T* w, float weight_bias, int64_t hidden, float* gain) {
   int64_t k = isa::gain_row<D>(w, weight_bias, hidden, gain);
-  for (; k < hidden; ++k) gain[k] = weight_bias + Elem<D>::load(w[k]);
+  for (; k < hidden; ++k) gain[k] = add_o(weight_bias, Elem<D>::load(w[k]));
 }
 
 // One block of the encode-block rule (NVFP4) in scalar code: the same values as
 // isa::nvfp4_block. Always compiled, so that a test can compare it with the vector form on a
 // machine that has one.
 template <int D>
-void nvfp4_block_scalar(const typename Elem<D>::T* v16, float gs, uint8_t* codes8,
+ARFUSE_NO_LOOP_VECTORIZE void nvfp4_block_scalar(const typename Elem<D>::T* v16, float gs, uint8_t* codes8,
                         uint8_t* sf) {
   float vals[16];
   float amax = NAN;  // fmax(NaN, a) = a: NaN only when all 16 are NaN
@@ -77,7 +77,7 @@ void nvfp4_block_scalar(const typename Elem<D>::T* v16, float gs, uint8_t* codes
     vals[i] = Elem<D>::load(v16[i]);
     amax = std::fmax(amax, std::fabs(vals[i]));
   }
-  const uint8_t scale = f32_to_e4m3(gs * (amax * kE2m1MaxInverse));
+  const uint8_t scale = f32_to_e4m3(mul_o(gs, amax * kE2m1MaxInverse));
   const float sfq = g_e4m3_decode[scale];
   const float es = sfq != 0.0f ? gs / sfq : 0.0f;
   for (int i = 0; i < 16; i += 2) {
@@ -108,7 +108,7 @@ float amax_of(const typename Elem<D>::T* out, int64_t n) {
 template <int D>
 void fp8_divide(const typename Elem<D>::T* out, float scale, int64_t n, uint8_t* dst) {
   int64_t h = isa::fp8_div_row<D>(out, scale, n, dst);
-  for (; h < n; ++h) dst[h] = f32_to_e4m3(Elem<D>::load(out[h]) / scale);
+  for (; h < n; ++h) dst[h] = f32_to_e4m3(div_o(Elem<D>::load(out[h]), scale));
 }
 
 // The scale of a span whose amax (NaN ignored) is `amax`, by an amax rule of quant_outputs.h;
@@ -146,7 +146,7 @@ void quantize_columns(const typename Elem<D>::T* out, const Call& c, int64_t row
   if (q.rule == kRuleStatic) {
     const float inv_scale = 1.0f / c.scale;
     int64_t h = s + isa::fp8_row<D>(out + s, inv_scale, e - s, dst + s);
-    for (; h < e; ++h) dst[h] = f32_to_e4m3(Elem<D>::load(out[h]) * inv_scale);
+    for (; h < e; ++h) dst[h] = f32_to_e4m3(mul_o(Elem<D>::load(out[h]), inv_scale));
     return;
   }
   const int64_t span = scale_span(q, H, c.group_size);

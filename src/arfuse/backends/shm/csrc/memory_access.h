@@ -1,5 +1,6 @@
 // How the exchange touches memory: software prefetch, the two copies into a slot (prefetching,
-// streaming) and streaming stores (the slot copy's, and a call's large outputs of its own).
+// streaming) and streaming stores (the slot copy's, and a call's large outputs of its own;
+// x86's in stream_x86.h).
 //
 // Software prefetch in the exchange's loops. The lines a rank reads from a peer's slot, and the
 // lines of its own slots that it overwrites, were last in the other core's cache: each access
@@ -13,14 +14,14 @@
 // the end of a buffer.
 #pragma once
 
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include "stream_x86.h"
+#endif
 
 namespace arfuse {
 
@@ -56,47 +57,14 @@ inline void copy_prefetching(char* dst, const char* src, std::size_t n) {
   std::memcpy(dst + i, src + i, n - i);
 }
 
-// dst = src, n bytes, with streaming (non-temporal) stores for the aligned body where the CPU
-// has them, as wide as it has them (the write-combining buffers fill whole lines from narrower
-// stores too, with more instructions); the lines go to memory without being read first and
-// leave no copy in any cache. Unordered with later stores until a stream_fence(). Without SSE2:
-// a plain copy.
-inline void stream_store(char* dst, const char* src, std::size_t n) {
-#if defined(__SSE2__)
-  std::size_t head = (64 - (reinterpret_cast<std::uintptr_t>(dst) & 63)) & 63;
-  head = std::min(head, n);
-  std::memcpy(dst, src, head);
-  dst += head;
-  src += head;
-  n -= head;
-  const std::size_t body = n & ~std::size_t(63);
-  for (std::size_t i = 0; i < body; i += 64) {
-#if defined(__AVX512F__)
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
-#elif defined(__AVX__)
-    for (std::size_t k = 0; k < 64; k += 32) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + k));
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + k), v);
-    }
-#else
-    for (std::size_t k = 0; k < 64; k += 16) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + k));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + k), v);
-    }
+// stream_store(dst, src, n): dst = src with streaming (non-temporal) stores where the machine
+// has them (x86: stream_x86.h); stream_fence(): orders them before every later store. On other
+// machines a plain copy and no fence: no streaming store has been measured there, and a
+// plain store is published by the flag's release store like any other.
+#if !(defined(__x86_64__) || defined(__i386__))
+inline void stream_store(char* dst, const char* src, std::size_t n) { std::memcpy(dst, src, n); }
+inline void stream_fence() {}
 #endif
-  }
-  std::memcpy(dst + body, src + body, n - body);
-#else
-  std::memcpy(dst, src, n);
-#endif
-}
-
-// Orders the streaming stores before every later store (a flag that publishes them).
-inline void stream_fence() {
-#if defined(__SSE2__)
-  _mm_sfence();
-#endif
-}
 
 // stream_store, then the fence: a later release store of the arrival flag orders after the
 // data.
@@ -104,39 +72,5 @@ inline void stream_copy(char* dst, const char* src, std::size_t n) {
   stream_store(dst, src, n);
   stream_fence();
 }
-
-// One vector of bits to p: an ordinary store, or (kStream) a streaming one, for which p must be
-// aligned to the vector's width.
-#if defined(__SSE2__)
-template <bool kStream>
-inline void put_bits(void* p, __m128i v) {
-  if constexpr (kStream) _mm_stream_si128(static_cast<__m128i*>(p), v);
-  else _mm_storeu_si128(static_cast<__m128i*>(p), v);
-}
-#endif
-#if defined(__AVX__)
-template <bool kStream>
-inline void put_bits(void* p, __m256i v) {
-  if constexpr (kStream) _mm256_stream_si256(static_cast<__m256i*>(p), v);
-  else _mm256_storeu_si256(static_cast<__m256i*>(p), v);
-}
-template <bool kStream>
-inline void put_bits(void* p, __m256 v) {
-  if constexpr (kStream) _mm256_stream_ps(static_cast<float*>(p), v);
-  else _mm256_storeu_ps(static_cast<float*>(p), v);
-}
-#endif
-#if defined(__AVX512F__)
-template <bool kStream>
-inline void put_bits(void* p, __m512i v) {
-  if constexpr (kStream) _mm512_stream_si512(static_cast<__m512i*>(p), v);
-  else _mm512_storeu_si512(p, v);
-}
-template <bool kStream>
-inline void put_bits(void* p, __m512 v) {
-  if constexpr (kStream) _mm512_stream_ps(static_cast<float*>(p), v);
-  else _mm512_storeu_ps(static_cast<float*>(p), v);
-}
-#endif
 
 }  // namespace arfuse

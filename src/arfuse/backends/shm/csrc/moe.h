@@ -30,13 +30,8 @@ struct ExpertRows {  // one token's terms
 };
 
 #if defined(ARFUSE_VEC_LANES)
-#if ARFUSE_VEC_LANES == 16
-inline __m512 broadcast_f32(float v) { return _mm512_set1_ps(v); }
-#else
-inline __m256 broadcast_f32(float v) { return _mm256_set1_ps(v); }
-#endif
-
-using F32s = decltype(broadcast_f32(0.0f));  // the build's fp32 vector
+using isa::F32s;  // the build's fp32 vector (vec.h)
+inline F32s broadcast_f32(float v) { return isa::broadcast(v); }
 
 // How the rows of dtype D are read and written: kElems elements as kParts fp32 vectors.
 template <int D>

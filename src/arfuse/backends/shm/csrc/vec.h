@@ -25,22 +25,48 @@
 // order) and the caller finishes the rest with the scalar forms of conversions.h, which
 // compute the same values in the same order (lane = h % kSumLanes).
 //
-// row_sum is shared by the vector headers (row_sum.h, over each one's pass1).
+// row_sum is shared by the vector headers (row_sum.h, over each one's pass1). Each vector
+// header also gives moe.h its fp32 vector (F32s) and broadcast(v).
 //
-// Which header: the build's target (build.py passes the -m flags of the instruction set it
-// builds for: the best the host has, or ARFUSE_SHM_ISA=avx512|avx2|scalar). AVX-512 needs
-// F, BW, VL and DQ (vfpclassps); AVX512_BF16 is used where the compiler targets it.
+// Which header: the one the build names (build.py passes -DARFUSE_ISA_<NAME> with the target
+// options of that instruction set: the best the host has, or ARFUSE_SHM_ISA), never the
+// compiler's own target macros: an aarch64 compiler always defines __ARM_NEON, and the scalar
+// path must stay buildable there. AVX-512 needs F, BW, VL and DQ (vfpclassps); AVX512_BF16 is
+// used where the compiler targets it, as Arm's BF16 conversions (+bf16) are in vec_neon.h.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512DQ__)
+#if defined(ARFUSE_ISA_AVX512)
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+      defined(__AVX512DQ__))
+#error "ARFUSE_ISA_AVX512 needs -mavx512f -mavx512bw -mavx512vl -mavx512dq"
+#endif
 #include "vec_avx512.h"
 #include "row_sum.h"
-#define ARFUSE_VEC_LANES 16  // fp32 lanes of isa::Vec (moe.h picks its broadcast by it)
-#elif defined(__AVX2__)
+#define ARFUSE_VEC_LANES 16  // fp32 lanes of isa::Vec
+#elif defined(ARFUSE_ISA_AVX2)
+#if !defined(__AVX2__)
+#error "ARFUSE_ISA_AVX2 needs -mavx2"
+#endif
 #include "vec_avx2.h"
 #include "row_sum.h"
 #define ARFUSE_VEC_LANES 8
-#else
+#elif defined(ARFUSE_ISA_NEON)
+#if !defined(__aarch64__)
+#error "ARFUSE_ISA_NEON is aarch64's"
+#endif
+#include "vec_neon.h"
+#include "row_sum.h"
+#define ARFUSE_VEC_LANES 4
+#elif defined(ARFUSE_ISA_SCALAR)
 #include "vec_scalar.h"
+#else
+#error "build.py names the instruction set: -DARFUSE_ISA_AVX512, _AVX2, _NEON or _SCALAR"
+#endif
+
+// GCC 12 for aarch64 dies (internal compiler error in vect_transform_reduction) vectorising
+// nvfp4_block_scalar's loop of std::fmax from a NaN start at -O3; that loop is 16 elements.
+#if defined(__aarch64__) && defined(__GNUC__) && !defined(__clang__)
+#define ARFUSE_NO_LOOP_VECTORIZE __attribute__((optimize("no-tree-loop-vectorize")))
+#else
+#define ARFUSE_NO_LOOP_VECTORIZE
 #endif

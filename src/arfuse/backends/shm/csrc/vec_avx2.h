@@ -39,6 +39,9 @@ constexpr const char* kIsa = "avx2+f16c";
 constexpr const char* kIsa = "avx2";
 #endif
 
+using F32s = __m256;  // the fp32 vector (moe.h)
+inline F32s broadcast(float v) { return _mm256_set1_ps(v); }
+
 // a + b and a * b with a as the instruction's first source: a NaN result is a's NaN if a is
 // one, else b's (see add_o in conversions.h); the compiler may not swap the operands.
 inline __m256 add_o(__m256 a, __m256 b) {

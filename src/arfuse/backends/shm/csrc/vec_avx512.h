@@ -50,6 +50,9 @@ constexpr int64_t stream_output_min_bytes(int /*dtype*/) { return int64_t(16) <<
 
 inline __m512i splat(int v) { return _mm512_set1_epi32(v); }
 
+using F32s = __m512;  // the fp32 vector (moe.h)
+inline F32s broadcast(float v) { return _mm512_set1_ps(v); }
+
 // a + b and a * b with a as the instruction's first source: a NaN result is a's NaN if a is
 // one, else b's (see add_o in conversions.h); the compiler may not swap the operands.
 inline __m512 add_o(__m512 a, __m512 b) {

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The shm kernel on aarch64, under emulation (qemu-user): Debian 12's aarch64 Python with
+# torch's aarch64 wheel runs the instruction-set tests (tests/test_isa_paths.py: every path
+# the emulated CPU has, neon, neon-nobf16 and scalar, against one another and the reference)
+# and the bytes of every pattern against the digests recorded on x86
+# (tests/test_cross_machine.py). The kernel is compiled by the emulated Python's
+# cpp_extension with Debian's aarch64 cross compiler, which runs natively (compiling under
+# emulation takes minutes). What this shows: the build, the vector code and the bytes; not
+# speed, and not Arm's memory ordering (an x86 host runs the emulated loads and stores in its
+# own order: docs/design.md argues the protocol's acquire/release instead).
+#
+# Installs what it lacks (root): qemu-user, qemu-user-binfmt and g++-aarch64-linux-gnu from
+# Debian; registers the aarch64 binfmt handler when none is (ranks are new processes of the
+# aarch64 Python). Downloads are cached under the user's cache directory ($ARM_CACHE): the
+# Debian arm64 packages unpacked into a tree (not installed: a multiarch install would remove
+# the native python3), torch's aarch64 wheel (2.8.0: the last CPU-only one on PyPI) and the
+# test tools, installed there with pip --target. .venv (scripts/setup.sh) provides pip and
+# ninja. Arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+cache=${ARM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/arfuse/aarch64}
+torch_version=2.8.0
+debs="python3.11-minimal libpython3.11-minimal libpython3.11-stdlib libpython3.11-dev
+  python3.11-dev libc6 libstdc++6 libgcc-s1 libgomp1 zlib1g libexpat1 libffi8 libssl3
+  libbz2-1.0 liblzma5 libcrypt1 libuuid1"
+wheels="torch==$torch_version numpy filelock typing-extensions sympy networkx jinja2 fsspec
+  mpmath markupsafe setuptools pytest iniconfig packaging pluggy pygments"
+apt_arm=(-o APT::Architectures::=amd64 -o APT::Architectures::=arm64)
+sysroot=$cache/sysroot
+site=$cache/site-$torch_version
+
+if ! command -v qemu-aarch64 >/dev/null || ! command -v aarch64-linux-gnu-g++ >/dev/null \
+    || [ ! -e /usr/lib/binfmt.d/qemu-aarch64.conf ]; then
+  apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+    qemu-user qemu-user-binfmt g++-aarch64-linux-gnu >/dev/null
+fi
+binfmt=/proc/sys/fs/binfmt_misc
+if [ ! -e $binfmt/register ]; then mount -t binfmt_misc binfmt_misc $binfmt; fi
+if [ ! -e $binfmt/qemu-aarch64 ]; then
+  cat /usr/lib/binfmt.d/qemu-aarch64.conf >$binfmt/register
+fi
+
+if [ ! -e "$sysroot/.done" ]; then
+  rm -rf "$sysroot" "$cache/debs"
+  mkdir -p "$cache/debs" "$sysroot/proc"
+  # apt's lists for arm64 beside the host's (no dpkg --add-architecture: nothing is installed)
+  apt-get "${apt_arm[@]}" update -q >/dev/null
+  # shellcheck disable=SC2086 # one word per package
+  (cd "$cache/debs" && apt-get "${apt_arm[@]}" download -qq $(printf '%s:arm64 ' $debs) \
+    2>&1 | grep -v "unsandboxed" || true)
+  for deb in "$cache"/debs/*.deb; do dpkg -x "$deb" "$sysroot"; done
+  rm -rf "$cache/debs"
+  # torch's cpuinfo reads /proc/cpuinfo, which qemu shows as the host's (x86: it crashes);
+  # qemu looks for an absolute path under its prefix first. These are the features of the
+  # CPU qemu emulates by default ("max") that the kernel's build reads: bf16 included.
+  for cpu in 0 1; do
+    printf 'processor\t: %s\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics %s\n' \
+      "$cpu" "fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp asimdfhm i8mm bf16"
+    printf 'CPU implementer\t: 0x41\nCPU architecture: 8\nCPU part\t: 0xd4f\n\n'
+  done >"$sysroot/proc/cpuinfo"
+  touch "$sysroot/.done"
+fi
+if [ ! -e "$site/.done" ]; then
+  rm -rf "$site"
+  # shellcheck disable=SC2086
+  .venv/bin/pip install -q --no-deps --target "$site" --only-binary=:all: \
+    --platform manylinux_2_28_aarch64 --platform manylinux_2_17_aarch64 \
+    --python-version 3.11 --implementation cp --abi cp311 $wheels 2>&1 | grep -v "is ignored" || true
+  touch "$site/.done"
+fi
+
+# The compiler the emulated cpp_extension calls: the cross compiler, given the tree's Python
+# headers for the paths the emulated Python names (its own /usr/include); and ninja.
+mkdir -p "$cache/bin"
+cat >"$cache/bin/c++" <<EOF
+#!/usr/bin/env bash
+args=()
+for a in "\$@"; do
+  case \$a in
+    /usr/include/python3*|-I/usr/include/python3*) a=\${a/\/usr\/include/$sysroot\/usr\/include} ;;
+  esac
+  args+=("\$a")
+done
+exec aarch64-linux-gnu-g++ -idirafter "$sysroot/usr/include" "\${args[@]}"
+EOF
+chmod +x "$cache/bin/c++"
+ln -sf "$(command -v ninja || echo "$root/.venv/bin/ninja")" "$cache/bin/ninja"
+
+export QEMU_LD_PREFIX=$sysroot CXX=$cache/bin/c++ PATH=$cache/bin:$PATH
+export PYTHONPATH=$root/src:$site
+python=$sysroot/usr/bin/python3.11
+"$python" -c "import platform, torch; print('arm_check:', platform.machine(), 'Python',
+    platform.python_version(), 'torch', torch.__version__)"
+exec "$python" -m pytest -q -p no:cacheprovider "${@:-tests/test_isa_paths.py}"
