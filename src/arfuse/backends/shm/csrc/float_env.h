@@ -3,9 +3,9 @@
 // The kernel's fp32 arithmetic follows the thread's control register: the rounding mode
 // (fesetround), on x86 flush-to-zero and denormals-are-zero (torch.set_flush_denormal(True)
 // sets both) and the exception masks (feenableexcept would make a NaN trap), on aarch64
-// FPCR's flush-to-zero (FZ, FZ16: torch.set_flush_denormal sets FZ there), default-NaN mode
-// (DN: every NaN result would be the default NaN, breaking conversions.h's NaN rule), the
-// alternative half-precision format (AHP) and FEAT_AFP's AH, FIZ and NEP, and the trap enables. Under any of
+// FPCR's flush-to-zero (FZ, FZ16: fesetenv sets them), default-NaN mode (DN: every NaN
+// result would be the default NaN, against conversions.h's NaN rule), the alternative
+// half-precision format (AHP), FEAT_AFP's AH, FIZ and NEP, and the trap enables. Under any of
 // them the results would leave the documented formula, and two ranks whose threads differ
 // would write different bytes for the same sums. So a call runs in the default environment
 // (round to nearest even, denormals kept, exceptions masked) and gives the caller's back when
