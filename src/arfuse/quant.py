@@ -127,7 +127,7 @@ def span_scales(output: QuantOutput, amax: torch.Tensor) -> tuple[torch.Tensor, 
 def _encode_blocks(blocks: torch.Tensor, global_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The encode-block rule on fp32 ``[T, blocks, 16]``: packed e2m1 codes ``[T, H/2]`` and
     the e4m3 block scales' bytes ``[T, blocks]``."""
-    tokens = blocks.shape[0]
+    tokens, count, size = blocks.shape
     gs = torch.tensor(global_scale, dtype=torch.float32, device=blocks.device)
     magnitude = blocks.abs()
     nan = magnitude.isnan()
@@ -137,9 +137,10 @@ def _encode_blocks(blocks: torch.Tensor, global_scale: float) -> tuple[torch.Ten
     sf_f = sf.float()
     elem_scale = torch.where(sf_f != 0, gs / sf_f, torch.zeros_like(sf_f))
     scaled = blocks * elem_scale
-    codes = e2m1_codes(scaled).masked_fill(scaled.isnan(), _E2M1_NAN_CODE).reshape(tokens, -1)
+    codes = e2m1_codes(scaled).masked_fill(scaled.isnan(), _E2M1_NAN_CODE)
+    codes = codes.reshape(tokens, count * size)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return packed, sf.reshape(tokens, -1).view(torch.uint8)
+    return packed, sf.reshape(tokens, count).view(torch.uint8)
 
 
 def scale_elements(output: QuantOutput, tokens: int, spans: int, hidden: int,
@@ -210,7 +211,7 @@ def fp8_group_scale_values(scale_out: torch.Tensor, groups: int) -> torch.Tensor
         return scale_out.contiguous()
     tokens = scale_out.shape[0]
     exponents = torch.stack([((scale_out >> (8 * byte)) & 0xFF) for byte in range(4)], dim=-1)
-    exponents = exponents.reshape(tokens, -1)[:, :groups]
+    exponents = exponents.reshape(tokens, scale_out.shape[1] * 4)[:, :groups]
     return (exponents.to(torch.int32) << 23).view(torch.float32)
 
 
