@@ -51,7 +51,7 @@ import torch
 from torch.fx import Node
 
 from ..pattern import GROUP_SIZES
-from ..quant import FP8_GROUP_EPS, FP8_MAX
+from ..quant import FP8_GROUP_EPS, FP8_MAX, f32
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -452,7 +452,7 @@ def _group_scale(out: Node, grouped: dict[Node, int], y: Node, group: int, absol
                           "by zero; arfuse's rule takes max(amax, 1e-10))")
         return None, ""
     clamp, eps = clamped
-    if torch.tensor(eps, dtype=torch.float32).item() != FP8_GROUP_EPS:
+    if f32(eps) != FP8_GROUP_EPS:
         return None, f"eps {eps:g} is not fp8_group's {FP8_GROUP_EPS:g}"
     nodes.append(clamp)
     scale = _only_user(clamp)
