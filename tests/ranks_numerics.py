@@ -170,6 +170,53 @@ def copy_modes(rank: int, world: int, mode: str | None) -> dict[str, Any]:
     return report
 
 
+def ring(rank: int, world: int) -> dict[str, Any]:
+    """One-shot calls whose copied input goes round the slot's ring (more blocks than the ring
+    holds), between calls that do not, each rank with a ring of its own size (3, 8 or none):
+    the same bits as two-shot, also when rank 0 wrote its input into the slot itself (its rows
+    at their own offsets); and the ring each rank said its input went round (its arrival
+    line's ring word)."""
+    import arfuse
+    from arfuse.backends.shm.layout import ARRIVE_OFFSET, CACHE_LINE, RING_OFFSET
+
+    hidden, max_tokens = 1040, 300  # fp32: 15 rows a 64 KiB block, 20 blocks at 300 tokens
+    comm = arfuse.FusedAllReduce(max_token_num=max_tokens, hidden_dim=hidden,
+                                 dtype=torch.float32, backend="shm", strict=True, timeout_s=30)
+    workspace: Any = comm.workspace
+    workspace.set_ring_blocks((3, 8, 0)[rank])
+    gen = torch.Generator().manual_seed(17 + rank)
+    weight = torch.rand(hidden, generator=gen) + 0.5
+    view = workspace._view_or_private()
+    line = ARRIVE_OFFSET + CACHE_LINE * rank + RING_OFFSET
+
+    def ring_word() -> int:  # this rank's, for the call just made (its parity)
+        first_buffer_next = workspace._comm.next_input_offset() == workspace.layout.slot_offset(
+            rank, 0)
+        parity = 1 if first_buffer_next else 0
+        return int(view[line + 4 * parity:line + 4 * parity + 4].view(torch.int32))
+
+    report: dict[str, Any] = {"differ": [], "ring": []}
+    for tokens, zero_copy in ((300, False), (7, False), (300, True), (121, False),
+                              (120, False), (300, True), (299, False)):
+        x = torch.randn(tokens, hidden, generator=gen)
+        residual = torch.randn(tokens, hidden, generator=gen)
+        got = {}
+        for mode in ("twoshot", "oneshot"):
+            workspace.set_mode(mode)
+            source = x
+            if zero_copy and rank == 0 and mode == "oneshot":
+                source = comm.input_buffer(tokens)
+                source.copy_(x)
+            got[mode] = comm(source, residual=residual, weight=weight)
+        report["ring"].append(ring_word())
+        for field in ("out", "residual_out"):
+            a, b = getattr(got["oneshot"], field), getattr(got["twoshot"], field)
+            if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
+                report["differ"].append(f"{tokens} tokens zero_copy={zero_copy} {field}")
+    comm.close()
+    return report
+
+
 def one_vs_two_shot(rank: int, world: int) -> list[str]:
     """The same calls forced one-shot and two-shot, special values included (NaN, signaling
     NaN, infinities, -0): returns what differs bit for bit (nothing, when the modes agree)."""

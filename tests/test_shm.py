@@ -67,6 +67,21 @@ def test_shm_automatic_threshold_both_sides() -> None:
     assert results[0][cases[1]]["mode"] == "twoshot"
 
 
+def test_two_ranks_go_one_shot_again_from_the_ring_size_on() -> None:
+    """At two ranks, calls of RING_ONESHOT_MIN_BYTES per rank and more run one-shot (round the
+    slot's ring), smaller ones from the second row two-shot; with three ranks, two-shot."""
+    from arfuse.backends.shm.workspace import RING_ONESHOT_MIN_BYTES
+
+    rows = RING_ONESHOT_MIN_BYTES // (1040 * 4)  # fp32: the last row count below it
+    cases = [Case("fp32", rows, 1040, "norm"), Case("fp32", rows + 1, 1040, "norm")]
+    for world, modes in ((2, ["twoshot", "oneshot"]), (3, ["twoshot", "twoshot"])):
+        results = values(run_ranks(ranks_numerics.numerics, world, "shm", cases, rows + 1,
+                                   None))
+        for case in cases:
+            check_case(case, [r[case] for r in results], "shm")
+        assert [results[0][case]["mode"] for case in cases] == modes
+
+
 def test_cxx_and_pure_torch_paths_agree() -> None:
     """Documented tolerance (README): residual_out and plain sums bit-equal; out within 1 ulp in
     bf16/fp16 and 8 ulp in fp32; quant codes equal but for a small fraction. The only
@@ -337,6 +352,17 @@ def test_copy_modes_give_the_same_results_and_ranks_agree_on_the_mode(
 def test_one_shot_and_two_shot_agree_bit_for_bit_with_special_values(world: int) -> None:
     for differ in values(run_ranks(ranks_numerics.one_vs_two_shot, world)):
         assert differ == [], differ
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_shot_input_going_round_the_slot_ring_gives_two_shot_bits(world: int) -> None:
+    reports = values(run_ranks(ranks_numerics.ring, world))
+    # blocks of 15 rows: 300 tokens 20, 121 tokens 9, 120 tokens 8; rank 0 wrote its 300-token
+    # input into its slot itself; the rings: rank 0 3 blocks, rank 1 8, rank 2 none
+    expected = [[3, 0, 0, 3, 3, 0, 3], [8, 0, 8, 8, 0, 8, 8], [0] * 7]
+    for rank, report in enumerate(reports):
+        assert report["differ"] == [], (rank, report)
+        assert report["ring"] == expected[rank], (rank, report)
 
 
 def _sleepy_peer(rank: int, world: int) -> dict[str, Any]:

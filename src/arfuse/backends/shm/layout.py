@@ -52,6 +52,7 @@ SIGNATURE_OFFSET = _constant("kSignatureOffset")
 SIGNATURE_BYTES = _constant("kSignatureBytes")
 WAITERS_OFFSET = _constant("kWaitersOffset")
 CPU_OFFSET = _constant("kCpuOffset")
+RING_OFFSET = _constant("kRingOffset")
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,8 @@ void bind_comm(py::module_& m) {
       .def_property_readonly("handle", &ShmComm::handle)
       .def("set_peers", &ShmComm::set_peers)
       .def("set_base", &ShmComm::set_base)
-      .def("set_oneshot_max_bytes", &ShmComm::set_oneshot_max_bytes)
+      .def("set_oneshot_bytes", &ShmComm::set_oneshot_bytes)
+      .def_property("ring_blocks", &ShmComm::ring_blocks, &ShmComm::set_ring_blocks)
       .def("oneshot", &ShmComm::oneshot)
       .def("next_input_offset", &ShmComm::next_input_offset)
       .def("call", &ShmComm::call, py::arg("x"), py::arg("residual"), py::arg("weight"),

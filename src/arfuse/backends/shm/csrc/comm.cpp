@@ -304,7 +304,7 @@ void ShmComm::exchange_once(const void* x, Call& c, bool copy, const CopyTuner::
   const int64_t seq = ++seq_;
   const bool twoshot = c.tokens > 0 && !oneshot(c.tokens);
   const Exchange e{seg_, waiter_, tuner_, c, x, seq, hidden_ * elem_, copy, plan.streaming,
-                   plan.decide,
+                   plan.decide, ring_blocks_,
                    signature::word0(c.tokens, pattern_code(c), twoshot, dtype_) | c.moe,
                    signature::word1(hidden_, c.op, group_code_of(c.group_size))};
   publish_signature(seg_, seq, e.word0, e.word1);  // before any progress is announced

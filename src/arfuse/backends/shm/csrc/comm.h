@@ -103,14 +103,31 @@ class ShmComm {
 
   void set_peers(std::vector<int64_t> pids, std::vector<int64_t> starts, bool check);
   void set_base(int64_t base);
-  void set_oneshot_max_bytes(int64_t value) {
+  // One-shot up to max_bytes per rank and again from from_bytes on (its ring), two-shot
+  // between (workspace.py says why).
+  void set_oneshot_bytes(int64_t max_bytes, int64_t from_bytes) {
     const std::lock_guard<std::mutex> one_call(call_mutex_);
-    oneshot_max_bytes_ = value;
+    oneshot_max_bytes_ = max_bytes;
+    oneshot_from_bytes_ = from_bytes;
   }
+  // One-shot's ring of blocks (kRingBlocks; 0: a copied input at its rows' offsets, as an
+  // input_buffer one). Any value on any rank gives the same results (each rank says where
+  // its blocks are); tests and benchmarks set it.
+  void set_ring_blocks(int64_t blocks) {
+    if (blocks != 0 && blocks <= kLeadBlocks) {
+      throw std::invalid_argument("ring_blocks=" + std::to_string(blocks) +
+                                  " is not valid; use 0 or more than " +
+                                  std::to_string(kLeadBlocks));
+    }
+    const std::lock_guard<std::mutex> one_call(call_mutex_);
+    ring_blocks_ = blocks;
+  }
+  int64_t ring_blocks() const { return ring_blocks_; }
   // Byte offset (from the segment base) of this rank's input slot for the next call.
   int64_t next_input_offset() const { return int64_t(next_slot() - seg_.base); }
   bool oneshot(int64_t tokens) const {
-    return tokens < seg_.world || tokens * hidden_ * elem_ <= oneshot_max_bytes_;
+    const int64_t bytes = tokens * hidden_ * elem_;
+    return tokens < seg_.world || bytes <= oneshot_max_bytes_ || bytes >= oneshot_from_bytes_;
   }
 
   py::object call(py::handle x, py::handle residual, py::handle weight, py::handle eps,
@@ -229,6 +246,8 @@ class ShmComm {
   int64_t max_tokens_, hidden_;
   int dtype_, elem_ = 2;
   int64_t oneshot_max_bytes_;
+  int64_t oneshot_from_bytes_ = INT64_MAX;
+  int64_t ring_blocks_ = kRingBlocks;
   int64_t seq_ = 0;
   int copy_mode_ = kStoresAuto;
   int output_stores_ = kStoresAuto;

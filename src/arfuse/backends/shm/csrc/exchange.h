@@ -20,6 +20,7 @@ struct Exchange {  // what one call's exchange needs
   bool copy;       // x is not in my slot yet
   bool streaming;  // copy with streaming stores
   int decide;      // CopyTuner::Plan::decide
+  int64_t ring_blocks;  // one-shot's ring (kRingBlocks; 0: none)
   int64_t word0, word1;  // this rank's signature
   int64_t call_base() const { return seq * layout::kProgressUnits; }
 };
@@ -47,7 +48,11 @@ inline void run_empty(const Exchange& e) {
 // One-shot, block by block: copy a block in, say so, finish it as soon as every rank has, while
 // it is still in cache (the whole call would not fit in cache at once). Copying runs
 // kLeadBlocks ahead; an input already in the slot (input_buffer) is announced whole at once,
-// so ranks do not meet at every block.
+// so ranks do not meet at every block. A copied input with more blocks than the ring goes
+// round the slot's first ring blocks (block b at b % ring): what a rank copies and what its
+// peers read of it stay in cache instead of passing through memory. Block b's place is taken
+// by block b + ring only once every peer has finished block b (its done flag, posted after
+// every block). Each rank says in its arrival line where its blocks are (its ring, or 0).
 template <int D>
 void run_oneshot(const Exchange& e) {
   using T = typename Elem<D>::T;
@@ -56,21 +61,38 @@ void run_oneshot(const Exchange& e) {
   const int64_t buf = e.seq & 1, H = c.hidden;
   const int64_t block_rows = std::max<int64_t>(1, kBlockBytes / e.row_bytes);
   const int64_t blocks = (c.tokens + block_rows - 1) / block_rows;
+  const int64_t my_ring = e.copy && blocks > e.ring_blocks ? e.ring_blocks : 0;
+  s.ring(s.rank, e.seq)->store(int32_t(my_ring), std::memory_order_relaxed);  // posted below
+  auto place = [block_rows](int64_t b, int64_t ring) {  // b's first row in its slot
+    return (ring > 0 ? b % ring : b) * block_rows;
+  };
   char* slot = s.input_slot(s.rank, buf);
   const T* inputs[layout::kMaxWorld];
+  int64_t ring[layout::kMaxWorld] = {};
   for (int j = 0; j < s.world; ++j) inputs[j] = reinterpret_cast<const T*>(s.input_slot(j, buf));
   int64_t published = 0;  // blocks of my input in my slot, announced
   auto publish_until = [&](int64_t n) {
     n = std::min(n, blocks);
     if (n <= published) return;
-    if (e.copy) {
-      const int64_t begin = published * block_rows;
-      const int64_t end = std::min<int64_t>(c.tokens, n * block_rows);
-      copy_in(slot + begin * e.row_bytes, static_cast<const char*>(e.x) + begin * e.row_bytes,
-              size_t((end - begin) * e.row_bytes), e.streaming);
+    if (!e.copy) {
+      published = n;
+      s.post(0, e.call_base() + n);
+      return;
     }
-    published = n;
-    s.post(0, e.call_base() + n);
+    for (; published < n; ++published) {
+      const int64_t b = published;
+      if (my_ring > 0 && b >= my_ring) {  // its place still holds block b - my_ring
+        for (int j = 0; j < s.world; ++j) {
+          if (j != s.rank) e.waiter.wait_rank(1, j, e.call_base() + b - my_ring + 1, j);
+        }
+      }
+      const int64_t begin = b * block_rows;
+      const int64_t end = std::min<int64_t>(c.tokens, begin + block_rows);
+      copy_in(slot + place(b, my_ring) * e.row_bytes,
+              static_cast<const char*>(e.x) + begin * e.row_bytes,
+              size_t((end - begin) * e.row_bytes), e.streaming);
+      s.post(0, e.call_base() + b + 1);
+    }
   };
   const int64_t lead = e.copy ? kLeadBlocks : blocks;
   T* out = static_cast<T*>(c.out);
@@ -81,11 +103,15 @@ void run_oneshot(const Exchange& e) {
     if (b == 0) {
       check_signatures(s, e.seq, e.word0, e.word1);
       if (e.decide >= 0) e.tuner.decide(e.decide, s);
+      for (int j = 0; j < s.world; ++j) ring[j] = s.ring(j, e.seq)->load(std::memory_order_relaxed);
     }
     const int64_t first = b * block_rows;
     const int64_t end = std::min<int64_t>(c.tokens, first + block_rows);
-    finish_rows<D>(inputs, s.world, first, first, end - first, c, out + first * H,
+    const T* rows[layout::kMaxWorld];
+    for (int j = 0; j < s.world; ++j) rows[j] = inputs[j] + place(b, ring[j]) * H;
+    finish_rows<D>(rows, s.world, 0, first, end - first, c, out + first * H,
                    residual_out ? residual_out + first * H : nullptr);
+    if (blocks > kLeadBlocks + 1) s.post(1, e.call_base() + b + 1);  // a peer's ring may wrap
   }
 }
 

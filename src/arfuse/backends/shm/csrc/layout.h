@@ -48,14 +48,18 @@ constexpr int64_t kSignatureOffset = 8;  // bytes into the arrival line
 constexpr int64_t kSignatureBytes = 16;  // per parity
 constexpr int64_t kWaitersOffset = 40;  // bytes into a flag's line: int32, ranks asleep on it
 constexpr int64_t kCpuOffset = 44;      // bytes into an arrival line: int32, the rank's CPU
+// bytes into an arrival line: int32 per call parity, the blocks of the ring the rank's one-shot
+// input of that call goes round (exchange.h); 0: its rows sit at their own offsets
+constexpr int64_t kRingOffset = 48;
 
 static_assert(kCreatorPidnsOffset + 8 == kSegmentIdBytes && kSegmentIdBytes <= kIdentityOffset,
               "the segment's identity must fit in line 0");
 static_assert(kVoteOffset + kMaxWorld * kVoteBuckets <= kHeaderBytes,
               "the copy-mode votes must fit in the header page");
 static_assert(kSignatureOffset + kBuffers * kSignatureBytes <= kWaitersOffset &&
-                  kWaitersOffset + 4 <= kCpuOffset && kCpuOffset + 4 <= kCacheLine,
-              "the signatures, waiters and CPU must share the arrival flag's cache line");
+                  kWaitersOffset + 4 <= kCpuOffset && kCpuOffset + 4 <= kRingOffset &&
+                  kRingOffset + kBuffers * 4 <= kCacheLine,
+              "the signatures, waiters, CPU and ring words must share the arrival flag's line");
 static_assert(kMaxTokens < (int64_t(1) << 32), "tokens must fit the signature's 32 bits");
 
 inline constexpr int64_t round_up(int64_t value, int64_t to) { return (value + to - 1) / to * to; }

@@ -65,6 +65,10 @@ constexpr int64_t kBlockBytes = 64 * 1024;  // rows per step, in bytes
 // behind does not stall this rank at every block (measured: at 64 tokens of 4096 fp32 on 2
 // ranks, ~10% faster than copying and finishing in lockstep; 1, 2 and 4 did about the same).
 constexpr int64_t kLeadBlocks = 2;
+// One-shot's ring: a copied input goes round this many blocks of the slot (exchange.h).
+// More than kLeadBlocks, or a copy would wait for a block its peers wait for it to finish.
+constexpr int64_t kRingBlocks = 8;
+static_assert(kRingBlocks > kLeadBlocks, "the ring must hold the blocks copied ahead");
 // The copy into the shared slot uses ordinary (cached) or streaming stores, whichever the group
 // measured faster for that size (see CopyTuner): a peer reads the copy either from this core's
 // cache or from memory, and which is faster depends on where the cores sit (measured on a 2-core
@@ -129,6 +133,10 @@ struct Segment {
   }
   // Set this rank's flag and wake the ranks asleep on it, if any (see post_flag).
   void post(int which, int64_t value) const;
+  std::atomic<int32_t>* ring(int r, int64_t seq) const {  // layout::kRingOffset
+    return reinterpret_cast<std::atomic<int32_t>*>(reinterpret_cast<char*>(flag(0, r)) +
+                                                   layout::kRingOffset) + (seq & 1);
+  }
   std::atomic<int64_t>* signature(int r, int64_t seq) const {  // two words
     const int64_t at = layout::kArriveOffset + layout::kCacheLine * r +
                        layout::kSignatureOffset + (seq & 1) * layout::kSignatureBytes;
