@@ -31,7 +31,11 @@ the peer. Flags: the peers' own for x86 with AVX-512 (``VLLM_FLAGS`` from vLLM's
 ``SGLANG_FLAGS`` from sgl-kernel's ``csrc/cpu/CMakeLists.txt``); both need AVX-512.
 
 Rows (hidden 4096 by default, 2 ranks, one thread each pinned to its own core, everything in
-place): ``shm-inplace`` arfuse's fused all-reduce + residual add + RMSNorm; ``vllm`` vLLM's
+place): ``shm-inplace`` arfuse's fused all-reduce + residual add + RMSNorm; ``shm-allreduce``
+arfuse's all-reduce alone (the same op without residual and weight); with ``--modes`` also the
+fused call forced one-shot (``shm-oneshot``; ``shm-oneshot-noring``: each block of the copied
+input at its rows' offsets in the slot instead of round the ring) and two-shot
+(``shm-twoshot``), the rows taking turns on one workspace; ``vllm`` vLLM's
 ``shm_allreduce`` alone; ``vllm+norm`` it then vLLM's ``fused_add_rms_norm``; ``sglang`` and
 ``sglang+norm`` the same with sgl-kernel's ``shm_allreduce`` and ``fused_add_rmsnorm_cpu``
 (16-bit dtypes only: sgl-kernel dispatches that kernel for bf16 and fp16); ``deepspeed``
@@ -73,7 +77,13 @@ EPS = 1e-6
 TOKENS = (1, 8, 64, 512, 2048)
 DTYPES = ("bf16", "fp32")
 FUSED = "shm-inplace"  # arfuse's row, named as in `arfuse bench`
-ROWS = (FUSED, "vllm", "vllm+norm", "sglang", "sglang+norm", "deepspeed")
+ALONE = "shm-allreduce"  # arfuse's all-reduce alone, as the peers' rows without "+norm"
+# --modes: the fused call forced one-shot (its copy round the slot's ring, or at its rows'
+# offsets) or two-shot: (mode, ring blocks); None: the kernel's own
+MODES: dict[str, tuple[str, int | None]] = {
+    "shm-oneshot": ("oneshot", None), "shm-oneshot-noring": ("oneshot", 0),
+    "shm-twoshot": ("twoshot", None)}
+ROWS = (FUSED, ALONE, *MODES, "vllm", "vllm+norm", "sglang", "sglang+norm", "deepspeed")
 
 VLLM_FLAGS = ("-O2", "-DNDEBUG", "-std=c++20", "-fopenmp", "-DVLLM_CPU_EXTENSION", "-mf16c",
               "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mamx-bf16",
@@ -156,6 +166,7 @@ class Options:
     dtypes: tuple[str, ...]
     libraries: dict[str, str]  # peer name -> its built library
     deepspeed: bool
+    modes: bool  # the MODES rows too
     min_seconds: float
     max_iters: int
     out: str  # this run's JSON
@@ -219,12 +230,30 @@ def _peer_ops(rank: int, world: int, opts: Options, tag: int) -> dict[str, Any]:
 
 
 def _rows(comm: Any, peers: dict[str, Any], ds: Any, dname: str, work: torch.Tensor,
-          res_work: torch.Tensor, weight: torch.Tensor) -> dict[str, Any]:
+          res_work: torch.Tensor, weight: torch.Tensor, modes: bool) -> dict[str, Any]:
     """Every row's call on ``work`` and ``res_work`` in place (the peers': their own ops,
     through torch's dispatcher)."""
-    rows: dict[str, Any] = {
-        FUSED: lambda: comm(work, residual=res_work, weight=weight, eps=EPS, out=work,
-                            residual_out=res_work)}
+    workspace = comm.workspace
+    kernel_ring = workspace.ring_blocks
+
+    def fused(mode: str | None = None, ring: int | None = None) -> Any:
+        def call() -> None:
+            if modes:  # each row's own mode: the rows take turns on one workspace
+                workspace.set_mode(mode)
+                workspace.set_ring_blocks(kernel_ring if ring is None else ring)
+            comm(work, residual=res_work, weight=weight, eps=EPS, out=work,
+                 residual_out=res_work)
+        return call
+
+    def alone() -> None:
+        if modes:
+            workspace.set_mode(None)
+            workspace.set_ring_blocks(kernel_ring)
+        comm(work, out=work)
+
+    rows: dict[str, Any] = {FUSED: fused(), ALONE: alone}
+    if modes:
+        rows.update({name: fused(mode, ring) for name, (mode, ring) in MODES.items()})
     if "vllm" in peers:
         vllm, handle = peers["vllm"]
 
@@ -260,7 +289,7 @@ def _check(rows: dict[str, Any], reset: Any, xs: list[torch.Tensor], residual: t
     for name, call in rows.items():
         reset()
         call()
-        if name.endswith("+norm") or name == FUSED:
+        if name.endswith("+norm") or name == FUSED or name in MODES:
             errors[name] = max(worst_error(work, out, dname),
                                worst_error(res_work, new_residual, dname))
         else:
@@ -298,7 +327,7 @@ def _run_size(st: dict[str, Any], dname: str, tokens: int, comm: Any) -> None:
 
     xs = [torch.empty(x.shape) for _ in range(st["world"])]
     dist.all_gather(xs, x.float())  # exact for the 16-bit dtypes; any dtype gloo sends
-    rows = _rows(comm, st["peers"], st["ds"], dname, work, res_work, weight)
+    rows = _rows(comm, st["peers"], st["ds"], dname, work, res_work, weight, opts.modes)
     errors = _agreed_errors(_check(rows, reset, xs, residual, weight, work, res_work, dname))
     st["checks"].append({"dtype": dname, "tokens": tokens,
                          "worst_error_in_tolerances": errors, "tolerance": TOLERANCE[dname]})
@@ -432,6 +461,9 @@ def main() -> int:
                         help="about this long of timed calls per row and size (0.3)")
     parser.add_argument("--max-iters", type=int, default=400)
     parser.add_argument("--no-deepspeed", action="store_true")
+    parser.add_argument("--modes", action="store_true",
+                        help="also the fused call forced one-shot (with and without the ring) "
+                             "and two-shot")
     parser.add_argument("--out", default="benchmarks/results/peers-now")
     args = parser.parse_args()
     if args.runs < 1:
@@ -460,7 +492,7 @@ def main() -> int:
         opts = Options(tokens=tuple(int(t) for t in args.tokens.split(",")),
                        hidden=args.hidden, dtypes=tuple(args.dtype.split(",")),
                        libraries={n: b["library"] for n, b in built.items()},
-                       deepspeed=deepspeed, min_seconds=args.min_seconds,
+                       deepspeed=deepspeed, modes=args.modes, min_seconds=args.min_seconds,
                        max_iters=args.max_iters, out=str(out / f"run{i}.json"),
                        notes={"peers": built})
         print(f"run {i + 1}/{args.runs}", flush=True)

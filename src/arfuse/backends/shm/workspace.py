@@ -206,6 +206,11 @@ class ShmWorkspace(Workspace):
         if self._comm is not None:
             self._comm.set_oneshot_bytes(*limits)
 
+    @property
+    def ring_blocks(self) -> int:
+        """The blocks of the slot a copied one-shot input goes round (0: none)."""
+        return 0 if self._comm is None else int(self._comm.ring_blocks)
+
     def set_ring_blocks(self, blocks: int) -> None:
         """The blocks of the slot a copied one-shot input goes round (tests and benchmarks;
         0: none, each block at its rows' offsets). Results do not depend on it; the pure-torch
