@@ -167,6 +167,7 @@ class Options:
     libraries: dict[str, str]  # peer name -> its built library
     deepspeed: bool
     modes: bool  # the MODES rows too
+    threads: int  # intra-op threads per rank, the peers' OpenMP threads alike
     min_seconds: float
     max_iters: int
     out: str  # this run's JSON
@@ -198,9 +199,9 @@ def _peer_ops(rank: int, world: int, opts: Options, tag: int) -> dict[str, Any]:
     if "vllm" in opts.libraries:
         torch.ops.load_library(opts.libraries["vllm"])
         vllm = torch.ops.peer_vllm
-        vllm.openmp_threads(1)
+        vllm.openmp_threads(opts.threads)
         name = f"arfuse_peers_vllm_{tag}"
-        # vLLM's _CPUSHMDistributed: init, barrier, join, barrier; threads: torch's (1)
+        # vLLM's _CPUSHMDistributed: init, barrier, join, barrier; threads: torch's
         handle = vllm.init_shm_manager(name, world, rank, torch.get_num_threads())
         dist.barrier()
         vllm.join_shm_manager(handle, name)
@@ -211,7 +212,7 @@ def _peer_ops(rank: int, world: int, opts: Options, tag: int) -> dict[str, Any]:
     if "sglang" in opts.libraries:
         torch.ops.load_library(opts.libraries["sglang"])
         sgl = torch.ops.peer_sglang
-        sgl.openmp_threads(1)
+        sgl.openmp_threads(opts.threads)
         # sgl-kernel names its segments as DeepSpeed does, from MASTER_ADDR and MASTER_PORT:
         # a port of its own here, or it would share DeepSpeed's segments in this process
         port = os.environ["MASTER_PORT"]
@@ -355,12 +356,12 @@ def body(rank: int, world: int, opts: Options) -> int:
     from arfuse.launch import init_from_env, pin_to_core
     from arfuse.torch_types import TORCH_DTYPES
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(opts.threads)
     ds, ds_note = None, "not requested"
     if opts.deepspeed:
         ds, ds_note = deepspeed_setup(rank)
     init_from_env("cpu")
-    pinned = pin_to_core(rank, world)  # after init: gloo's threads stay free
+    pinned = pin_to_core(rank, world, opts.threads)  # after init: gloo's threads stay free
     tag = run_tag()
     st: dict[str, Any] = {"opts": opts, "world": world, "ds": ds, "results": [],
                           "checks": [], "peers": _peer_ops(rank, world, opts, tag),
@@ -382,7 +383,7 @@ def body(rank: int, world: int, opts: Options) -> int:
     if ds is not None:
         clean_deepspeed_segments()
     if rank == 0:
-        report = {"machine": machine_record(pinned, world, 1), "deepspeed": ds_note,
+        report = {"machine": machine_record(pinned, world, opts.threads), "deepspeed": ds_note,
                   "openmp_threads": omp, "options": {k: v for k, v in asdict(opts).items()
                                                      if k != "notes"},
                   **opts.notes, "checks": st["checks"], "results": st["results"]}
@@ -414,7 +415,8 @@ def table(summary: list[dict[str, Any]], machine: dict[str, Any], runs: int) -> 
     arfuse's (> 1: slower than arfuse)."""
     lines = [f"{machine.get('cpu', '?')}; {machine.get('isa', '?')}; arfuse kernel "
              f"{machine.get('kernel_isa', '?')}; torch {machine.get('torch', '?')}; "
-             f"{machine.get('world_size', 2)} ranks x 1 thread, pinned: "
+             f"{machine.get('world_size', 2)} ranks x {machine.get('threads_per_rank', 1)} "
+             f"thread(s), pinned: "
              f"{machine.get('ranks_pinned', '?')}",
              f"median us of the slowest rank, median over {runs} run(s); (x arfuse: the "
              f"row's time over {FUSED}'s)"]
@@ -461,6 +463,10 @@ def main() -> int:
                         help="about this long of timed calls per row and size (0.3)")
     parser.add_argument("--max-iters", type=int, default=400)
     parser.add_argument("--no-deepspeed", action="store_true")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="threads per rank: arfuse's intra-op threads and the peers' OpenMP "
+                             "threads, each rank pinned to that many cores where there are "
+                             "enough (1)")
     parser.add_argument("--modes", action="store_true",
                         help="also the fused call forced one-shot (with and without the ring) "
                              "and two-shot")
@@ -468,6 +474,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     peers = [vllm_peer(Path(args.vllm_src).resolve())]
     if args.sglang_src:
         peers.append(sglang_peer(Path(args.sglang_src).resolve()))
@@ -486,17 +494,19 @@ def main() -> int:
             print(f"deepspeed unavailable, its row left out: {why}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    os.environ["OMP_NUM_THREADS"] = "1"  # the ranks' OpenMP, the peers' loops among it
+    threads = str(args.threads)
+    os.environ["OMP_NUM_THREADS"] = threads  # the ranks' OpenMP, the peers' loops among it
     runs = []
     for i in range(args.runs):
         opts = Options(tokens=tuple(int(t) for t in args.tokens.split(",")),
                        hidden=args.hidden, dtypes=tuple(args.dtype.split(",")),
                        libraries={n: b["library"] for n, b in built.items()},
-                       deepspeed=deepspeed, modes=args.modes, min_seconds=args.min_seconds,
+                       deepspeed=deepspeed, modes=args.modes, threads=args.threads,
+                       min_seconds=args.min_seconds,
                        max_iters=args.max_iters, out=str(out / f"run{i}.json"),
                        notes={"peers": built})
         print(f"run {i + 1}/{args.runs}", flush=True)
-        code = launch(body, 2, opts, env={"OMP_NUM_THREADS": "1", "ARFUSE_LOG": "warning"})
+        code = launch(body, 2, opts, env={"OMP_NUM_THREADS": threads, "ARFUSE_LOG": "warning"})
         if code != 0:
             raise SystemExit(f"run {i + 1} failed with exit status {code}")
         runs.append(json.loads(Path(opts.out).read_text()))
