@@ -67,15 +67,17 @@ def test_shm_automatic_threshold_both_sides() -> None:
     assert results[0][cases[1]]["mode"] == "twoshot"
 
 
-def test_two_ranks_go_one_shot_again_from_the_ring_size_on() -> None:
-    """At two ranks, calls of RING_ONESHOT_MIN_BYTES per rank and more run one-shot (round the
+def test_two_ranks_go_one_shot_again_above_the_ring_size() -> None:
+    """At two ranks, calls of more than RING_ONESHOT_ABOVE_BYTES per rank run one-shot (round the
     slot's ring), smaller ones from the second row two-shot; with three ranks, two-shot."""
-    from arfuse.backends.shm.workspace import RING_ONESHOT_MIN_BYTES
+    from arfuse.backends.shm.workspace import RING_ONESHOT_ABOVE_BYTES
 
-    rows = RING_ONESHOT_MIN_BYTES // (1040 * 4)  # fp32: the last row count below it
-    cases = [Case("fp32", rows, 1040, "norm"), Case("fp32", rows + 1, 1040, "norm")]
-    for world, modes in ((2, ["twoshot", "oneshot"]), (3, ["twoshot", "twoshot"])):
-        results = values(run_ranks(ranks_numerics.numerics, world, "shm", cases, rows + 1,
+    rows = RING_ONESHOT_ABOVE_BYTES // (1040 * 4)  # fp32: the last row count below it
+    exactly = RING_ONESHOT_ABOVE_BYTES // (1024 * 4)
+    cases = [Case("fp32", rows, 1040, "norm"), Case("fp32", rows + 1, 1040, "norm"),
+             Case("fp32", exactly, 1024, "plain")]
+    for world, modes in ((2, ["twoshot", "oneshot", "twoshot"]), (3, ["twoshot"] * 3)):
+        results = values(run_ranks(ranks_numerics.numerics, world, "shm", cases, exactly + 1,
                                    None))
         for case in cases:
             check_case(case, [r[case] for r in results], "shm")

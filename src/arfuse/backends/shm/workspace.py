@@ -49,31 +49,31 @@ from .segment import LIVENESS_LOOK_S, alive, process_identity
 # One-shot (every rank reduces and finishes every row, block by block while it is in cache) up
 # to this many bytes per rank; two-shot (each rank sums a block of rows and finishes it in the
 # same pass, every rank finishes the other blocks from their owners' sums) above (at two ranks
-# up to RING_ONESHOT_MIN_BYTES). One-shot makes every rank read every peer's whole input
+# up to RING_ONESHOT_ABOVE_BYTES). One-shot makes every rank read every peer's whole input
 # across cores and run the epilogue on every row; two-shot halves both (two ranks) for one more
 # meeting, which pays from the second row of the usual hidden sizes on
 # (benchmarks/shm_threshold.py; figures in docs/design.md 6), hence one-shot for single rows.
 # With more ranks the crossover can only move down; the two-rank value is used for them too.
 ONESHOT_MAX_BYTES = 8 * 1024
-# At two ranks, one-shot again from this many bytes per rank on: its copied input goes round a
+# At two ranks, one-shot again above this many bytes per rank: its copied input goes round a
 # ring of the slot that stays in cache (the kernel's run_oneshot), while two-shot's copies and
 # sums pass through memory once a call outgrows the caches, and from there that costs more than
 # two-shot's halved work saves (benchmarks/peers.py's one- and two-shot rows; docs/design.md 6).
 # Not measured with more ranks, where one-shot reads every peer's whole input: two-shot there.
-RING_ONESHOT_MIN_BYTES = 2 * 1024 * 1024
+RING_ONESHOT_ABOVE_BYTES = 2 * 1024 * 1024
 NEVER = 2**62
 
 
 def oneshot_bytes(world: int, mode: str | None) -> tuple[int, int]:
     """The kernel's one-shot limits (``set_oneshot_bytes``): one-shot up to the first number
-    of bytes per rank and from the second on, two-shot between."""
+    of bytes per rank and above the second, two-shot between."""
     if mode not in (None, "oneshot", "twoshot"):
         raise ValueError(f"mode={mode!r} is not valid; use oneshot, twoshot or None")
     if mode == "oneshot":
         return NEVER, NEVER
     if mode == "twoshot":
         return -1, NEVER
-    return ONESHOT_MAX_BYTES, RING_ONESHOT_MIN_BYTES if world == 2 else NEVER
+    return ONESHOT_MAX_BYTES, RING_ONESHOT_ABOVE_BYTES if world == 2 else NEVER
 
 
 # How the copy into the slot and a call's own outputs are stored; the kernel's codes are the

@@ -103,12 +103,12 @@ class ShmComm {
 
   void set_peers(std::vector<int64_t> pids, std::vector<int64_t> starts, bool check);
   void set_base(int64_t base);
-  // One-shot up to max_bytes per rank and again from from_bytes on (its ring), two-shot
+  // One-shot up to max_bytes per rank and again above above_bytes (its ring), two-shot
   // between (workspace.py says why).
-  void set_oneshot_bytes(int64_t max_bytes, int64_t from_bytes) {
+  void set_oneshot_bytes(int64_t max_bytes, int64_t above_bytes) {
     const std::lock_guard<std::mutex> one_call(call_mutex_);
     oneshot_max_bytes_ = max_bytes;
-    oneshot_from_bytes_ = from_bytes;
+    oneshot_above_bytes_ = above_bytes;
   }
   // One-shot's ring of blocks (kRingBlocks; 0: a copied input at its rows' offsets, as an
   // input_buffer one). Any value on any rank gives the same results (each rank says where
@@ -127,7 +127,7 @@ class ShmComm {
   int64_t next_input_offset() const { return int64_t(next_slot() - seg_.base); }
   bool oneshot(int64_t tokens) const {
     const int64_t bytes = tokens * hidden_ * elem_;
-    return tokens < seg_.world || bytes <= oneshot_max_bytes_ || bytes >= oneshot_from_bytes_;
+    return tokens < seg_.world || bytes <= oneshot_max_bytes_ || bytes > oneshot_above_bytes_;
   }
 
   py::object call(py::handle x, py::handle residual, py::handle weight, py::handle eps,
@@ -246,7 +246,7 @@ class ShmComm {
   int64_t max_tokens_, hidden_;
   int dtype_, elem_ = 2;
   int64_t oneshot_max_bytes_;
-  int64_t oneshot_from_bytes_ = INT64_MAX;
+  int64_t oneshot_above_bytes_ = INT64_MAX;
   int64_t ring_blocks_ = kRingBlocks;
   int64_t seq_ = 0;
   int copy_mode_ = kStoresAuto;
