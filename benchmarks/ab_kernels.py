@@ -40,6 +40,7 @@ from shm_common import DTYPES
 
 from arfuse.backends.shm import layout as shm_layout
 from arfuse.backends.shm.build import build_tree, load_file
+from arfuse.backends.shm.workspace import oneshot_bytes
 from arfuse.launch import init_from_env, launch, pin_to_core
 
 DTYPE_CODE = {"bf16": 0, "fp16": 1, "fp32": 2}
@@ -84,6 +85,8 @@ def make_comms(modules: list[ModuleType], rank: int, world: int, opts: Options,
             comms[(dname, i)] = module.ShmComm(
                 memory.data_ptr(), world, rank, max_tokens, opts.hidden, DTYPE_CODE[dname],
                 shm_layout.HEADER_BYTES, layout.slot_bytes, layout.input_bytes, 30.0, 8 * 1024)
+            if hasattr(comms[(dname, i)], "set_oneshot_bytes"):  # the workspace's rule
+                comms[(dname, i)].set_oneshot_bytes(*oneshot_bytes(world, None))
             if opts.stores[i] != "auto":
                 comms[(dname, i)].set_output_stores(STORES.index(opts.stores[i]))
             if opts.replicated[i]:
