@@ -60,7 +60,7 @@ ONESHOT_MAX_BYTES = 8 * 1024
 # sums pass through memory once a call outgrows the caches, and from there that costs more than
 # two-shot's halved work saves (benchmarks/peers.py's one- and two-shot rows; docs/design.md 6).
 # Not measured with more ranks, where one-shot reads every peer's whole input: two-shot there.
-RING_ONESHOT_ABOVE_BYTES = 2 * 1024 * 1024
+RING_ONESHOT_ABOVE_BYTES = 3 * 1024 * 1024
 NEVER = 2**62
 
 
