@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..backends.shm.workspace import ONESHOT_MAX_BYTES
+from ..backends.shm.workspace import ONESHOT_MAX_BYTES, RING_ONESHOT_ABOVE_BYTES
 from ..scenarios.calls import PATTERNS  # the kinds of call a soak draws from
 
 DEFAULT_HIDDEN = 128              # bf16: 256 bytes a row
@@ -43,6 +43,10 @@ class Sizes:
     @property
     def oneshot_tokens(self) -> int:  # shm's one-/two-shot switch per rank
         return max(1, ONESHOT_MAX_BYTES // (self.hidden * 2))
+
+    @property
+    def ring_tokens(self) -> int:  # above this, one-shot round the slot's ring (two ranks)
+        return RING_ONESHOT_ABOVE_BYTES // (self.hidden * 2)
 
     @property
     def over(self) -> int:  # the largest call, over capacity (runs unfused)
@@ -316,7 +320,8 @@ def run_soak(calls: int = 100_000, check_every: int = 50, sample_every: int = 10
             "output_stores": output_stores,
             # ARFUSE_REPLICATED_RESIDUAL=1 (the residual pool is the same on every rank)
             "replicated_residual": reports.get(0, {}).get("replicated_residual"),
-            "oneshot_max_tokens": sizes.oneshot_tokens, "max_tokens_drawn": sizes.over,
+            "oneshot_max_tokens": sizes.oneshot_tokens,
+            "ring_oneshot_above_tokens": sizes.ring_tokens, "max_tokens_drawn": sizes.over,
             "rss_bound_mib": rss_bound_mib, "warm_up_calls": int(WARM_FRACTION * calls),
             "segments_left": left, "wall_seconds": wall, "cores": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "ranks": digest}
@@ -325,7 +330,8 @@ def run_soak(calls: int = 100_000, check_every: int = 50, sample_every: int = 10
 def summary(result: dict[str, Any]) -> str:
     lines = [f"soak: {result['calls']} calls on 2 ranks, hidden {result['hidden']} bf16, "
              f"capacity {result['capacity']}, one-shot up to {result['oneshot_max_tokens']} "
-             f"tokens, checked every {result['check_every']}: "
+             f"tokens and round the slot's ring above {result['ring_oneshot_above_tokens']}, "
+             f"checked every {result['check_every']}: "
              f"{'OK' if result['ok'] else 'FAILED'} in {result['wall_seconds']:.1f} s"]
     for rank, r in result["ranks"].items():
         lines.append(
