@@ -15,7 +15,9 @@
 # Debian arm64 packages unpacked into a tree (not installed: a multiarch install would remove
 # the native python3), torch's aarch64 wheel (2.8.0: the last CPU-only one on PyPI) and the
 # test tools, installed there with pip --target. .venv (scripts/setup.sh) provides pip and
-# ninja. Arguments go to pytest.
+# ninja. Arguments go to pytest. For time (CI runs it cold, beside the suite): pip's download
+# runs beside the apt and Debian steps, and the kernels of the three instruction sets compile
+# side by side before pytest starts.
 #
 # ARM_GCC=13 or 14: the kernel compiled by Debian 13's (trixie's) aarch64 cross compiler of
 # that version instead of Debian 12's GCC 12 (not in CI: the trixie root is another 700 MB to
@@ -47,6 +49,20 @@ case $gcc in
     exit 2 ;;
 esac
 site=$cache/site-$torch_version
+
+# torch's wheel, the longest download, comes beside the apt and Debian steps (and goes with
+# the script if that stops first)
+pip_job=""
+if [ ! -e "$site/.done" ]; then
+  rm -rf "$site"
+  mkdir -p "$cache"
+  # shellcheck disable=SC2086
+  .venv/bin/pip install -q --no-deps --target "$site" --only-binary=:all: \
+    --platform manylinux_2_28_aarch64 --platform manylinux_2_17_aarch64 \
+    --python-version 3.11 --implementation cp --abi cp311 $wheels >"$cache/pip.log" 2>&1 &
+  pip_job=$!
+  trap 'kill "$pip_job" 2>/dev/null || true' EXIT
+fi
 
 if ! command -v qemu-aarch64 >/dev/null || ! command -v aarch64-linux-gnu-g++ >/dev/null \
     || [ ! -e /usr/lib/binfmt.d/qemu-aarch64.conf ]; then
@@ -105,12 +121,16 @@ if [ ! -e "$sysroot/.done" ]; then
   done >"$sysroot/proc/cpuinfo"
   touch "$sysroot/.done"
 fi
-if [ ! -e "$site/.done" ]; then
-  rm -rf "$site"
-  # shellcheck disable=SC2086
-  .venv/bin/pip install -q --no-deps --target "$site" --only-binary=:all: \
-    --platform manylinux_2_28_aarch64 --platform manylinux_2_17_aarch64 \
-    --python-version 3.11 --implementation cp --abi cp311 $wheels 2>&1 | grep -v "is ignored" || true
+if [ -n "$pip_job" ]; then
+  pip_status=0
+  wait "$pip_job" || pip_status=$?
+  trap - EXIT
+  grep -v "is ignored" "$cache/pip.log" || true
+  rm -f "$cache/pip.log"
+  if [ "$pip_status" -ne 0 ]; then
+    echo "arm_check: installing the aarch64 wheels failed (pip exit $pip_status)" >&2
+    exit 1
+  fi
   touch "$site/.done"
 fi
 
@@ -155,7 +175,26 @@ ln -sf "$(command -v ninja || echo "$root/.venv/bin/ninja")" "$cache/bin/ninja"
 
 export QEMU_LD_PREFIX=$sysroot CXX=$cache/bin/c++ PATH=$cache/bin:$PATH
 export PYTHONPATH=$root/src:$site
+# the ranks use neither torch.compile nor transformers (tests/harness.py)
+export ARFUSE_TEST_PRELOAD=${ARFUSE_TEST_PRELOAD:-"torch torch.distributed arfuse"}
 python=$sysroot/usr/bin/python3.11
-"$python" -c "import platform, torch; print('arm_check:', platform.machine(), 'Python',
-    platform.python_version(), 'torch', torch.__version__)"
+# The kernel of each instruction set, compiled side by side (a thread each, each compile a
+# process of its own) before pytest starts, which then finds them built (tests/test_isa_paths.py
+# builds none itself then, and spares the process it would start for it).
+"$python" - <<'EOF'
+import platform
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from arfuse.backends.shm import build
+
+print("arm_check:", platform.machine(), "Python", platform.python_version(), "torch",
+      torch.__version__, flush=True)
+isas = build.host_isas()
+with ThreadPoolExecutor(len(isas)) as pool:
+    for isa, (module, why) in zip(isas, pool.map(build._build, isas), strict=True):
+        if module is None:  # the tests say it again, with their context
+            print(f"arm_check: {isa}: no kernel: {why}", flush=True)
+EOF
 exec "$python" -m pytest -q -p no:cacheprovider "${@:-tests/test_isa_paths.py}"
