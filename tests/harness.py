@@ -19,9 +19,12 @@ from arfuse.launch import store_listener
 
 _CTX = mp.get_context("forkserver")
 # imported once per test process instead of once per rank; a module that is not installed
-# is skipped (the forkserver ignores a failed preload)
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "arfuse", "torch._dynamo",
-                             "torch._inductor.compile_fx", "transformers"])
+# is skipped (the forkserver ignores a failed preload). ARFUSE_TEST_PRELOAD (names separated
+# by spaces) replaces the list where the ranks need less: scripts/arm_check.sh, under
+# emulation, where torch.compile's modules cost seconds to import and its ranks never use them.
+_PRELOAD = ("torch", "torch.distributed", "arfuse", "torch._dynamo", "torch._inductor.compile_fx",
+            "transformers")
+_CTX.set_forkserver_preload(os.environ.get("ARFUSE_TEST_PRELOAD", " ".join(_PRELOAD)).split())
 
 
 @dataclass

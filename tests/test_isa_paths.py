@@ -26,6 +26,7 @@ import torch
 
 from arfuse import quant
 from arfuse.backends.shm import build as shm_build
+from arfuse.backends.shm import cache as shm_cache
 from arfuse.epilogue import rank_order_sum
 
 from harness import run_ranks, values
@@ -285,17 +286,29 @@ def check_against_reference(dtype: str, hidden: int, world: int, pattern: str,
 
 # --- the tests ----------------------------------------------------------------------------------
 
+def in_cache(isa: str) -> bool:
+    """Whether the kernel cache holds a binary of ``isa``'s kernel (not checked: the loader
+    checks it, and builds it again if it fails)."""
+    key = shm_build.build_key(isa)
+    return (shm_cache.cache_root() / f"shm-{key}" / f"arfuse_shm_{key}.so").exists()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def every_isa_built() -> None:
     """Each path's kernel is built (or found in the cache) before any test gives its ranks a
     deadline: a cold build on a loaded machine can take longer than a rank's deadline, and
     building is not what these tests check. One process builds them all (``_build`` each,
-    as ``load`` would; they import side by side): a process costs most of the time under
-    emulation (scripts/arm_check.sh)."""
-    build = ("import os, sys\nfrom arfuse.backends.shm import build\n"
-             "for isa in sys.argv[1:]:\n"
-             "    os.environ['ARFUSE_SHM_ISA'] = isa\n"
-             "    module, why = build._build()\n"
+    as ``load`` would; they import side by side), side by side (a thread each, each compile
+    a process of its own); none when all are in the cache already (test.sh and
+    scripts/arm_check.sh build them first): a process costs most of the time under
+    emulation."""
+    if all(in_cache(isa) for isa in ISAS):
+        return
+    build = ("import sys\nfrom concurrent.futures import ThreadPoolExecutor\n"
+             "from arfuse.backends.shm import build\n"
+             "with ThreadPoolExecutor(len(sys.argv) - 1) as pool:\n"
+             "    built = list(pool.map(build._build, sys.argv[1:]))\n"
+             "for isa, (module, why) in zip(sys.argv[1:], built, strict=True):\n"
              "    assert module is not None, f'{isa}: {why}'\n")
     subprocess.run([sys.executable, "-c", build, *ISAS], check=True, timeout=1800)
 

@@ -396,7 +396,7 @@ def racing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     leave theirs behind); ``import_extension`` real, the build recorded."""
     monkeypatch.delenv("ARFUSE_SHM_PURE_TORCH", raising=False)
     key = shm_build.build_key()
-    monkeypatch.setattr(shm_build, "build_key", lambda: key)
+    monkeypatch.setattr(shm_build, "build_key", lambda isa=None: key)
     (tmp_path / "tmp").mkdir(mode=0o700)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     Recorder(monkeypatch, record_imports=False)

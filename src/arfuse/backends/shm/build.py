@@ -47,6 +47,10 @@ from . import cache
 from .trust import Untrusted, fd_path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+# Python 3.11's sysconfig fills its variables at the first call without a lock, and a thread
+# calling meanwhile reads them half filled (no EXT_SUFFIX: another build key; torch's
+# cpp_extension reads them too). Filled here, at import, before any build runs in a thread.
+sysconfig.get_config_vars()
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 _fake_registered: list[bool] = []
@@ -173,16 +177,18 @@ def compile_flags(isa: str | None = None) -> list[str]:
     return flags
 
 
-def build_key() -> str:
+def build_key(isa: str | None = None) -> str:
+    """The cache key of the kernel of ``isa`` (``target_isa()`` by default)."""
     import torch
 
+    isa = target_isa() if isa is None else isa
     digest = hashlib.sha256()
     digest.update(f"entry format {cache.ENTRY_FORMAT}\0".encode())
     for path in kernel_files():  # a header edit must rebuild as much as a source edit
         digest.update(path.name.encode() + b"\0")
         digest.update(path.read_bytes())
-    digest.update(target_isa().encode() + b"\0")
-    digest.update(" ".join(compile_flags()).encode())
+    digest.update(isa.encode() + b"\0")
+    digest.update(" ".join(compile_flags(isa)).encode())
     digest.update(torch.__version__.encode())
     digest.update(str(sysconfig.get_config_var("EXT_SUFFIX")).encode())
     digest.update(" ".join(sorted(cpu_flags())).encode())
@@ -310,22 +316,22 @@ def build_tree(tree: str) -> str:
     return out.rsplit("kernel: ", 1)[1].strip()
 
 
-def _build() -> tuple[ModuleType | None, str]:
+def _build(isa: str | None = None) -> tuple[ModuleType | None, str]:
+    """The kernel of ``isa`` (``target_isa()`` by default), from the cache or compiled there,
+    or ``None`` and why. Builds of different instruction sets may run in threads side by
+    side (each names its own; nothing here reads ``ARFUSE_SHM_ISA`` once ``isa`` is given)."""
     if os.environ.get("ARFUSE_SHM_PURE_TORCH") == "1":
         return None, "ARFUSE_SHM_PURE_TORCH=1"
     if compiler() is None:
         return None, "no C++ compiler found (install g++ or set CXX)"
-    problem = isa_problem(target_isa())
+    isa = target_isa() if isa is None else isa
+    problem = isa_problem(isa)
     if problem:  # a binary for an instruction set the CPU lacks would die of SIGILL
         return None, problem
     problem = unit_problem()
     if problem:
         return None, problem
-    try:
-        from torch.utils import cpp_extension
-    except ImportError as exc:  # pragma: no cover - torch without cpp_extension
-        return None, f"torch.utils.cpp_extension unavailable: {exc}"
-    key = build_key()
+    key = build_key(isa)
     name = f"arfuse_shm_{key}"
     try:
         with cache.build_dir(key) as (directory, binary, cached):
@@ -346,7 +352,13 @@ def _build() -> tuple[ModuleType | None, str]:
                                        where, problem)
                     cache.clear_entry(directory)
                 _say_building(where, cached)
-                return _compile(cpp_extension, name, directory, where)
+                # imported only to compile: a process that finds its kernel cached is spared
+                # it (setuptools and more: seconds under emulation)
+                try:
+                    from torch.utils import cpp_extension
+                except ImportError as exc:  # pragma: no cover - torch without cpp_extension
+                    return None, f"torch.utils.cpp_extension unavailable: {exc}"
+                return _compile(cpp_extension, name, directory, where, isa)
     except (OSError, Untrusted) as exc:
         return None, f"no safe build directory: {type(exc).__name__}: {exc}"
 
@@ -358,14 +370,14 @@ def _say_building(where: str, cached: bool) -> None:
              "later runs reuse it" if cached else "not cached: each process compiles it again")
 
 
-def _compile(cpp_extension: Any, name: str, directory: int,
-             where: str) -> tuple[ModuleType | None, str]:
-    """Build the kernel in the open ``directory`` and import it from there (by its descriptor's
-    name, so a path changed meanwhile cannot substitute another directory)."""
+def _compile(cpp_extension: Any, name: str, directory: int, where: str,
+             isa: str) -> tuple[ModuleType | None, str]:
+    """Build the kernel of ``isa`` in the open ``directory`` and import it from there (by its
+    descriptor's name, so a path changed meanwhile cannot substitute another directory)."""
     try:
         module = cpp_extension.load(
             name=name, sources=[str(p) for p in sources()],
-            extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"],
+            extra_cflags=compile_flags(isa), extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(d) for d in include_dirs()],
             build_directory=fd_path(directory), verbose=False)
     except Exception as exc:  # a broken toolchain means the pure path, not a crash
