@@ -16,8 +16,10 @@ built by its own process (``ARFUSE_SHM_ISA``), for every path this machine can r
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -361,6 +363,18 @@ def test_an_arm_cpu_gets_neon_from_its_features(monkeypatch: pytest.MonkeyPatch)
     assert shm_build.host_isas() == ["scalar"] and "lacks asimd" in shm_build.isa_problem("neon")
     monkeypatch.setenv("ARFUSE_SHM_ISA", "scalar")
     assert "ARFUSE_SHM_ISA names it" in shm_build.isa_reason()
+
+
+@pytest.mark.parametrize("isa", shm_build.ISAS)
+def test_one_rank_with_nan_and_inf_is_the_torch_epilogues_bytes_on_every_isa(isa: str) -> None:
+    """``test_epilogue_bytes``'s comparison with NaN and infinities on each path, not only on
+    the one this CPU runs by default: with one rank the sum adds nothing, so a signaling NaN
+    reaches each rounding as it came (an output it was not rounded for kept it signaling)."""
+    needs(isa)
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    str(Path(__file__).with_name("test_epilogue_bytes.py")), "-k",
+                    "test_torch_epilogue_is_the_kernel_bytes_with_nan_and_inf"],
+                   env={**os.environ, "ARFUSE_SHM_ISA": isa}, check=True, timeout=600)
 
 
 @pytest.mark.parametrize("isa", shm_build.ISAS)

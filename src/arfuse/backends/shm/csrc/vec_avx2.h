@@ -163,9 +163,9 @@ inline void bf16_pass1_step(const uint16_t* const* rows, int world, int64_t h,
   }
   // one input (W == 1) holds bf16 values already: rounding them again changes nothing
   // that the rounding after the residual add below would not (it also quiets a signaling
-  // NaN); the sum for the result slot (SUM) is rounded all the same
+  // NaN); without a residual, or with the sum for the result slot (SUM), it is rounded
   __m256 even = a.even, odd = a.odd;
-  if constexpr (!(W == 1 && NORM && SUM == kSlotNone)) {
+  if constexpr (!(W == 1 && NORM && RES && SUM == kSlotNone)) {
     even = bf16x8_round32(a.even);
     odd = bf16x8_round32(a.odd);
   }
