@@ -136,13 +136,13 @@ def main() -> None:
         print(f"link {rate}, veth round trip: {rtt}")
         print(f"{'dtype':5} {'tokens':>6} {'user ms':>9} {'hier ms':>9} {'torch ms':>9} "
               f"{'gloo ar ms':>10} {'hier/user':>9} {'torch/user':>10} {'link B torch':>12} "
-              f"{'link B hier':>11}")
+              f"{'link B hier':>11} {'hier, torch rows':>16}")
         for r in rows:
             print(f"{r['dtype']:5} {r['tokens']:6d} {r['user'] * 1e3:9.3f} "
                   f"{r['hier'] * 1e3:9.3f} {r['torch'] * 1e3:9.3f} "
                   f"{r['gloo_all_reduce'] * 1e3:10.3f} {r['hier_over_user']:9.2f} "
                   f"{r['torch_over_user']:10.2f} {r['link_bytes_torch']:12d} "
-                  f"{r['link_bytes_hier']:11d}")
+                  f"{r['link_bytes_hier']:11d} {r['ways']['hier']:>7}, {r['ways']['torch']}")
     if args.out and report:
         from arfuse.bench.machine import machine_record
 

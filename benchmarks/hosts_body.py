@@ -91,7 +91,12 @@ def main(out: str, tokens: list[int], dtypes: list[str], repeats: int, rounds: i
             # bytes over the link per call, each direction (docs/design.md 4, hier, torch)
             row["link_bytes_torch"] = 2 * (world - 1) * t * hidden * elem // world
             # fp32 partials; with one rank per host its rows as they are
-            row["link_bytes_hier"] = t * hidden * (4 if local > 1 else elem) + 32 * local
+            row["link_bytes_hier"] = t * hidden * (4 if local > 1 else elem) + 40 * local
+            # how each op's rows crossed once learnt (collective.PieceChoice; 2 hosts x 1)
+            size_class = (t * hidden * elem).bit_length()
+            row["ways"] = {b: ["whole", "pieces"][
+                op.workspace.pieces.chosen().get(size_class, 0)]  # type: ignore[attr-defined]
+                for b, op in ops.items()}
             rows.append(row)
         for op in ops.values():
             op.close()

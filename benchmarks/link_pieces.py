@@ -1,6 +1,6 @@
 """One exchange of ``--mib`` MiB between two namespace hosts (tests/test_two_hosts.py's, one
 rank each, the veth shaped by ``tc tbf`` at each rate), whole or in pieces, against gloo's
-all-reduce of the same bytes: why hier's link step goes in pieces (``LINK_PIECE_BYTES``).
+all-reduce of the same bytes: what ``collective.PieceChoice`` chooses between.
 
     python benchmarks/link_pieces.py [--rates 25gbit,1gbit] [--mib 8] [--out F]   (root)
 

@@ -99,3 +99,46 @@ def ops_in_different_orders(rank: int, world: int, backend: str | None) -> dict[
     for op in ops:
         op.close()
     return {"first": first, "crossed": crossed, "after": after, "backends": backends}
+
+
+def ways_per_call(rank: int, world: int, backend: str | None, calls: int, tokens: int,
+                  flip: bool) -> dict[str, Any]:
+    """``calls`` calls of ``tokens`` rows (fp32, hidden 4096, over a piece): per call the way
+    this rank exchanged the rows (whole, or in pieces: ``collective.PieceChoice``) and whether
+    its ``out`` is the documented sum's bytes; the ways its choice kept. With ``flip``, rank 1
+    proposes the opposite of what its own choice says: it must still follow rank 0's."""
+    import arfuse
+    from arfuse import collective
+
+    hidden = 4096
+    proposed = collective.PieceChoice.propose
+    if flip and rank == 1:
+        def opposite(self: Any, nbytes: int) -> int:
+            way = proposed(self, nbytes)
+            return 1 - way if nbytes > collective.PIECE_BYTES else way
+        collective.PieceChoice.propose = opposite  # type: ignore[method-assign]
+    real, ways = collective.exchange_pair, []
+
+    def seen(*args: Any) -> None:
+        ways.append("pieces" if args[-1] else "whole")
+        real(*args)
+
+    collective.exchange_pair = seen
+    comm = arfuse.FusedAllReduce(max_token_num=tokens, hidden_dim=hidden, dtype=torch.float32,
+                                 backend=backend, strict=backend is not None, timeout_s=30)
+    per_call, exact = [], []
+    try:
+        for _ in range(calls):
+            rows, residual = _inputs(rank, tokens, hidden)
+            before = len(ways)
+            out = comm(rows, residual=residual, weight=torch.ones(hidden)).out
+            per_call.append(ways[before:])
+            exact.append(torch.equal(out.view(torch.int32),
+                                     _expected(world, tokens, hidden).view(torch.int32)))
+        chosen = comm.workspace.pieces.chosen()  # type: ignore[attr-defined]
+        used = comm.backend
+    finally:
+        collective.exchange_pair = real
+        collective.PieceChoice.propose = proposed  # type: ignore[method-assign]
+    comm.close()
+    return {"ways": per_call, "exact": exact, "chosen": chosen, "backend": used}

@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import os
 import re
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import log
 from .errors import CallTimeout
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single; same semantics
@@ -61,6 +63,70 @@ RIDE_MAX_BYTES = 1 << 20
 costs less than a second exchange; larger rows go uncopied after it."""
 KEEP_BYTES = 256 << 20
 """The largest buffer ``Buffers`` keeps between calls (larger ones are made per call)."""
+
+
+PIECE_BYTES = 1 << 20
+"""The size of a piece where a two-rank exchange goes in pieces (``PieceChoice``)."""
+
+
+class PieceChoice:
+    """Whether a two-rank exchange of more than ``PIECE_BYTES`` goes whole or in pieces of it
+    all in flight at once, learnt from the calls on one link, per size class (a power of
+    two): over a link shaped to 1 Gb/s one message of many MiB crossed at about half the
+    link's rate and pieces near it, while on a fast link or loopback pieces cost
+    (``benchmarks/RESULTS.md``). Until a class has ``SAMPLES`` timings of each way its
+    calls alternate them; then it keeps the one with the lower median. Both ranks must
+    exchange alike: each proposes (``propose``), the proposal rides in the message that
+    precedes the exchange, and both follow the group's first rank's."""
+
+    SAMPLES = 3
+    WHOLE, PIECES = 0, 1
+
+    def __init__(self, link: str, enabled: bool = True) -> None:
+        self.link = link  # how the log names the link
+        self.enabled = enabled
+        self._times: dict[int, tuple[list[float], list[float]]] = {}
+        self._chosen: dict[int, int] = {}
+
+    @staticmethod
+    def _size_class(nbytes: int) -> int:
+        return nbytes.bit_length()
+
+    def propose(self, nbytes: int) -> int:
+        """This rank's way for an exchange of ``nbytes`` (to each peer)."""
+        if not self.enabled or nbytes <= PIECE_BYTES:
+            return self.WHOLE
+        size_class = self._size_class(nbytes)
+        chosen = self._chosen.get(size_class)
+        if chosen is not None:
+            return chosen
+        whole, pieces = self._times.get(size_class, ([], []))
+        return self.PIECES if len(pieces) < len(whole) else self.WHOLE
+
+    def record(self, nbytes: int, way: int, seconds: float) -> None:
+        """The time an exchange of ``nbytes`` took ``way``, as this rank saw it."""
+        if not self.enabled or nbytes <= PIECE_BYTES:
+            return
+        size_class = self._size_class(nbytes)
+        if size_class in self._chosen:
+            return
+        times = self._times.setdefault(size_class, ([], []))
+        times[way].append(seconds)
+        if min(len(t) for t in times) < self.SAMPLES:
+            return
+        medians = [statistics.median(t) for t in times]
+        way = self.PIECES if medians[self.PIECES] < medians[self.WHOLE] else self.WHOLE
+        self._chosen[size_class] = way
+        low = 1 << (size_class - 1)
+        log.logger.info(
+            "arfuse: exchanges of %s-%s MiB over %s go %s (median %.2f ms whole, %.2f ms in "
+            "pieces of %d KiB)", f"{low / 2**20:g}", f"{2 * low / 2**20:g}", self.link,
+            "whole" if way == self.WHOLE else "in pieces", medians[self.WHOLE] * 1e3,
+            medians[self.PIECES] * 1e3, PIECE_BYTES >> 10)
+
+    def chosen(self) -> dict[int, int]:
+        """Size class -> the way kept (the classes learnt so far)."""
+        return dict(self._chosen)
 
 
 class Buffers:
@@ -218,31 +284,37 @@ def gather_rows(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int,
     """Every rank's ``x``, rank by rank: this rank's is ``x`` itself (not copied), the others'
     land in ``rows`` (``[world, *x.shape]``). Two ranks on gloo exchange with ``all_to_all``
     (gloo's pairwise exchange takes a fraction of its all-gather's time, ``docs/design.md``
-    4); ``piece_bytes`` > 0: in equal pieces of at most that many bytes, all in flight at once
-    (a link between hosts carried one message of many MiB at about half its rate, pieces near
-    it: ``benchmarks/RESULTS.md``, hier)."""
+    4), in pieces as ``exchange_pair``."""
     world, me = ctx.world_size, ctx.rank
-    if world == 2 and _is_gloo(ctx.group):
-        mine, theirs = x.reshape(-1).view(torch.uint8), rows[1 - me].view(-1).view(torch.uint8)
-        total = mine.numel()
-        count = max(1, -(-total // piece_bytes)) if piece_bytes > 0 else 1
-        step = max(1, -(-total // count))
-        works = []
-        for start in range(0, max(total, 1), step):
-            size = min(step, total - start)
-            splits = [0, size] if me == 0 else [size, 0]
-            TRAFFIC.count(size)
-            works.append(dist.all_to_all_single(theirs[start:start + size],
-                                                mine[start:start + size], splits, splits,
-                                                group=ctx.group, async_op=True))
-        deadline = time.monotonic() + ctx.timeout_s
-        for work in works:
-            wait_within_deadline(work, ctx, phase, backend, call, deadline)
+    if world == 2 and is_gloo(ctx.group):
+        exchange_pair(x.reshape(-1).view(torch.uint8), rows[1 - me].view(-1).view(torch.uint8),
+                      ctx, phase, backend, call, piece_bytes)
         return [x, rows[1]] if me == 0 else [rows[0], x]
     TRAFFIC.count((world - 1) * x.numel() * x.element_size())
     wait_within_deadline(_all_gather(rows.view(-1), x.reshape(-1), group=ctx.group,
                                      async_op=True), ctx, phase, backend, call)
     return list(rows)
+
+
+def exchange_pair(mine: torch.Tensor, theirs: torch.Tensor, ctx: Any, phase: str,
+                  backend: str, call: int, piece_bytes: int = 0) -> None:
+    """Two ranks: ``mine`` to the peer, the peer's into ``theirs`` (1-D, the same size on both
+    ranks), with ``all_to_all``; ``piece_bytes`` > 0: in equal pieces of at most that many
+    bytes, all in flight at once (``PieceChoice`` says when that pays)."""
+    total = mine.numel()
+    count = max(1, -(-total // piece_bytes)) if piece_bytes > 0 else 1
+    step = max(1, -(-total // count))
+    works = []
+    for start in range(0, max(total, 1), step):
+        size = min(step, total - start)
+        splits = [0, size] if ctx.rank == 0 else [size, 0]
+        TRAFFIC.count(size * mine.element_size())
+        works.append(dist.all_to_all_single(theirs[start:start + size],
+                                            mine[start:start + size], splits, splits,
+                                            group=ctx.group, async_op=True))
+    deadline = time.monotonic() + ctx.timeout_s
+    for work in works:
+        wait_within_deadline(work, ctx, phase, backend, call, deadline)
 
 
 def all_to_all(send: torch.Tensor, receive: torch.Tensor, send_splits: list[int],
@@ -260,7 +332,8 @@ def all_to_all(send: torch.Tensor, receive: torch.Tensor, send_splits: list[int]
 _gloo: dict[int, bool] = {}
 
 
-def _is_gloo(group: Any) -> bool:
+def is_gloo(group: Any) -> bool:
+    """Whether ``group`` runs on gloo (known per group)."""
     known = _gloo.get(id(group))
     if known is None:
         try:

@@ -10,7 +10,8 @@ One call, on every rank (H hosts of L ranks; rank l of host h):
 2. between hosts, over the subgroup of local index l (one per index, so the L links run in
    parallel): the verdicts (the signature, and whether the host's step failed, so every rank
    of every host raises at the same call) and chunk l of ``P_h`` (1/L of its elements) to
-   every host (``collective.gather_rows``: one exchange, large rows in pieces all in flight);
+   every host (``collective.gather_rows``: one exchange; at two hosts, chunks over a MiB whole
+   or in pieces all in flight, as ``collective.PieceChoice`` learnt for the link);
    chunk l of the sum is ``P_0 + P_1 + ...`` in host order, in fp32. The chunk rides in the
    verdicts' message when it has the size of the last call's (which every rank of the
    subgroup knows alike), so a steady decode crosses once per call; otherwise it crosses
@@ -34,6 +35,7 @@ import functools
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from datetime import timedelta
@@ -64,12 +66,10 @@ from . import HostLayout, footprint, host_layout, partial_spec
 
 # what a rank tells its peers on the other hosts beside its signature (word 0 of four)
 _OK, _HOST_MISMATCH, _HOST_FAILED = 0, 1, 2
-# the verdict: four int64 words at the head of the message between hosts
-_VERDICT_BYTES = 32
-LINK_PIECE_BYTES = 1 << 20
-"""The largest piece of an exchange between hosts (``collective.gather_rows``, the pieces in
-flight at once): a link carries one message of many MiB well below its rate, as gloo's
-all-reduce, which sends in pieces, does not (``benchmarks/RESULTS.md``, hier)."""
+# the verdict: five int64 words at the head of the message between hosts (flag, the failed
+# host's silent ranks as a mask, the signature's two words, the proposed way of the chunks'
+# exchange: ``collective.PieceChoice``)
+_VERDICT_BYTES = 40
 
 # Subgroups by their global ranks, made once per process and kept: a gloo group's name (and
 # so its keys in the store) is a hash of its ranks, so one destroyed and made again would meet
@@ -153,6 +153,10 @@ class HierWorkspace(Workspace):
         self._poisoned = False
         self._lock = threading.Lock()
         self._buffers = collective.Buffers()
+        # two hosts: whether chunks over a piece cross whole or in pieces, learnt per link
+        self.pieces = collective.PieceChoice(
+            f"the link between hosts (local index {self.local})",
+            enabled=layout.host_count == 2 and collective.is_gloo(cross_ctx.group))
 
     def describe(self) -> str:
         return f"{super().describe()}, {self.layout.describe()}"
@@ -191,15 +195,19 @@ class HierWorkspace(Workspace):
         parts = self.layout.local_size
         return n * self.local // parts, n * (self.local + 1) // parts
 
-    def _cross(self, payload: torch.Tensor, phase: str) -> list[torch.Tensor]:
+    def _cross(self, payload: torch.Tensor, phase: str,
+               way: int = collective.PieceChoice.WHOLE) -> list[torch.Tensor]:
         """``payload`` of the ranks of this local index, host by host (this rank's is
-        ``payload`` itself; the others' in a buffer kept for the next call of this phase)."""
+        ``payload`` itself; the others' in a buffer kept for the next call of this phase),
+        whole or in pieces (``way``, alike on every rank)."""
         hosts = self.layout.host_count
         rows = self._buffers.get(phase, hosts * payload.numel() * payload.element_size()
                                  ).view(payload.dtype).view(hosts, *payload.shape)
         try:
             return collective.gather_rows(payload, self.cross_ctx, phase, self.backend,
-                                          self._calls, rows, piece_bytes=LINK_PIECE_BYTES)
+                                          self._calls, rows, piece_bytes=(
+                                              collective.PIECE_BYTES
+                                              if way == collective.PieceChoice.PIECES else 0))
         except CallTimeout as error:
             silent = (None if error.silent is None else
                       [self.layout.ranks[h][self.local] for h in error.silent])
@@ -239,24 +247,25 @@ class HierWorkspace(Workspace):
         return failed
 
     def _exchange_verdicts(self, words: tuple[int, int], flag: int, detail: int,
-                           chunk: torch.Tensor | None = None,
-                           ) -> tuple[list[tuple[int, int, int, int]], list[torch.Tensor] | None]:
-        """Every host's verdict (flag, detail, signature); and, where ``chunk`` has the
-        riding size, every host's chunk from the same message (else ``None``). The message's
+                           chunk: torch.Tensor | None = None, way: int = 0,
+                           ) -> tuple[list[tuple[int, ...]], list[torch.Tensor] | None]:
+        """Every host's verdict (flag, detail, signature, proposed way of the chunks' exchange:
+        ``way`` is this rank's); and, where ``chunk`` has the riding size, every host's chunk
+        from the same message (else ``None``). The message's
         size is the same on every rank of the subgroup whatever each one's call and op: the
         verdict and the last matched call's chunk on the subgroup (``collective.agreed_size``,
         bytes), so that calls which differ fail in it."""
         riding = collective.agreed_size(self.cross_ctx.group)
         message = self._buffers.get("verdicts", _VERDICT_BYTES + riding)
         message[:_VERDICT_BYTES].copy_(
-            torch.tensor([flag, detail, *words], dtype=torch.int64).view(torch.uint8))
+            torch.tensor([flag, detail, *words, way], dtype=torch.int64).view(torch.uint8))
         rides = chunk is not None and chunk.numel() * self._wire.itemsize == riding
         if rides:
             assert chunk is not None
             message[_VERDICT_BYTES:].copy_(chunk.contiguous().view(torch.uint8))
         every = self._cross(message, "call-signature")
         verdicts = torch.stack([e[:_VERDICT_BYTES] for e in every]).view(torch.int64).tolist()
-        return ([(int(a), int(b), int(c), int(d)) for a, b, c, d in verdicts],
+        return ([tuple(int(word) for word in verdict) for verdict in verdicts],
                 [e[_VERDICT_BYTES:].view(self._wire) for e in every] if rides else None)
 
     def run(self, call: CallArgs) -> FusedOutput:
@@ -275,13 +284,17 @@ class HierWorkspace(Workspace):
         partial, flag, detail, why = self._host_step(x, op)
         start, end = self._chunk(call.tokens * call.x.shape[1])
         mine = None if partial is None else partial.reshape(-1)[start:end]
-        verdicts, parts = self._exchange_verdicts(words, flag, detail, mine)
+        chunk_bytes = (end - start) * self._wire.itemsize
+        verdicts, parts = self._exchange_verdicts(words, flag, detail, mine,
+                                                  self.pieces.propose(chunk_bytes))
         self._judge(verdicts, why)
         assert mine is not None
         if parts is None:
-            parts = self._cross(mine.contiguous(), "call")
+            way = verdicts[0][4]  # host 0's proposal: every rank follows the same
+            started = time.perf_counter()
+            parts = self._cross(mine.contiguous(), "call", way)
+            self.pieces.record(chunk_bytes, way, time.perf_counter() - started)
         # the calls matched: the same size on every rank
-        chunk_bytes = (end - start) * self._wire.itemsize
         collective.agree_size(self.cross_ctx.group,
                               chunk_bytes if chunk_bytes <= collective.RIDE_MAX_BYTES else 0)
         if self.inner is None:  # every host's rows, in host order: the sum and the epilogue
@@ -313,7 +326,7 @@ class HierWorkspace(Workspace):
             self._broken = why
             return None, _HOST_FAILED, mask, why
 
-    def _judge(self, verdicts: list[tuple[int, int, int, int]], why: str) -> None:
+    def _judge(self, verdicts: list[tuple[int, ...]], why: str) -> None:
         """Every rank reaches the same verdict: each host's ranks agreed among themselves
         (else its flag says not) and with every other host's."""
         failed = [h for h, v in enumerate(verdicts) if v[0] == _HOST_FAILED]
@@ -339,7 +352,7 @@ class HierWorkspace(Workspace):
         if any(pair != found[0] for pair in found):
             raise MismatchedCall(signature.mismatch_message("hier", self._calls, found))
 
-    def _by_rank(self, verdicts: list[tuple[int, int, int, int]]) -> list[tuple[int, int]]:
+    def _by_rank(self, verdicts: list[tuple[int, ...]]) -> list[tuple[int, int]]:
         found: list[tuple[int, int]] = [(0, 0)] * self.ctx.world_size
         for h, members in enumerate(self.layout.ranks):
             for r in members:

@@ -22,13 +22,16 @@ message has the size of the last call on the group whose ranks agreed, whichever
 (``collective.agreed_size``: ops called in different orders fail with ``MismatchedCall``); a
 call of that size up to ``collective.RIDE_MAX_BYTES`` per destination rides in it (a run of
 decode steps exchanges once per call), other calls send their signature, then their rows
-(larger rows go straight from the caller's tensor, uncopied). Every wait has the group's
+(larger rows go straight from the caller's tensor, uncopied; at W = 2, whole or in pieces as
+``collective.PieceChoice`` learnt for the group, rank 0's proposal riding in the signature's
+message). Every wait has the group's
 deadline (R8); a rank that times out posts that in the group's store, so the ranks that did
 call can name the ones that did not, and the workspace refuses every later call.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,8 +54,9 @@ from ..base import Backend, Workspace
 from ..shm import build as shm_build
 from .finish import finish
 
-SIGNATURE_BYTES = 16
-"""The call's two signature words (int64) at the head of a message."""
+SIGNATURE_BYTES = 24
+"""The head of a message: the call's two signature words and the sender's proposed way for
+the rows' exchange (``collective.PieceChoice``), int64."""
 
 
 class TorchWorkspace(Workspace):
@@ -64,6 +68,8 @@ class TorchWorkspace(Workspace):
         self._calls = 0
         self._broken = ""
         self._buffers = collective.Buffers()
+        self.pieces = collective.PieceChoice(
+            "the torch backend's group", enabled=collective.is_gloo(ctx.group))
 
     def poison(self) -> None:
         self._poisoned = True
@@ -87,17 +93,19 @@ class TorchWorkspace(Workspace):
             raise
 
     def _meet(self, words: tuple[int, int], shares: Callable[[int], torch.Tensor] | None,
-              device: torch.device) -> list[torch.Tensor]:
+              device: torch.device, way: int = collective.PieceChoice.WHOLE,
+              ) -> tuple[list[torch.Tensor], int]:
         """The signature's exchange; with ``shares`` (the call rides) each peer's row carries
         the share meant for it after the signature (``SIGNATURE_BYTES + riding`` bytes to each
         peer, the signature alone to this rank). Returns what each rank sent this one after
-        its signature; raises ``MismatchedCall`` on every rank where the signatures differ."""
+        its signature, and the way rank 0 proposed for the rows' exchange (``way``: this
+        rank's); raises ``MismatchedCall`` on every rank where the signatures differ."""
         world, me = self.ctx.world_size, self.ctx.rank
         riding = collective.agreed_size(self.ctx.group)
         splits = [SIGNATURE_BYTES + (riding if j != me else 0) for j in range(world)]
         starts = [sum(splits[:j]) for j in range(world)]
         send = self._buffers.get("send", sum(splits), device)
-        head = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+        head = torch.tensor((*words, way), dtype=torch.int64).view(torch.uint8)
         for j in range(world):
             send[starts[j]:starts[j] + SIGNATURE_BYTES].copy_(head)
             if shares is not None and j != me:
@@ -107,12 +115,13 @@ class TorchWorkspace(Workspace):
         every = self._exchange(send, self._buffers.get("receive", sum(splits), device), splits,
                                splits, "call-signature")
         heads = torch.stack([every[start:start + SIGNATURE_BYTES] for start in starts])
-        found = heads.view(torch.int64).tolist()
+        values = heads.view(torch.int64).tolist()
+        found = [(int(a), int(b)) for a, b, _ in values]
         if any(pair != found[0] for pair in found):
-            raise MismatchedCall(signature.mismatch_message(
-                "torch", self._calls, [(int(a), int(b)) for a, b in found]))
-        return [every[start + SIGNATURE_BYTES:start + size]
-                for start, size in zip(starts, splits, strict=True)]
+            raise MismatchedCall(signature.mismatch_message("torch", self._calls, found))
+        return ([every[start + SIGNATURE_BYTES:start + size]
+                 for start, size in zip(starts, splits, strict=True)],
+                int(values[0][2]))
 
     def _parts(self, call: CallArgs, rows: bool = True) -> list[torch.Tensor]:
         """Every rank's rows (W = 2), or the whole rank-order sum rounded to the activation
@@ -130,7 +139,8 @@ class TorchWorkspace(Workspace):
 
         size = share * elem
         rides = rows and size == collective.agreed_size(self.ctx.group)
-        every = self._meet(call.signature_words(self.spec.dtype), piece if rides else None, device)
+        every, way = self._meet(call.signature_words(self.spec.dtype), piece if rides else None,
+                                device, self.pieces.propose(size) if whole else 0)
         if not rows:
             return []
         # agreed: alike on every rank
@@ -140,8 +150,15 @@ class TorchWorkspace(Workspace):
                 theirs = every[1 - me][:size]
             else:
                 theirs = self._buffers.get("rows", size, device)
-                splits = [0, size] if me == 0 else [size, 0]
-                self._exchange(flat, theirs, splits, splits, "call")
+                started = time.perf_counter()
+                try:
+                    collective.exchange_pair(
+                        flat, theirs, self.ctx, "call", self.backend, self._calls,
+                        collective.PIECE_BYTES if way == collective.PieceChoice.PIECES else 0)
+                except CallTimeout as error:
+                    self._broken = str(error)
+                    raise
+                self.pieces.record(size, way, time.perf_counter() - started)
             both = [x, theirs.view(x.dtype).view(x.shape)]
             return both if me == 0 else both[::-1]
         mine = bounds[me + 1] - bounds[me]

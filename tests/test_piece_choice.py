@@ -1,0 +1,97 @@
+"""Whether a two-rank exchange goes whole or in pieces (``collective.PieceChoice``): learnt from
+the calls' own timings per size class, and followed alike by both ranks of a real gloo group
+(rank 0's proposal rides ahead of the exchange), on the torch backend and on hier's link."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from arfuse.collective import PIECE_BYTES, PieceChoice
+
+import ranks_exchange
+from harness import run_ranks, values
+
+WHOLE, PIECES = PieceChoice.WHOLE, PieceChoice.PIECES
+LARGE = 3 * PIECE_BYTES
+
+
+def test_an_exchange_of_at_most_a_piece_is_always_whole() -> None:
+    choice = PieceChoice("a link")
+    for _ in range(10):
+        assert choice.propose(PIECE_BYTES) == WHOLE
+        choice.record(PIECE_BYTES, PIECES, 0.0)  # ignored: nothing to learn
+    assert choice.chosen() == {}
+
+
+def test_a_disabled_choice_never_proposes_pieces() -> None:
+    choice = PieceChoice("NCCL", enabled=False)
+    for _ in range(2 * PieceChoice.SAMPLES + 2):
+        assert choice.propose(LARGE) == WHOLE
+        choice.record(LARGE, WHOLE, 1.0)
+    assert choice.chosen() == {}
+
+
+@given(st.lists(st.floats(min_value=1e-6, max_value=1.0), min_size=2 * PieceChoice.SAMPLES,
+                max_size=2 * PieceChoice.SAMPLES),
+       st.integers(min_value=PIECE_BYTES + 1, max_value=1 << 32))
+def test_the_calls_alternate_then_keep_the_lower_median(times: list[float], nbytes: int) -> None:
+    """Whatever the timings: the first calls of a size class alternate the ways (whole first),
+    then every call takes the way whose median time was lower (whole on a tie), and sizes of
+    another class start learning afresh."""
+    choice = PieceChoice("a link")
+    seen: dict[int, list[float]] = {WHOLE: [], PIECES: []}
+    for i, seconds in enumerate(times):
+        way = choice.propose(nbytes)
+        assert way == (WHOLE if i % 2 == 0 else PIECES)
+        choice.record(nbytes, way, seconds)
+        seen[way].append(seconds)
+    better = (PIECES if statistics.median(seen[PIECES]) < statistics.median(seen[WHOLE])
+              else WHOLE)
+    assert all(choice.propose(nbytes) == better for _ in range(3))
+    choice.record(nbytes, 1 - better, 0.0)  # a class once chosen stays chosen
+    assert choice.propose(nbytes) == better
+    assert choice.chosen() == {nbytes.bit_length(): better}
+    assert choice.propose(2 * nbytes) == WHOLE  # another class: learning, whole first
+
+
+def test_the_choice_is_logged_once_per_size_class(caplog: pytest.LogCaptureFixture) -> None:
+    choice = PieceChoice("the link between hosts")
+    with caplog.at_level(logging.INFO, logger="arfuse"):
+        for i in range(4 * PieceChoice.SAMPLES):
+            way = choice.propose(LARGE)
+            choice.record(LARGE, way, 2.0 if way == WHOLE else 1.0 + i * 1e-3)
+    lines = [r.getMessage() for r in caplog.records if "go in pieces" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert "2-4 MiB over the link between hosts" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(("backend", "hosts"), [("torch", None), (None, ["a", "b"])])
+def test_both_ranks_follow_rank_zeros_way(tmp_path: Path, backend: str | None,
+                                          hosts: list[str] | None) -> None:
+    """Rows of 2 MiB per rank on two real gloo ranks, rank 1 proposing the opposite of its own
+    choice on every call: both exchange alike on every call (a mismatch would hang or abort
+    gloo), alternating while they learn, then the way rank 0 kept; every result exact. The
+    torch backend, and hier with one rank on each of two hosts (a topology file)."""
+    env = {"ARFUSE_LOG": "warning"}
+    if hosts is not None:
+        topology = tmp_path / "two-hosts.json"
+        topology.write_text(json.dumps({"device": "cpu", "world_size": 2, "hosts": hosts}))
+        env["ARFUSE_TOPOLOGY"] = str(topology)
+    calls = 2 * PieceChoice.SAMPLES + 2
+    got = values(run_ranks(ranks_exchange.ways_per_call, 2, backend, calls, 128, True,
+                           env=env, timeout=200))
+    assert [g["backend"] for g in got] == [backend or "hier"] * 2
+    assert got[0]["ways"] == got[1]["ways"], got
+    ways = [call[-1] for call in got[0]["ways"]]  # the rows' exchange (hier: after the verdicts)
+    learning = 2 * PieceChoice.SAMPLES
+    assert ways[:learning] == ["whole", "pieces"] * PieceChoice.SAMPLES, ways
+    kept = ["whole", "pieces"][got[0]["chosen"][(128 * 4096 * 4).bit_length()]]
+    assert ways[learning:] == [kept] * (calls - learning), (ways, got[0]["chosen"])
+    assert all(all(g["exact"]) for g in got), got
