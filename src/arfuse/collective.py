@@ -73,19 +73,23 @@ class PieceChoice:
     """Whether a two-rank exchange of more than ``PIECE_BYTES`` goes whole or in pieces of it
     all in flight at once, learnt from the calls on one link, per size class (a power of
     two): over a link shaped to 1 Gb/s one message of many MiB crossed at about half the
-    link's rate and pieces near it, while on a fast link or loopback pieces cost
-    (``benchmarks/RESULTS.md``). Until a class has ``SAMPLES`` timings of each way its
-    calls alternate them; then it keeps the one with the lower median. Both ranks must
-    exchange alike: each proposes (``propose``), the proposal rides in the message that
-    precedes the exchange, and both follow the group's first rank's."""
+    link's rate and pieces near it, while on loopback or a fast link pieces cost
+    (``benchmarks/RESULTS.md``). A class's first calls go ``RUN`` whole, then ``RUN`` in
+    pieces, the first of each run left out (a link's state after one way, TCP's congestion
+    window, slows the next call the other way: taken in turn, the ways measured each other's
+    aftermath); then every call takes the way with the lower median. Both ranks must exchange
+    alike: each proposes (``propose``), the proposal rides in the message that precedes the
+    exchange, and both follow the group's first rank's."""
 
     SAMPLES = 3
+    RUN = SAMPLES + 1
     WHOLE, PIECES = 0, 1
 
     def __init__(self, link: str, enabled: bool = True) -> None:
         self.link = link  # how the log names the link
         self.enabled = enabled
         self._times: dict[int, tuple[list[float], list[float]]] = {}
+        self._calls: dict[int, int] = {}
         self._chosen: dict[int, int] = {}
 
     @staticmethod
@@ -100,19 +104,22 @@ class PieceChoice:
         chosen = self._chosen.get(size_class)
         if chosen is not None:
             return chosen
-        whole, pieces = self._times.get(size_class, ([], []))
-        return self.PIECES if len(pieces) < len(whole) else self.WHOLE
+        return self.WHOLE if self._calls.get(size_class, 0) < self.RUN else self.PIECES
 
     def record(self, nbytes: int, way: int, seconds: float) -> None:
-        """The time an exchange of ``nbytes`` took ``way``, as this rank saw it."""
+        """The time an exchange of ``nbytes`` took ``way``, as this rank saw it (the way the
+        group's first rank proposed, which may not be this rank's own)."""
         if not self.enabled or nbytes <= PIECE_BYTES:
             return
         size_class = self._size_class(nbytes)
         if size_class in self._chosen:
             return
+        calls = self._calls.get(size_class, 0)
+        self._calls[size_class] = calls + 1
         times = self._times.setdefault(size_class, ([], []))
-        times[way].append(seconds)
-        if min(len(t) for t in times) < self.SAMPLES:
+        if calls % self.RUN:  # the first of a run follows the other way's aftermath
+            times[way].append(seconds)
+        if calls + 1 < 2 * self.RUN or min(len(t) for t in times) == 0:
             return
         medians = [statistics.median(t) for t in times]
         way = self.PIECES if medians[self.PIECES] < medians[self.WHOLE] else self.WHOLE
