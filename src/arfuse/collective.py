@@ -77,7 +77,9 @@ class PieceChoice:
     (``benchmarks/RESULTS.md``). A class's first calls go ``RUN`` whole, then ``RUN`` in
     pieces, the first of each run left out (a link's state after one way, TCP's congestion
     window, slows the next call the other way: taken in turn, the ways measured each other's
-    aftermath); then every call takes the way with the lower median. Both ranks must exchange
+    aftermath); then every call takes the way with the lower mean (a way that is slow only in
+    some calls, as one whole message over a shaped link is, costs by its mean: its median
+    could pick it from one lucky call in three). Both ranks must exchange
     alike: each proposes (``propose``), the proposal rides in the message that precedes the
     exchange, and both follow the group's first rank's."""
 
@@ -121,15 +123,15 @@ class PieceChoice:
             times[way].append(seconds)
         if calls + 1 < 2 * self.RUN or min(len(t) for t in times) == 0:
             return
-        medians = [statistics.median(t) for t in times]
-        way = self.PIECES if medians[self.PIECES] < medians[self.WHOLE] else self.WHOLE
+        means = [statistics.fmean(t) for t in times]
+        way = self.PIECES if means[self.PIECES] < means[self.WHOLE] else self.WHOLE
         self._chosen[size_class] = way
         low = 1 << (size_class - 1)
         log.logger.info(
-            "arfuse: exchanges of %s-%s MiB over %s go %s (median %.2f ms whole, %.2f ms in "
+            "arfuse: exchanges of %s-%s MiB over %s go %s (mean %.2f ms whole, %.2f ms in "
             "pieces of %d KiB)", f"{low / 2**20:g}", f"{2 * low / 2**20:g}", self.link,
-            "whole" if way == self.WHOLE else "in pieces", medians[self.WHOLE] * 1e3,
-            medians[self.PIECES] * 1e3, PIECE_BYTES >> 10)
+            "whole" if way == self.WHOLE else "in pieces", means[self.WHOLE] * 1e3,
+            means[self.PIECES] * 1e3, PIECE_BYTES >> 10)
 
     def chosen(self) -> dict[int, int]:
         """Size class -> the way kept (the classes learnt so far)."""

@@ -263,7 +263,9 @@ class HierWorkspace(Workspace):
         if rides:
             assert chunk is not None
             message[_VERDICT_BYTES:].copy_(chunk.contiguous().view(torch.uint8))
-        every = self._cross(message, "call-signature")
+        # no proposal can precede the first message: one that carries a chunk of a MiB goes in
+        # pieces (two), as over a slow link it must, and a fast link hardly notices
+        every = self._cross(message, "call-signature", collective.PieceChoice.PIECES)
         verdicts = torch.stack([e[:_VERDICT_BYTES] for e in every]).view(torch.int64).tolist()
         return ([tuple(int(word) for word in verdict) for verdict in verdicts],
                 [e[_VERDICT_BYTES:].view(self._wire) for e in every] if rides else None)
