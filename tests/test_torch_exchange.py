@@ -51,6 +51,23 @@ def test_rows_larger_than_the_riding_limit_go_after_the_signature() -> None:
         assert all(call["bytes"] <= rows + SIGNATURE_BYTES for call in calls), calls
 
 
+def test_rows_of_the_riding_limit_ride_in_two_pieces() -> None:
+    """Rows of ``RIDE_MAX_BYTES`` ride with the signature, a message over a piece: on gloo
+    it goes in two pieces in flight at once (no proposal of a way can precede it), still
+    one round and a ring's bytes."""
+    hidden = 4096
+    tokens = RIDE_MAX_BYTES // (hidden * 4)
+    got = values(run_ranks(ranks_exchange.traffic_per_call, 2, [tokens] * 3, hidden,
+                           timeout=120))
+    rows = tokens * hidden * 4
+    for calls in got:
+        assert all(call["exact"] for call in calls), calls
+        # the first: the signature alone, then the rows (one message of a piece)
+        assert [call["collectives"] for call in calls] == [2, 2, 2], calls
+        assert all(call["bytes"] <= rows + SIGNATURE_BYTES for call in calls), calls
+        assert calls[1]["bytes"] == rows + SIGNATURE_BYTES, calls
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_sizes_that_change_cost_one_more_exchange(world: int) -> None:
     """Tokens 4, 4, 4, 2, 2, 1: a call of a new size exchanges its signature first."""

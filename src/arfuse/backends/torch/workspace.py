@@ -92,6 +92,16 @@ class TorchWorkspace(Workspace):
             self._broken = str(error)
             raise
 
+    def _pair(self, mine: torch.Tensor, theirs: torch.Tensor, phase: str, way: int) -> None:
+        """Two ranks: ``mine`` to the peer, its bytes into ``theirs``, whole or in pieces."""
+        try:
+            collective.exchange_pair(
+                mine, theirs, self.ctx, phase, self.backend, self._calls,
+                collective.PIECE_BYTES if way == collective.PieceChoice.PIECES else 0)
+        except CallTimeout as error:
+            self._broken = str(error)
+            raise
+
     def _meet(self, words: tuple[int, int], shares: Callable[[int], torch.Tensor] | None,
               device: torch.device, way: int = collective.PieceChoice.WHOLE,
               ) -> tuple[list[torch.Tensor], int]:
@@ -112,8 +122,17 @@ class TorchWorkspace(Workspace):
                 piece = shares(j)
                 data = starts[j] + SIGNATURE_BYTES
                 send[data:data + piece.numel()].copy_(piece)
-        every = self._exchange(send, self._buffers.get("receive", sum(splits), device), splits,
-                               splits, "call-signature")
+        receive = self._buffers.get("receive", sum(splits), device)
+        if world == 2 and self.pieces.enabled and splits[1 - me] > collective.PIECE_BYTES:
+            # rows of a MiB ride: no proposal can precede this message, and in pieces (two)
+            # it crosses a slow link near its rate, loopback as fast as whole
+            peer = slice(starts[1 - me], starts[1 - me] + splits[1 - me])
+            own = slice(starts[me], starts[me] + splits[me])
+            receive[own].copy_(send[own])
+            self._pair(send[peer], receive[peer], "call-signature", collective.PieceChoice.PIECES)
+            every = receive
+        else:
+            every = self._exchange(send, receive, splits, splits, "call-signature")
         heads = torch.stack([every[start:start + SIGNATURE_BYTES] for start in starts])
         values = heads.view(torch.int64).tolist()
         found = [(int(a), int(b)) for a, b, _ in values]
@@ -151,13 +170,7 @@ class TorchWorkspace(Workspace):
             else:
                 theirs = self._buffers.get("rows", size, device)
                 started = time.perf_counter()
-                try:
-                    collective.exchange_pair(
-                        flat, theirs, self.ctx, "call", self.backend, self._calls,
-                        collective.PIECE_BYTES if way == collective.PieceChoice.PIECES else 0)
-                except CallTimeout as error:
-                    self._broken = str(error)
-                    raise
+                self._pair(flat, theirs, "call", way)
                 self.pieces.record(size, way, time.perf_counter() - started)
             both = [x, theirs.view(x.dtype).view(x.shape)]
             return both if me == 0 else both[::-1]
