@@ -83,7 +83,7 @@ class PieceChoice:
     alike: each proposes (``propose``), the proposal rides in the message that precedes the
     exchange, and both follow the group's first rank's."""
 
-    SAMPLES = 3
+    SAMPLES = 5
     RUN = SAMPLES + 1
     WHOLE, PIECES = 0, 1
 
