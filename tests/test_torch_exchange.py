@@ -36,33 +36,20 @@ def test_bytes_and_collectives_per_call_are_a_rings(world: int) -> None:
             assert call["bytes"] >= ring, (rank, calls)  # the count counts
 
 
-def test_rows_larger_than_the_riding_limit_go_after_the_signature() -> None:
+@pytest.mark.parametrize("over", [0, 1])
+def test_rows_at_and_over_the_riding_limit(over: int) -> None:
     """Rows over ``RIDE_MAX_BYTES`` never ride (they go uncopied): every call sends the
-    signature, then the rows, still a ring's bytes (rows over a piece go whole for the first
-    calls while the group learns whether pieces are faster: ``collective.PieceChoice``)."""
+    signature, then the rows (whole for the first calls while the group learns whether
+    pieces are faster: ``collective.PieceChoice``). Rows of the limit ride from the second
+    call, a message over a piece: on gloo in two pieces in flight at once (no proposal of a
+    way can precede it). Both: two collectives a call, a ring's bytes."""
     hidden = 4096
-    tokens = RIDE_MAX_BYTES // (hidden * 4) + 1
+    tokens = RIDE_MAX_BYTES // (hidden * 4) + over
     got = values(run_ranks(ranks_exchange.traffic_per_call, 2, [tokens] * 3, hidden,
                            timeout=120))
     rows = tokens * hidden * 4
     for calls in got:
         assert all(call["exact"] for call in calls), calls
-        assert [call["collectives"] for call in calls] == [2, 2, 2], calls
-        assert all(call["bytes"] <= rows + SIGNATURE_BYTES for call in calls), calls
-
-
-def test_rows_of_the_riding_limit_ride_in_two_pieces() -> None:
-    """Rows of ``RIDE_MAX_BYTES`` ride with the signature, a message over a piece: on gloo
-    it goes in two pieces in flight at once (no proposal of a way can precede it), still
-    one round and a ring's bytes."""
-    hidden = 4096
-    tokens = RIDE_MAX_BYTES // (hidden * 4)
-    got = values(run_ranks(ranks_exchange.traffic_per_call, 2, [tokens] * 3, hidden,
-                           timeout=120))
-    rows = tokens * hidden * 4
-    for calls in got:
-        assert all(call["exact"] for call in calls), calls
-        # the first: the signature alone, then the rows (one message of a piece)
         assert [call["collectives"] for call in calls] == [2, 2, 2], calls
         assert all(call["bytes"] <= rows + SIGNATURE_BYTES for call in calls), calls
         assert calls[1]["bytes"] == rows + SIGNATURE_BYTES, calls
