@@ -133,6 +133,11 @@ class PieceChoice:
             "whole" if way == self.WHOLE else "in pieces", means[self.WHOLE] * 1e3,
             means[self.PIECES] * 1e3, PIECE_BYTES >> 10)
 
+    @classmethod
+    def piece_bytes(cls, way: int) -> int:
+        """``exchange_pair``'s ``piece_bytes`` for ``way``."""
+        return PIECE_BYTES if way == cls.PIECES else 0
+
     def chosen(self) -> dict[int, int]:
         """Size class -> the way kept (the classes learnt so far)."""
         return dict(self._chosen)

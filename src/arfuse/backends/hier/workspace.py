@@ -205,9 +205,8 @@ class HierWorkspace(Workspace):
                                  ).view(payload.dtype).view(hosts, *payload.shape)
         try:
             return collective.gather_rows(payload, self.cross_ctx, phase, self.backend,
-                                          self._calls, rows, piece_bytes=(
-                                              collective.PIECE_BYTES
-                                              if way == collective.PieceChoice.PIECES else 0))
+                                          self._calls, rows,
+                                          collective.PieceChoice.piece_bytes(way))
         except CallTimeout as error:
             silent = (None if error.silent is None else
                       [self.layout.ranks[h][self.local] for h in error.silent])

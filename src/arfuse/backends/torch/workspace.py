@@ -95,9 +95,8 @@ class TorchWorkspace(Workspace):
     def _pair(self, mine: torch.Tensor, theirs: torch.Tensor, phase: str, way: int) -> None:
         """Two ranks: ``mine`` to the peer, its bytes into ``theirs``, whole or in pieces."""
         try:
-            collective.exchange_pair(
-                mine, theirs, self.ctx, phase, self.backend, self._calls,
-                collective.PIECE_BYTES if way == collective.PieceChoice.PIECES else 0)
+            collective.exchange_pair(mine, theirs, self.ctx, phase, self.backend, self._calls,
+                                     collective.PieceChoice.piece_bytes(way))
         except CallTimeout as error:
             self._broken = str(error)
             raise
