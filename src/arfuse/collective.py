@@ -78,10 +78,10 @@ class PieceChoice:
     pieces, the first of each run left out (a link's state after one way, TCP's congestion
     window, slows the next call the other way: taken in turn, the ways measured each other's
     aftermath); then every call takes the way with the lower mean (a way that is slow only in
-    some calls, as one whole message over a shaped link is, costs by its mean: its median
-    could pick it from one lucky call in three). Both ranks must exchange
-    alike: each proposes (``propose``), the proposal rides in the message that precedes the
-    exchange, and both follow the group's first rank's."""
+    some calls, as one whole message over a shaped link is, costs by its mean: a median of a
+    few lucky calls could keep it). Both ranks must exchange alike: each proposes
+    (``propose``), the proposal rides in the message that precedes the exchange, and both
+    follow the group's first rank's."""
 
     SAMPLES = 5
     RUN = SAMPLES + 1
