@@ -135,47 +135,40 @@ def mismatched(rank: int, world: int, kind: str) -> dict[str, Any]:
 
 def crossings(rank: int, world: int, tokens: list[int]) -> dict[str, Any]:
     """Calls of ``tokens`` in turn (bf16, with a residual and RMSNorm): how many exchanges
-    between hosts each one made (the data rides with the verdicts when its size is the last
-    call's), the dtypes that crossed, how many were finished apart from the host step (the
-    torch backend's sum and epilogue, ``backends/torch/finish``), the residual_out value each
-    gave."""
+    between hosts each one made and the bytes this rank sent in them (the data rides with the
+    verdicts, or the signature, when its size is the last call's), how many were finished by
+    the torch backend's sum and epilogue (``backends/torch/finish``), the residual_out value
+    each gave."""
     import arfuse
     from arfuse import collective
-    from arfuse.backends.hier import workspace
+    from arfuse.backends.torch import workspace
 
     comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=64, dtype=torch.bfloat16,
                                  timeout_s=20)
-    real, real_finish, phases, epilogues = collective.gather_rows, workspace.finish, [], []
-    wire = set()
-
-    def counted(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int,
-                *args: Any, **kwargs: Any) -> Any:
-        phases.append(phase)
-        if phase == "call":  # the chunk alone (with the verdicts it rides as bytes)
-            wire.add(str(x.dtype).removeprefix("torch."))
-        return real(x, ctx, phase, backend, call, *args, **kwargs)
+    real_finish, epilogues = workspace.finish, []
 
     def counted_finish(*args: Any) -> Any:
         epilogues.append(1)
         return real_finish(*args)
 
-    collective.gather_rows, workspace.finish = counted, counted_finish
-    counts, values = [], []
+    workspace.finish = counted_finish
+    counts, sent, values = [], [], []
     try:
         for t in tokens:
-            before = len(phases)
+            before = (collective.TRAFFIC.collectives, collective.TRAFFIC.bytes_sent)
             got = comm(torch.full((t, 64), float(rank + 1), dtype=torch.bfloat16),
                        residual=torch.ones(t, 64, dtype=torch.bfloat16),
                        weight=torch.ones(64, dtype=torch.bfloat16))
-            counts.append(len(phases) - before)
+            counts.append(collective.TRAFFIC.collectives - before[0])
+            sent.append(collective.TRAFFIC.bytes_sent - before[1])
             assert got.residual_out is not None
             values.append(float(got.residual_out.float().mean()))
     finally:
-        collective.gather_rows, workspace.finish = real, real_finish
+        workspace.finish = real_finish
     backend = comm.backend
     comm.close()
-    return {"backend": backend, "counts": counts, "values": values,
-            "finished_apart": len(epilogues), "wire": sorted(wire)}
+    return {"backend": backend, "counts": counts, "bytes": sent, "values": values,
+            "finished_apart": len(epilogues)}
 
 
 def killed(rank: int, world: int, victim: int) -> dict[str, Any]:

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from arfuse.backends.hier.workspace import VERDICT_BYTES
+from arfuse.backends.torch.workspace import SIGNATURE_BYTES
+
 import ranks_hier
 from harness import run_ranks, values
 
@@ -51,23 +54,27 @@ def test_a_mismatched_call_raises_on_every_rank_of_both_hosts(kind: str) -> None
         assert g["after"] == 6.0  # 0 + 1 + 2 + 3: the workspace stays usable
 
 
-@pytest.mark.parametrize(("world", "wire", "finished_apart"), [
-    (4, ["float32"], 0), (2, ["bfloat16"], 6)])
-def test_a_steady_call_crosses_between_hosts_once(tmp_path: Path, world: int, wire: list[str],
-                                                  finished_apart: int) -> None:
-    """The chunk rides with the verdicts when its size is the last call's (the creation's
-    check was one token): a size that changes costs a second exchange, once. 2 x 2: fp32
-    partials cross and the second host step's kernel call runs the epilogue; 2 x 1: each
-    rank's bf16 rows cross as they are (its host's sum exactly) and the torch backend's finish
-    adds them and runs the epilogue."""
+@pytest.mark.parametrize(("world", "head", "wire_bytes", "finished_apart"), [
+    (4, VERDICT_BYTES, 4, 0), (2, SIGNATURE_BYTES, 2, 6)])
+def test_a_steady_call_crosses_between_hosts_once(tmp_path: Path, world: int, head: int,
+                                                  wire_bytes: int, finished_apart: int) -> None:
+    """The data rides with the verdicts when its size is the last call's (the creation's
+    check was one token): a size that changes costs a second exchange, once. 2 x 2: each rank
+    sends its half of the host's fp32 partial sums after a 40-byte verdict, and the second
+    host step's kernel call runs the epilogue; 2 x 1: the torch backend's call on the link,
+    each rank's bf16 rows as they are (its host's sum exactly) after its signature, finished by
+    the torch backend's sum and epilogue."""
     env = ENV if world == 4 else {**ENV, "ARFUSE_TOPOLOGY": _one_rank_per_host(tmp_path)}
-    got = values(run_ranks(ranks_hier.crossings, world, [4, 4, 4, 2, 2, 1], env=env,
-                           timeout=200))
+    tokens = [4, 4, 4, 2, 2, 1]
+    got = values(run_ranks(ranks_hier.crossings, world, tokens, env=env, timeout=200))
+    local = world // 2
     for g in got:
         assert g["backend"] == "hier"
         assert g["counts"] == [2, 1, 1, 2, 1, 2], g["counts"]
         assert g["values"] == [world * (world + 1) / 2 + 1] * 6, g["values"]
-        assert g["wire"] == wire, g
+        steady = [b for b, c in zip(g["bytes"], g["counts"], strict=True) if c == 1]
+        assert steady == [head + t * 64 * wire_bytes // local
+                          for t, c in zip(tokens, g["counts"], strict=True) if c == 1], g
         assert g["finished_apart"] == finished_apart, g
 
 

@@ -100,9 +100,10 @@ def fuses(topology: Topology, spec: Spec, pattern: Pattern) -> bool:
 def notes(topology: Topology, spec: Spec) -> tuple[str, ...]:
     layout = host_layout(topology.hosts)
     if layout.local_size == 1:
-        return (f"{layout.describe()}: each rank's rows cross as they are, one gloo exchange "
-                "between hosts per call, then residual, RMSNorm and quantisation in torch on "
-                "the fp32 sum",)
+        return (f"{layout.describe()}: the torch backend's call between the hosts (each rank's "
+                "rows cross as they are, one gloo exchange per call), then the fp32 sum, "
+                "residual, RMSNorm and quantisation in the shm kernel where the process has "
+                "it",)
     return (f"{layout.describe()}: fp32 partial sums through shm in each host, one gloo "
             f"exchange between hosts per call ({layout.local_size} links in parallel), then "
             "residual, RMSNorm and quantisation on the reduced rows in the shm kernel's "
@@ -116,11 +117,11 @@ def partial_spec(spec: Spec) -> Spec:
 
 def footprint(world_size: int, spec: Spec, topology: Topology) -> Footprint:
     """Each host's shm segment of fp32 rows and, for 16-bit rows, its segment in their dtype
-    (the fused gather), shared by that host's ranks (one rank per host: the fp32 partial of
-    the largest call, made per call)."""
+    (the fused gather), shared by that host's ranks (one rank per host: the peer's rows of
+    the largest call, kept)."""
     local = host_layout(topology.hosts).local_size if topology.hosts else world_size
     if local < 2:
-        return Footprint(spec.max_tokens * spec.hidden * PARTIAL_BYTES, spec.max_tokens)
+        return Footprint(spec.max_tokens * spec.hidden * spec.elem_size, spec.max_tokens)
     total = ShmLayout(local, spec.max_tokens, spec.hidden, PARTIAL_BYTES).total_bytes
     if spec.elem_size != PARTIAL_BYTES:
         total += ShmLayout(local, spec.max_tokens, spec.hidden, spec.elem_size).total_bytes

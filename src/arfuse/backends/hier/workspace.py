@@ -15,17 +15,21 @@ One call, on every rank (H hosts of L ranks; rank l of host h):
    chunk l of the sum is ``P_0 + P_1 + ...`` in host order, in fp32. The chunk rides in the
    verdicts' message when it has the size of the last call's (which every rank of the
    subgroup knows alike), so a steady decode crosses once per call; otherwise it crosses
-   after the verdicts. With one rank per host there is no host step:
-   its rows cross as they are (they are its host's sum exactly);
+   after the verdicts;
 3. host step again, fused: each rank writes its chunk of the sum, rounded to the activation
    dtype as the epilogue's first step rounds it, into a slot of -0.0 (the additive identity of
    IEEE addition, so the slots' sum is that chunk exactly, signed zeros and NaN included), and
    one shm call in the activation dtype gathers the chunks and runs the epilogue (residual,
    RMSNorm, quantisation) in the kernel: the bytes of the torch backend's epilogue
    (``arfuse.epilogue.apply``) on the fp32 sum, which runs instead for a pattern the
-   kernel does not fuse (after an fp32 gather). With one rank per host the hosts' rows are
-   added in host order and finished as the torch backend finishes them
-   (``backends/torch/finish``: in the kernel where the process has it).
+   kernel does not fuse (after an fp32 gather).
+
+With one rank per host there is no host step: a rank's rows are its host's sum exactly, and
+the call is the torch backend's on the link's group (``HostRows``): the rows cross as they
+are, in the activation dtype, with the signature ahead of them (riding with them while the
+size stays), added in host order and finished in the kernel where the process has it. Its own
+sequence (the verdicts, then the rows into a buffer of every host's) cost measurably more a
+call than the torch backend's on the same group.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from ...torch_types import round_to
 from ..base import Backend, Workspace
 from ..shm.backend import ShmBackend
 from ..shm.workspace import ShmWorkspace
-from ..torch.finish import finish
+from ..torch.workspace import TorchWorkspace
 from . import HostLayout, footprint, host_layout, partial_spec
 
 # what a rank tells its peers on the other hosts beside its signature (word 0 of four)
@@ -69,7 +73,7 @@ _OK, _HOST_MISMATCH, _HOST_FAILED = 0, 1, 2
 # the verdict: five int64 words at the head of the message between hosts (flag, the failed
 # host's silent ranks as a mask, the signature's two words, the proposed way of the chunks'
 # exchange: ``collective.PieceChoice``)
-_VERDICT_BYTES = 40
+VERDICT_BYTES = 40
 
 # Subgroups by their global ranks, made once per process and kept: a gloo group's name (and
 # so its keys in the store) is a hash of its ranks, so one destroyed and made again would meet
@@ -135,6 +139,16 @@ def _op_word(words: tuple[int, int]) -> int:
     return int.from_bytes(digest, "little") & signature.MAX_OP
 
 
+class HostRows(TorchWorkspace):
+    """hier with one rank per host: the torch backend's call on the link's group (the
+    group's ranks in host order, which is group rank order here), its errors naming hier."""
+
+    backend = "hier"
+
+    def __init__(self, ctx: Any, spec: Spec):
+        super().__init__(ctx, spec, link="the link between hosts")
+
+
 class HierWorkspace(Workspace):
     backend = "hier"
 
@@ -146,17 +160,17 @@ class HierWorkspace(Workspace):
         self.finisher = finisher
         self.host, self.local = layout.where(ctx.rank)
         self._calls = 0
-        # what crosses between hosts: fp32 partial sums, or with one rank per host its rows
-        # as they are (the same values in half the bytes for 16-bit rows)
-        self._wire = torch.float32 if inner is not None else _torch_dtype(spec.dtype)
         self._broken = ""
         self._poisoned = False
         self._lock = threading.Lock()
         self._buffers = collective.Buffers()
+        # one rank per host: the whole call on the link's group
+        self.rows_only = HostRows(cross_ctx, spec) if inner is None else None
         # two hosts: whether chunks over a piece cross whole or in pieces, learnt per link
-        self.pieces = collective.PieceChoice(
-            f"the link between hosts (local index {self.local})",
-            enabled=layout.host_count == 2 and collective.is_gloo(cross_ctx.group))
+        self.pieces = (self.rows_only.pieces if self.rows_only is not None else
+                       collective.PieceChoice(
+                           f"the link between hosts (local index {self.local})",
+                           enabled=layout.host_count == 2 and collective.is_gloo(cross_ctx.group)))
 
     def describe(self) -> str:
         return f"{super().describe()}, {self.layout.describe()}"
@@ -169,6 +183,8 @@ class HierWorkspace(Workspace):
 
     def poison(self) -> None:
         self._poisoned = True
+        if self.rows_only is not None:
+            self.rows_only.poison()
 
     # --- the steps ----------------------------------------------------------------------------
 
@@ -255,25 +271,28 @@ class HierWorkspace(Workspace):
         verdict and the last matched call's chunk on the subgroup (``collective.agreed_size``,
         bytes), so that calls which differ fail in it."""
         riding = collective.agreed_size(self.cross_ctx.group)
-        message = self._buffers.get("verdicts", _VERDICT_BYTES + riding)
-        message[:_VERDICT_BYTES].copy_(
+        message = self._buffers.get("verdicts", VERDICT_BYTES + riding)
+        message[:VERDICT_BYTES].copy_(
             torch.tensor([flag, detail, *words, way], dtype=torch.int64).view(torch.uint8))
-        rides = chunk is not None and chunk.numel() * self._wire.itemsize == riding
+        rides = chunk is not None and chunk.numel() * chunk.element_size() == riding
         if rides:
             assert chunk is not None
-            message[_VERDICT_BYTES:].copy_(chunk.contiguous().view(torch.uint8))
+            message[VERDICT_BYTES:].copy_(chunk.contiguous().view(torch.uint8))
         # no proposal can precede the first message: one that carries a chunk of a MiB goes in
         # pieces (two), as over a slow link it must, and a fast link hardly notices
         every = self._cross(message, "call-signature", collective.PieceChoice.PIECES)
-        verdicts = torch.stack([e[:_VERDICT_BYTES] for e in every]).view(torch.int64).tolist()
+        verdicts = torch.stack([e[:VERDICT_BYTES] for e in every]).view(torch.int64).tolist()
         return ([tuple(int(word) for word in verdict) for verdict in verdicts],
-                [e[_VERDICT_BYTES:].view(self._wire) for e in every] if rides else None)
+                [e[VERDICT_BYTES:].view(torch.float32) for e in every] if rides else None)
 
     def run(self, call: CallArgs) -> FusedOutput:
         with self._lock:
             return self._run(call)
 
     def _run(self, call: CallArgs) -> FusedOutput:
+        if self.rows_only is not None:
+            return self.rows_only.run(call)
+        assert self.inner is not None
         if self._broken:
             raise WorkspaceBroken.after("arfuse hier", self._broken, group_out_of_step=True)
         if call.moe is not None:
@@ -285,7 +304,7 @@ class HierWorkspace(Workspace):
         partial, flag, detail, why = self._host_step(x, op)
         start, end = self._chunk(call.tokens * call.x.shape[1])
         mine = None if partial is None else partial.reshape(-1)[start:end]
-        chunk_bytes = (end - start) * self._wire.itemsize
+        chunk_bytes = (end - start) * 4  # fp32
         verdicts, parts = self._exchange_verdicts(words, flag, detail, mine,
                                                   self.pieces.propose(chunk_bytes))
         self._judge(verdicts, why)
@@ -298,8 +317,6 @@ class HierWorkspace(Workspace):
         # the calls matched: the same size on every rank
         collective.agree_size(self.cross_ctx.group,
                               chunk_bytes if chunk_bytes <= collective.RIDE_MAX_BYTES else 0)
-        if self.inner is None:  # every host's rows, in host order: the sum and the epilogue
-            return finish([part.view(call.x.shape) for part in parts], call)
         chunk = rank_order_sum(parts)  # host order, fp32
         try:
             if self.finisher is not None and not call.pattern.output.problem(self.spec.dtype,
@@ -314,8 +331,6 @@ class HierWorkspace(Workspace):
                    op: int) -> tuple[torch.Tensor | None, int, int, str]:
         """Step 1; a failure is kept (flag, silent ranks as a mask, text) for the peers on the
         other hosts, who must stop at this call too."""
-        if self.inner is None:
-            return x, _OK, 0, ""  # one rank: its rows are the host's sum, exactly
         try:
             return self._host_sum(x, op), _OK, 0, ""
         except MismatchedCall as error:
@@ -364,20 +379,23 @@ class HierWorkspace(Workspace):
         """A call over capacity: the same meeting without data (host step with no rows, the
         signature exchange), so peers whose call differs fail alike (R11)."""
         with self._lock:
+            if self.rows_only is not None:
+                self.rows_only.announce(call)
+                return
+            assert self.inner is not None
             if self._broken:
                 raise WorkspaceBroken.after("arfuse hier", self._broken, group_out_of_step=True)
             self._calls += 1
             words = call.signature_words(self.spec.dtype)
             flag, detail, why = _OK, 0, ""
-            if self.inner is not None:
-                empty = torch.empty((0, self.spec.hidden), dtype=torch.float32)
-                try:
-                    self.inner.announce(CallArgs(x=empty, op=_op_word(words)))
-                except MismatchedCall as error:
-                    flag, why = _HOST_MISMATCH, str(error)
-                except (CallTimeout, WorkspaceBroken) as error:
-                    flag, why = _HOST_FAILED, str(error)
-                    self._broken = why
+            empty = torch.empty((0, self.spec.hidden), dtype=torch.float32)
+            try:
+                self.inner.announce(CallArgs(x=empty, op=_op_word(words)))
+            except MismatchedCall as error:
+                flag, why = _HOST_MISMATCH, str(error)
+            except (CallTimeout, WorkspaceBroken) as error:
+                flag, why = _HOST_FAILED, str(error)
+                self._broken = why
             self._judge(self._exchange_verdicts(words, flag, detail)[0], why)
 
     # --- creation's check, and the end -------------------------------------------------------
@@ -408,6 +426,8 @@ class HierWorkspace(Workspace):
         """The host's shm workspace goes; the subgroups stay with the process (``_SUBGROUPS``),
         and one that timed out is never freed (``collective.keep_for_the_process``)."""
         self._buffers.clear()
+        if self.rows_only is not None:
+            self.rows_only.destroy()
         if self.finisher is not None and self.finisher is not self.inner:
             self.finisher.destroy()
         self.finisher = None

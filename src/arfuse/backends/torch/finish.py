@@ -1,6 +1,6 @@
 """Every rank's rows, added in fp32 in rank order, then the epilogue: the one step every path
 outside the shm segment ends with (the torch backend's calls, a fused backend's calls over its
-capacity, hier's link step with one rank per host).
+capacity, hier with one rank per host).
 
 On a CPU where this process has the shm kernel it runs there (``finish_parts``: the kernel's
 own sum and epilogue on this process's memory, no segment); elsewhere (a GPU, no compiler, more

@@ -62,14 +62,14 @@ the rows' exchange (``collective.PieceChoice``), int64."""
 class TorchWorkspace(Workspace):
     backend = "torch"
 
-    def __init__(self, ctx: Any, spec: Spec):
+    def __init__(self, ctx: Any, spec: Spec, link: str = "the torch backend's group"):
         super().__init__(ctx, spec, nbytes=0, capacity=UNLIMITED)
         self._poisoned = False
         self._calls = 0
         self._broken = ""
         self._buffers = collective.Buffers()
-        self.pieces = collective.PieceChoice(
-            "the torch backend's group", enabled=collective.is_gloo(ctx.group))
+        # ``link``: how the log names what the rows cross
+        self.pieces = collective.PieceChoice(link, enabled=collective.is_gloo(ctx.group))
 
     def poison(self) -> None:
         self._poisoned = True
@@ -136,7 +136,7 @@ class TorchWorkspace(Workspace):
         values = heads.view(torch.int64).tolist()
         found = [(int(a), int(b)) for a, b, _ in values]
         if any(pair != found[0] for pair in found):
-            raise MismatchedCall(signature.mismatch_message("torch", self._calls, found))
+            raise MismatchedCall(signature.mismatch_message(self.backend, self._calls, found))
         return ([every[start + SIGNATURE_BYTES:start + size]
                  for start, size in zip(starts, splits, strict=True)],
                 int(values[0][2]))
@@ -230,14 +230,16 @@ class TorchWorkspace(Workspace):
         """Exchange this call's signature alone (a MoE call this rank refused): the peers,
         which exchange theirs at the start of the same call, raise ``MismatchedCall`` too."""
         if self._broken:
-            raise WorkspaceBroken.after("arfuse torch", self._broken, group_out_of_step=True)
+            raise WorkspaceBroken.after(f"arfuse {self.backend}", self._broken,
+                                        group_out_of_step=True)
         self._calls += 1
         if self.ctx.world_size > 1:
             self._parts(call, rows=False)
 
     def run(self, call: CallArgs) -> FusedOutput:
         if self._broken:
-            raise WorkspaceBroken.after("arfuse torch", self._broken, group_out_of_step=True)
+            raise WorkspaceBroken.after(f"arfuse {self.backend}", self._broken,
+                                        group_out_of_step=True)
         if call.moe is not None:
             moe.local_rows(call.moe, call.x)  # the expert step: the reference (moe.py)
         self._calls += 1
