@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from arfuse.collective import PIECE_BYTES, PieceChoice
+from arfuse.collective import PIECE_BYTES, RIDE_MAX_BYTES, PieceChoice
 
 import ranks_exchange
 from harness import run_ranks, values
@@ -90,29 +90,38 @@ def test_the_choice_is_logged_once_per_size_class(caplog: pytest.LogCaptureFixtu
             choice.record(LARGE, way, 2.0 if way == WHOLE else 1.0 + i * 1e-3)
     lines = [r.getMessage() for r in caplog.records if "go in pieces" in r.getMessage()]
     assert len(lines) == 1, caplog.text
-    assert "2-4 MiB over the link between hosts" in lines[0], lines[0]
+    low = 1 << (LARGE.bit_length() - 1)  # the size class: [low, 2 low)
+    assert f"{low / 2**20:g}-{2 * low / 2**20:g} MiB over the link between hosts" in lines[0], \
+        lines[0]
 
 
-@pytest.mark.parametrize(("backend", "hosts"), [("torch", None), (None, ["a", "b"])])
+@pytest.mark.parametrize(("backend", "hosts", "tokens"), [
+    ("torch", None, 128), (None, ["a", "b"], 128), ("torch", None, 32)])
 def test_both_ranks_follow_rank_zeros_way(tmp_path: Path, backend: str | None,
-                                          hosts: list[str] | None) -> None:
-    """Rows of 2 MiB per rank on two real gloo ranks, rank 1 proposing the opposite of its own
-    choice on every call: both exchange alike on every call (a mismatch would hang or abort
-    gloo), a run of each way while they learn, then the way rank 0 kept; every result exact. The
-    torch backend, and hier with one rank on each of two hosts (a topology file)."""
+                                          hosts: list[str] | None, tokens: int) -> None:
+    """Rows of 2 MiB (128 tokens) per rank on two real gloo ranks, rank 1 proposing the
+    opposite of its own choice on every call: both exchange alike on every call (a mismatch
+    would hang or abort gloo), a run of each way while they learn, then the way rank 0 kept;
+    every result exact. The torch backend, and hier with one rank on each of two hosts (a
+    topology file). Rows of 512 KiB (32 tokens) ride with the signature from the second call:
+    that message goes the way rank 0 proposed in the call before, so the runs start a call
+    later."""
     env = {"ARFUSE_LOG": "warning"}
     if hosts is not None:
         topology = tmp_path / "two-hosts.json"
         topology.write_text(json.dumps({"device": "cpu", "world_size": 2, "hosts": hosts}))
         env["ARFUSE_TOPOLOGY"] = str(topology)
-    calls = 2 * PieceChoice.RUN + 2
-    got = values(run_ranks(ranks_exchange.ways_per_call, 2, backend, calls, 128, True,
+    calls = 2 * PieceChoice.RUN + 3
+    got = values(run_ranks(ranks_exchange.ways_per_call, 2, backend, calls, tokens, True,
                            env=env, timeout=200))
     assert [g["backend"] for g in got] == [backend or "hier"] * 2
     assert got[0]["ways"] == got[1]["ways"], got
-    ways = [call[-1] for call in got[0]["ways"]]  # the rows' exchange (hier: after the verdicts)
-    learning = 2 * PieceChoice.RUN
-    assert ways[:learning] == ["whole"] * PieceChoice.RUN + ["pieces"] * PieceChoice.RUN, ways
-    kept = ["whole", "pieces"][got[0]["chosen"][(128 * 4096 * 4).bit_length()]]
+    ways = [call[-1] for call in got[0]["ways"]]  # the rows' exchange, or the riding message
+    rows = tokens * 4096 * 4
+    later = 1 if rows <= RIDE_MAX_BYTES else 0
+    learning = 2 * PieceChoice.RUN + later
+    assert ways[:learning] == (["whole"] * (PieceChoice.RUN + later)
+                               + ["pieces"] * PieceChoice.RUN), ways
+    kept = ["whole", "pieces"][got[0]["chosen"][rows.bit_length()]]
     assert ways[learning:] == [kept] * (calls - learning), (ways, got[0]["chosen"])
     assert all(all(g["exact"]) for g in got), got

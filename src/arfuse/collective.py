@@ -65,8 +65,10 @@ KEEP_BYTES = 256 << 20
 """The largest buffer ``Buffers`` keeps between calls (larger ones are made per call)."""
 
 
-PIECE_BYTES = 1 << 20
-"""The size of a piece where a two-rank exchange goes in pieces (``PieceChoice``)."""
+PIECE_BYTES = 256 << 10
+"""The size of a piece where a two-rank exchange goes in pieces (``PieceChoice``): over a
+shaped link, pieces of this size crossed at the link's rate where larger ones did not
+(``benchmarks/RESULTS.md``)."""
 
 
 class PieceChoice:
@@ -166,20 +168,28 @@ class Buffers:
 
 # Per process group (by id: the entry is reset whenever a backend is made on it, at the same
 # point of the group's collective order on every rank): the bytes after the signature of its
-# next signature message, the last agreed call's. Every op of the group shares it, so ops
-# called in different orders on different ranks still meet in one exchange of one size and
-# fail there with MismatchedCall; an exchange of two sizes would abort gloo.
-_agreed: dict[int, int] = {}
+# next signature message, the last agreed call's, and the way (``PieceChoice``) the group's
+# first rank proposed in that call for rows of that size. Every op of the group shares it, so
+# ops called in different orders on different ranks still meet in one exchange of one size
+# and fail there with MismatchedCall; an exchange of two sizes would abort gloo.
+_agreed: dict[int, tuple[int, int]] = {}
 
 
 def agreed_size(group: Any) -> int:
     """The size of ``group``'s next signature message after its signature (bytes)."""
-    return _agreed.get(id(group), 0)
+    return _agreed.get(id(group), (0, 0))[0]
 
 
-def agree_size(group: Any, size: int) -> None:
-    """After a call whose ranks agreed (every rank of ``group`` does the same)."""
-    _agreed[id(group)] = size
+def agreed_way(group: Any) -> int:
+    """How ``group``'s next signature message crosses (two ranks): the way proposed for its
+    rows' size in the last agreed call, since no proposal can precede the message itself."""
+    return _agreed.get(id(group), (0, 0))[1]
+
+
+def agree_size(group: Any, size: int, way: int = 0) -> None:
+    """After a call whose ranks agreed (every rank of ``group`` does the same; ``way``: the
+    group's first rank's proposal in it)."""
+    _agreed[id(group)] = (size, way)
 
 
 def _wait(work: Any, deadline: float) -> None:

@@ -278,9 +278,12 @@ class HierWorkspace(Workspace):
         if rides:
             assert chunk is not None
             message[VERDICT_BYTES:].copy_(chunk.contiguous().view(torch.uint8))
-        # no proposal can precede the first message: one that carries a chunk of a MiB goes in
-        # pieces (two), as over a slow link it must, and a fast link hardly notices
-        every = self._cross(message, "call-signature", collective.PieceChoice.PIECES)
+        # no proposal can precede this message: it goes the way host 0 proposed for chunks of
+        # its size in the last agreed call, timed for the choice
+        riding_way = collective.agreed_way(self.cross_ctx.group)
+        started = time.perf_counter()
+        every = self._cross(message, "call-signature", riding_way)
+        self.pieces.record(riding, riding_way, time.perf_counter() - started)
         verdicts = torch.stack([e[:VERDICT_BYTES] for e in every]).view(torch.int64).tolist()
         return ([tuple(int(word) for word in verdict) for verdict in verdicts],
                 [e[VERDICT_BYTES:].view(torch.float32) for e in every] if rides else None)
@@ -316,7 +319,8 @@ class HierWorkspace(Workspace):
             self.pieces.record(chunk_bytes, way, time.perf_counter() - started)
         # the calls matched: the same size on every rank
         collective.agree_size(self.cross_ctx.group,
-                              chunk_bytes if chunk_bytes <= collective.RIDE_MAX_BYTES else 0)
+                              chunk_bytes if chunk_bytes <= collective.RIDE_MAX_BYTES else 0,
+                              verdicts[0][4])
         chunk = rank_order_sum(parts)  # host order, fp32
         try:
             if self.finisher is not None and not call.pattern.output.problem(self.spec.dtype,

@@ -122,13 +122,16 @@ class TorchWorkspace(Workspace):
                 data = starts[j] + SIGNATURE_BYTES
                 send[data:data + piece.numel()].copy_(piece)
         receive = self._buffers.get("receive", sum(splits), device)
-        if world == 2 and self.pieces.enabled and splits[1 - me] > collective.PIECE_BYTES:
-            # rows of a MiB ride: no proposal can precede this message, and in pieces (two)
-            # it crosses a slow link near its rate, loopback as fast as whole
+        if world == 2 and self.pieces.enabled and riding > collective.PIECE_BYTES:
+            # rows over a piece ride: the way rank 0 proposed for their size in the last
+            # agreed call (no proposal can precede this message), timed for the choice
             peer = slice(starts[1 - me], starts[1 - me] + splits[1 - me])
             own = slice(starts[me], starts[me] + splits[me])
             receive[own].copy_(send[own])
-            self._pair(send[peer], receive[peer], "call-signature", collective.PieceChoice.PIECES)
+            riding_way = collective.agreed_way(self.ctx.group)
+            started = time.perf_counter()
+            self._pair(send[peer], receive[peer], "call-signature", riding_way)
+            self.pieces.record(riding, riding_way, time.perf_counter() - started)
             every = receive
         else:
             every = self._exchange(send, receive, splits, splits, "call-signature")
@@ -162,7 +165,8 @@ class TorchWorkspace(Workspace):
         if not rows:
             return []
         # agreed: alike on every rank
-        collective.agree_size(self.ctx.group, size if size <= collective.RIDE_MAX_BYTES else 0)
+        collective.agree_size(self.ctx.group, size if size <= collective.RIDE_MAX_BYTES else 0,
+                              way)
         if whole:
             if rides:
                 theirs = every[1 - me][:size]
