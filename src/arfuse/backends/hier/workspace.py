@@ -10,8 +10,8 @@ One call, on every rank (H hosts of L ranks; rank l of host h):
 2. between hosts, over the subgroup of local index l (one per index, so the L links run in
    parallel): the verdicts (the signature, and whether the host's step failed, so every rank
    of every host raises at the same call) and chunk l of ``P_h`` (1/L of its elements) to
-   every host (``collective.gather_rows``: one exchange; at two hosts, chunks over a MiB whole
-   or in pieces all in flight, as ``collective.PieceChoice`` learnt for the link);
+   every host (``collective.gather_rows``: one exchange; at two hosts, chunks over a piece
+   whole or in pieces all in flight, as ``collective.PieceChoice`` learnt for the link);
    chunk l of the sum is ``P_0 + P_1 + ...`` in host order, in fp32. The chunk rides in the
    verdicts' message when it has the size of the last call's (which every rank of the
    subgroup knows alike), so a steady decode crosses once per call; otherwise it crosses

@@ -24,7 +24,8 @@ call of that size up to ``collective.RIDE_MAX_BYTES`` per destination rides in i
 decode steps exchanges once per call), other calls send their signature, then their rows
 (larger rows go straight from the caller's tensor, uncopied; at W = 2, whole or in pieces as
 ``collective.PieceChoice`` learnt for the group, rank 0's proposal riding in the signature's
-message). Every wait has the group's
+message; the message itself, riding rows over a piece, goes the way rank 0 proposed for rows
+of its size in the last agreed call). Every wait has the group's
 deadline (R8); a rank that times out posts that in the group's store, so the ranks that did
 call can name the ones that did not, and the workspace refuses every later call.
 """
