@@ -28,7 +28,11 @@ a few lines (``peers_vllm.cpp``, ``peers_sglang.cpp``) that registers the peer's
 torch ops with the peer's own schemas, so a call goes through torch's dispatcher as it does in
 the peer. Flags: the peers' own for x86 with AVX-512 (``VLLM_FLAGS`` from vLLM's
 ``cmake/cpu_extension.cmake``, the ``_C`` target it loads where the CPU has AVX-512 BF16;
-``SGLANG_FLAGS`` from sgl-kernel's ``csrc/cpu/CMakeLists.txt``); both need AVX-512.
+``SGLANG_FLAGS`` from sgl-kernel's ``csrc/cpu/CMakeLists.txt``). On a CPU without AVX-512,
+what vLLM itself runs there: its ``_C_AVX2`` target has no shm all-reduce, so the ``vllm`` row
+is ``torch.distributed``'s all-reduce on the group (vLLM's CPU communicator's fallback) and
+``vllm+norm`` adds vLLM's ``fused_add_rms_norm`` built as that target builds it
+(``VLLM_AVX2_FLAGS``); sgl-kernel builds for AVX-512 only, and its rows are left out.
 
 Rows (hidden 4096 by default, 2 ranks, one thread each pinned to its own core, everything in
 place): ``shm-inplace`` arfuse's fused all-reduce + residual add + RMSNorm; ``shm-allreduce``
@@ -87,8 +91,17 @@ ROWS = (FUSED, ALONE, *MODES, "vllm", "vllm+norm", "sglang", "sglang+norm", "dee
 
 VLLM_FLAGS = ("-O2", "-DNDEBUG", "-std=c++20", "-fopenmp", "-DVLLM_CPU_EXTENSION", "-mf16c",
               "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mamx-bf16",
-              "-mamx-tile", "-mavx512bf16", "-mavx512vnni", "-DCPU_CAPABILITY_AMXBF16")
-"""vLLM's x86 ``_C`` target (RelWithDebInfo: -O2 -DNDEBUG, without -g), C++20."""
+              "-mamx-tile", "-mavx512bf16", "-mavx512vnni", "-DCPU_CAPABILITY_AMXBF16",
+              "-DPEER_VLLM_SHM")
+"""vLLM's x86 ``_C`` target (RelWithDebInfo: -O2 -DNDEBUG, without -g), C++20 (the last
+define is the binding's: it declares the shm ops)."""
+VLLM_AVX2_FLAGS = ("-O2", "-DNDEBUG", "-std=c++20", "-fopenmp", "-DVLLM_CPU_EXTENSION",
+                   "-mf16c", "-mavx2")
+"""vLLM's ``_C_AVX2`` target, what vLLM loads on an x86 CPU without AVX-512: its sources leave
+``shm.cpp`` out (``cmake/cpu_extension.cmake``) and its bindings register ``init_shm_manager``
+only under ``__AVX512F__`` (``csrc/cpu/torch_bindings.cpp``), so vLLM's CPU communicator
+all-reduces with ``torch.distributed`` on the group (``cpu_communicator.py``); its
+``layernorm.cpp`` is built."""
 SGLANG_FLAGS = ("-O3", "-DNDEBUG", "-std=c++17", "-Wno-unknown-pragmas", "-march=x86-64-v4",
                 "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8",
                 "-fopenmp", "-DSGLANG_CPU_FP8_CVT_FTZ")
@@ -112,10 +125,21 @@ class Peer:
     binding: str
 
 
-def vllm_peer(root: Path) -> Peer:
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (vLLM's build and sgl-kernel's need it for their shm)."""
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def vllm_peer(root: Path, avx512: bool) -> Peer:
+    """vLLM's library as vLLM builds it for this CPU: with AVX-512 its shm all-reduce and
+    norm; without, the norm alone (``VLLM_AVX2_FLAGS``)."""
     cpu = root / "csrc" / "cpu"
-    return Peer("vllm", str(root), (str(cpu / "shm.cpp"), str(cpu / "layernorm.cpp")),
-                (str(root / "csrc"), str(cpu)), VLLM_FLAGS, str(HERE / "peers_vllm.cpp"))
+    sources = ((str(cpu / "shm.cpp"),) if avx512 else ()) + (str(cpu / "layernorm.cpp"),)
+    return Peer("vllm", str(root), sources, (str(root / "csrc"), str(cpu)),
+                VLLM_FLAGS if avx512 else VLLM_AVX2_FLAGS, str(HERE / "peers_vllm.cpp"))
 
 
 def sglang_peer(root: Path) -> Peer:
@@ -200,6 +224,9 @@ def _peer_ops(rank: int, world: int, opts: Options, tag: int) -> dict[str, Any]:
         torch.ops.load_library(opts.libraries["vllm"])
         vllm = torch.ops.peer_vllm
         vllm.openmp_threads(opts.threads)
+        if not hasattr(vllm, "init_shm_manager"):  # vLLM's build without AVX-512
+            ops["vllm"] = (vllm, None)
+            return ops | _sglang_ops(rank, world, opts, tag)
         name = f"arfuse_peers_vllm_{tag}"
         # vLLM's _CPUSHMDistributed: init, barrier, join, barrier; threads: torch's
         handle = vllm.init_shm_manager(name, world, rank, torch.get_num_threads())
@@ -209,6 +236,14 @@ def _peer_ops(rank: int, world: int, opts: Options, tag: int) -> dict[str, Any]:
         with contextlib.suppress(OSError):
             os.unlink(f"/dev/shm/{name}_{rank}")
         ops["vllm"] = (vllm, handle)
+    return ops | _sglang_ops(rank, world, opts, tag)
+
+
+def _sglang_ops(rank: int, world: int, opts: Options, tag: int) -> dict[str, Any]:
+    """sgl-kernel's ops, its shared memory set up as SGLang does (none when not built)."""
+    import torch.distributed as dist
+
+    ops: dict[str, Any] = {}
     if "sglang" in opts.libraries:
         torch.ops.load_library(opts.libraries["sglang"])
         sgl = torch.ops.peer_sglang
@@ -234,6 +269,8 @@ def _rows(comm: Any, peers: dict[str, Any], ds: Any, dname: str, work: torch.Ten
           res_work: torch.Tensor, weight: torch.Tensor, modes: bool) -> dict[str, Any]:
     """Every row's call on ``work`` and ``res_work`` in place (the peers': their own ops,
     through torch's dispatcher)."""
+    import torch.distributed as dist
+
     workspace = comm.workspace
     kernel_ring = workspace.ring_blocks
 
@@ -258,11 +295,17 @@ def _rows(comm: Any, peers: dict[str, Any], ds: Any, dname: str, work: torch.Ten
     if "vllm" in peers:
         vllm, handle = peers["vllm"]
 
+        def vllm_allreduce() -> None:
+            if handle is None:  # vLLM without its shm op: torch.distributed on the group
+                dist.all_reduce(work)
+            else:
+                vllm.shm_allreduce(handle, work)
+
         def vllm_norm() -> None:
-            vllm.shm_allreduce(handle, work)
+            vllm_allreduce()
             vllm.fused_add_rms_norm(work, res_work, weight, EPS)
 
-        rows["vllm"] = lambda: vllm.shm_allreduce(handle, work)
+        rows["vllm"] = vllm_allreduce
         rows["vllm+norm"] = vllm_norm
     if "sglang" in peers:
         sgl = peers["sglang"]
@@ -476,8 +519,11 @@ def main() -> int:
         parser.error(f"--runs must be at least 1, got {args.runs}")
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
-    peers = [vllm_peer(Path(args.vllm_src).resolve())]
-    if args.sglang_src:
+    avx512 = has_avx512()
+    peers = [vllm_peer(Path(args.vllm_src).resolve(), avx512)]
+    if args.sglang_src and not avx512:
+        print("sgl-kernel builds for x86-64-v4 (AVX-512) only: its rows left out")
+    elif args.sglang_src:
         peers.append(sglang_peer(Path(args.sglang_src).resolve()))
     for peer in peers:
         if missing_files(peer):

@@ -78,8 +78,13 @@ def test_the_bound_tells_rounding_from_a_wrong_sum() -> None:
 
 def test_a_source_root_is_asked_for_the_peers_files(tmp_path: Path) -> None:
     peers = _peers()
-    vllm = peers.vllm_peer(tmp_path)
+    vllm = peers.vllm_peer(tmp_path, avx512=True)
     assert [Path(f).name for f in peers.missing_files(vllm)] == ["shm.cpp", "layernorm.cpp"]
+    # without AVX-512 vLLM builds no shm all-reduce: its norm alone, with its AVX2 flags
+    avx2 = peers.vllm_peer(tmp_path, avx512=False)
+    assert [Path(f).name for f in peers.missing_files(avx2)] == ["layernorm.cpp"]
+    assert "-mavx2" in avx2.flags and not any("avx512" in f for f in avx2.flags)
+    assert "-DPEER_VLLM_SHM" in vllm.flags and "-DPEER_VLLM_SHM" not in avx2.flags
     cpu = tmp_path / "csrc" / "cpu"
     cpu.mkdir(parents=True)
     for name in ("shm.cpp", "layernorm.cpp"):
