@@ -1,6 +1,6 @@
 """A call's wait and what it does after a timeout, on stand-ins for a work and a store: a store
 that never answers (on a host the link to which went down) cannot hold the rank past its
-deadline by more than the store's grace."""
+deadline by more than the store's grace; whether a wait spins before it sleeps."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from arfuse import collective
 from arfuse.errors import CallTimeout
@@ -111,3 +113,56 @@ def test_a_work_that_completes_late_is_waited_for_past_the_spin() -> None:
     collective.wait_within_deadline(_LateWork(), _Ctx(_Channel(None), timeout_s=10), "call",
                                     "torch", 1)
     assert done.is_set()
+
+
+@given(st.lists(st.sampled_from([0.0, collective.SPIN_S / 2, collective.SPIN_S,
+                                 2 * collective.SPIN_S, 0.05]), max_size=60))
+def test_a_wait_spins_while_at_least_half_the_last_waits_were_answered_within_it(
+        seconds: list[float]) -> None:
+    record = collective.SpinRecord()
+    for i, took in enumerate(seconds):
+        last = [s <= collective.SPIN_S for s in seconds[max(0, i - record.WINDOW):i]]
+        expected = len(last) < record.WINDOW or 2 * sum(last) >= len(last)
+        assert record.worth_it() == expected, (i, seconds[:i])
+        record.add(took)
+
+
+class _CountedWork:
+    """Completes on ``finish()``; counts the looks at it."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+        self.done = threading.Event()
+        self.future: torch.futures.Future[Any] = torch.futures.Future()
+
+    def is_completed(self) -> bool:
+        self.looks += 1
+        return self.done.is_set()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self.future
+
+    def wait(self) -> None:
+        assert self.done.is_set()
+
+    def finish_after(self, seconds: float) -> None:
+        def finish() -> None:
+            time.sleep(seconds)
+            self.done.set()
+            self.future.set_result(None)
+        threading.Thread(target=finish).start()
+
+
+@pytest.mark.parametrize("answered", [True, False])
+def test_a_wait_skips_the_spin_once_the_peers_mostly_answer_after_it(answered: bool) -> None:
+    """After a window of waits answered within the spin the next one spins (it looks at the
+    work again and again); after a window answered later it goes straight to sleep on the
+    work's completion (two looks: on entry and before it sleeps) and is still woken."""
+    record = collective.SpinRecord()
+    for _ in range(record.WINDOW):
+        record.add(0.0 if answered else 10 * collective.SPIN_S)
+    work = _CountedWork()
+    work.finish_after(0.05)
+    collective._wait(work, time.monotonic() + 10, record)
+    assert work.done.is_set()
+    assert (work.looks > 2) if answered else (work.looks == 2), work.looks

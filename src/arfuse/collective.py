@@ -12,6 +12,7 @@ process can still exit. ``TRAFFIC`` counts this process's collectives and the by
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import os
@@ -40,6 +41,32 @@ STORE_ANSWER_S = 2.0
 _WAIT_SLICE_S = 1.0
 # how long a wait yields the CPU between looks at the work before it sleeps on its completion
 SPIN_S = 0.002
+
+
+class SpinRecord:
+    """Whether a wait should yield the CPU between looks for ``SPIN_S`` before it sleeps, kept
+    per group and phase: the spin pays while the peers answer within it (an event's wake-up
+    costs more than a fast exchange), and costs where they mostly do not (more ranks than
+    cores, a slow link, long messages): there it takes the CPU from the processes that must
+    answer. Of the last ``WINDOW`` waits, at least half must have been answered within
+    ``SPIN_S`` (timed whether or not they spun) for the next one to spin; until ``WINDOW``
+    waits are known, every wait spins."""
+
+    WINDOW = 16
+
+    def __init__(self) -> None:
+        self._answered: collections.deque[bool] = collections.deque(maxlen=self.WINDOW)
+
+    def worth_it(self) -> bool:
+        known = len(self._answered)
+        return known < self.WINDOW or 2 * sum(self._answered) >= known
+
+    def add(self, seconds: float) -> None:
+        """A wait that took ``seconds`` from its start to the work's completion."""
+        self._answered.append(seconds <= SPIN_S)
+
+
+_spin_records: dict[tuple[int, str], SpinRecord] = {}
 
 
 @dataclass
@@ -192,19 +219,27 @@ def agree_size(group: Any, size: int, way: int = 0) -> None:
     _agreed[id(group)] = (size, way)
 
 
-def _wait(work: Any, deadline: float) -> None:
+def _wait(work: Any, deadline: float, spin: SpinRecord | None = None) -> None:
     """Block until ``work`` completes or ``deadline`` passes (``TimeoutError``): yielding the
-    CPU between looks for the first ``SPIN_S`` (a peer that is on time answers within it, and
-    an event's wake-up costs more than the exchange), then asleep on the event."""
-    spin_until = time.monotonic() + SPIN_S
-    while not work.is_completed() and time.monotonic() < spin_until:
-        os.sched_yield()
+    CPU between looks for the first ``SPIN_S`` where ``spin`` says that pays (a peer that is
+    on time answers within it, and an event's wake-up costs more than the exchange), then
+    asleep on the event. Work already done (a piece after the first) is no wait to learn from."""
+    if work.is_completed():
+        work.wait()
+        return
+    started = time.monotonic()
+    if spin is None or spin.worth_it():
+        spin_until = started + SPIN_S
+        while not work.is_completed() and time.monotonic() < spin_until:
+            os.sched_yield()
     if not work.is_completed():
         done = threading.Event()
         work.get_future().add_done_callback(lambda _: done.set())
         while not done.wait(min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() > deadline:
                 raise TimeoutError
+    if spin is not None:
+        spin.add(time.monotonic() - started)
     work.wait()  # completed: its own result, or its own error
 
 
@@ -215,8 +250,9 @@ def wait_within_deadline(work: Any, ctx: Any, phase: str, backend: str, call: in
     ``CallTimeout`` naming the ranks that never joined call number ``call``."""
     if deadline is None:
         deadline = time.monotonic() + ctx.timeout_s
+    spin = _spin_records.setdefault((id(ctx.group), phase), SpinRecord())
     try:
-        _wait(work, deadline)
+        _wait(work, deadline, spin)
     except Exception as exc:
         if ctx.group is not None:
             keep_for_the_process(ctx.group)
