@@ -66,7 +66,7 @@ from ..base import Backend, Workspace
 from ..shm.backend import ShmBackend
 from ..shm.workspace import ShmWorkspace
 from ..torch.workspace import TorchWorkspace
-from . import HostLayout, footprint, host_layout, partial_spec
+from . import PARTIAL_BYTES, HostLayout, footprint, host_layout, partial_spec
 
 # what a rank tells its peers on the other hosts beside its signature (word 0 of four)
 _OK, _HOST_MISMATCH, _HOST_FAILED = 0, 1, 2
@@ -307,7 +307,7 @@ class HierWorkspace(Workspace):
         partial, flag, detail, why = self._host_step(x, op)
         start, end = self._chunk(call.tokens * call.x.shape[1])
         mine = None if partial is None else partial.reshape(-1)[start:end]
-        chunk_bytes = (end - start) * 4  # fp32
+        chunk_bytes = (end - start) * PARTIAL_BYTES
         verdicts, parts = self._exchange_verdicts(words, flag, detail, mine,
                                                   self.pieces.propose(chunk_bytes))
         self._judge(verdicts, why)
