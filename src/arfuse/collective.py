@@ -20,6 +20,7 @@ import re
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,6 +162,14 @@ class PieceChoice:
             "pieces of %d KiB)", f"{low / 2**20:g}", f"{2 * low / 2**20:g}", self.link,
             "whole" if way == self.WHOLE else "in pieces", means[self.WHOLE] * 1e3,
             means[self.PIECES] * 1e3, PIECE_BYTES >> 10)
+
+    @contextlib.contextmanager
+    def timed(self, nbytes: int, way: int) -> Iterator[None]:
+        """Records the block's time as an exchange of ``nbytes`` that went ``way`` (when it
+        ends without an error)."""
+        started = time.perf_counter()
+        yield
+        self.record(nbytes, way, time.perf_counter() - started)
 
     @classmethod
     def piece_bytes(cls, way: int) -> int:

@@ -39,7 +39,6 @@ import functools
 import hashlib
 import os
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from datetime import timedelta
@@ -281,9 +280,8 @@ class HierWorkspace(Workspace):
         # no proposal can precede this message: it goes the way host 0 proposed for chunks of
         # its size in the last agreed call, timed for the choice
         riding_way = collective.agreed_way(self.cross_ctx.group)
-        started = time.perf_counter()
-        every = self._cross(message, "call-signature", riding_way)
-        self.pieces.record(riding, riding_way, time.perf_counter() - started)
+        with self.pieces.timed(riding, riding_way):
+            every = self._cross(message, "call-signature", riding_way)
         verdicts = torch.stack([e[:VERDICT_BYTES] for e in every]).view(torch.int64).tolist()
         return ([tuple(int(word) for word in verdict) for verdict in verdicts],
                 [e[VERDICT_BYTES:].view(torch.float32) for e in every] if rides else None)
@@ -314,9 +312,8 @@ class HierWorkspace(Workspace):
         assert mine is not None
         if parts is None:
             way = verdicts[0][4]  # host 0's proposal: every rank follows the same
-            started = time.perf_counter()
-            parts = self._cross(mine.contiguous(), "call", way)
-            self.pieces.record(chunk_bytes, way, time.perf_counter() - started)
+            with self.pieces.timed(chunk_bytes, way):
+                parts = self._cross(mine.contiguous(), "call", way)
         # the calls matched: the same size on every rank
         collective.agree_size(self.cross_ctx.group,
                               chunk_bytes if chunk_bytes <= collective.RIDE_MAX_BYTES else 0,

@@ -32,7 +32,6 @@ call can name the ones that did not, and the workspace refuses every later call.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -130,9 +129,8 @@ class TorchWorkspace(Workspace):
             own = slice(starts[me], starts[me] + splits[me])
             receive[own].copy_(send[own])
             riding_way = collective.agreed_way(self.ctx.group)
-            started = time.perf_counter()
-            self._pair(send[peer], receive[peer], "call-signature", riding_way)
-            self.pieces.record(riding, riding_way, time.perf_counter() - started)
+            with self.pieces.timed(riding, riding_way):
+                self._pair(send[peer], receive[peer], "call-signature", riding_way)
             every = receive
         else:
             every = self._exchange(send, receive, splits, splits, "call-signature")
@@ -173,9 +171,8 @@ class TorchWorkspace(Workspace):
                 theirs = every[1 - me][:size]
             else:
                 theirs = self._buffers.get("rows", size, device)
-                started = time.perf_counter()
-                self._pair(flat, theirs, "call", way)
-                self.pieces.record(size, way, time.perf_counter() - started)
+                with self.pieces.timed(size, way):
+                    self._pair(flat, theirs, "call", way)
             both = [x, theirs.view(x.dtype).view(x.shape)]
             return both if me == 0 else both[::-1]
         mine = bounds[me + 1] - bounds[me]
