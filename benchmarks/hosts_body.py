@@ -90,8 +90,11 @@ def main(out: str, tokens: list[int], dtypes: list[str], repeats: int, rounds: i
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
             # bytes over the link per call, each direction (docs/design.md 4, hier, torch)
             row["link_bytes_torch"] = 2 * (world - 1) * t * hidden * elem // world
-            # fp32 partials and the verdicts; with one rank per host the torch backend's call
-            row["link_bytes_hier"] = (t * hidden * 4 + 40 * local if local > 1
+            # fp32 partials and the verdicts (few tokens: the first rank's alone); with one
+            # rank per host the torch backend's call
+            hier_workspace: Any = ops["hier"].workspace
+            alone = local > 1 and hier_workspace.crosses_alone(t * hidden)
+            row["link_bytes_hier"] = (t * hidden * 4 + 40 * (1 if alone else local) if local > 1
                                       else t * hidden * elem + 24)
             # how each op's rows crossed once learnt (collective.PieceChoice; 2 hosts x 1)
             size_class = (t * hidden * elem).bit_length()

@@ -36,8 +36,17 @@ def _documented_sum(xs: list[torch.Tensor], world: int) -> torch.Tensor:
     return total
 
 
+def _alone_up_to(limit: int | None) -> None:
+    """Calls after one whose host partial has at most ``limit`` bytes cross on each host's
+    first rank alone, larger ones on every rank (``None``: the library's limit)."""
+    if limit is not None:
+        from arfuse.backends.hier import workspace
+
+        workspace.ALONE_MAX_BYTES = limit
+
+
 def numerics(rank: int, world: int, dtypes: list[str], tokens: list[int],
-             hidden: int) -> dict[str, Any]:
+             hidden: int, alone_max: int | None = None) -> dict[str, Any]:
     """Every pattern against the float64 reference; digests of every output (the test
     compares them across ranks); the out bytes against the documented sum order."""
     import arfuse
@@ -45,6 +54,7 @@ def numerics(rank: int, world: int, dtypes: list[str], tokens: list[int],
     from arfuse.epilogue import apply
     from arfuse.torch_types import TORCH_DTYPES
 
+    _alone_up_to(alone_max)
     ranks = list(range(world))
     report: dict[str, Any] = {"digests": {}, "worst": 0.0, "order_exact": True}
     for dtype in dtypes:
@@ -105,14 +115,18 @@ def moe(rank: int, world: int, hidden: int) -> dict[str, Any]:
     return {"backend": backend, "worst": worst, "out": digest(got.out)}
 
 
-def mismatched(rank: int, world: int, kind: str) -> dict[str, Any]:
+def mismatched(rank: int, world: int, kind: str,
+               alone_max: int | None = None) -> dict[str, Any]:
     """Rank ``world - 1`` calls with other arguments (``kind``: tokens, pattern, or over the
-    capacity); every rank must raise ``MismatchedCall``, then a matching call must work."""
+    capacity; ``host-tokens``, ``host-capacity``: the second host's ranks, alike among
+    themselves); every rank must raise ``MismatchedCall``, then a matching call must work."""
     import arfuse
 
+    _alone_up_to(alone_max)
     comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=64, dtype=torch.float32,
                                  timeout_s=20)
-    odd = rank == world - 1
+    odd = rank == world - 1 or (kind.startswith("host-") and rank >= world // 2)
+    kind = kind.removeprefix("host-")
     tokens = 5 if (odd and kind == "tokens") else 17 if (odd and kind == "capacity") else 4
     x = torch.ones(tokens, 64)
     weight = torch.ones(64)
@@ -133,7 +147,8 @@ def mismatched(rank: int, world: int, kind: str) -> dict[str, Any]:
     return {"backend": backend, "error": error, "after": float(after[0, 0])}
 
 
-def crossings(rank: int, world: int, tokens: list[int]) -> dict[str, Any]:
+def crossings(rank: int, world: int, tokens: list[int],
+              alone_max: int | None = None) -> dict[str, Any]:
     """Calls of ``tokens`` in turn (bf16, with a residual and RMSNorm): how many exchanges
     between hosts each one made and the bytes this rank sent in them (the data rides with the
     verdicts, or the signature, when its size is the last call's), how many were finished by
@@ -143,6 +158,7 @@ def crossings(rank: int, world: int, tokens: list[int]) -> dict[str, Any]:
     from arfuse import collective
     from arfuse.backends.torch import workspace
 
+    _alone_up_to(alone_max)
     comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=64, dtype=torch.bfloat16,
                                  timeout_s=20)
     real_finish, epilogues = workspace.finish, []
@@ -171,31 +187,90 @@ def crossings(rank: int, world: int, tokens: list[int]) -> dict[str, Any]:
             "finished_apart": len(epilogues)}
 
 
-def killed(rank: int, world: int, victim: int) -> dict[str, Any]:
+def killed(rank: int, world: int, victim: int,
+           alone_max: int | None = None) -> dict[str, Any]:
     """``victim`` dies before its second call; every other rank must raise within the
     timeout, naming what it can."""
-    import time
 
     import arfuse
 
+    _alone_up_to(alone_max)
     comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=64, dtype=torch.float32,
                                  timeout_s=10)
     comm(torch.ones(4, 64))
     if rank == victim:
         os._exit(3)
+    return _the_call_and_the_next(comm)
+
+
+def _the_call_and_the_next(comm: Any) -> dict[str, Any]:
+    """A call of 4 tokens: its error (class and text, "" for none), the ranks it names silent,
+    the seconds it took; then what the next call raised ("" for nothing)."""
+    import time
+
+    import arfuse
+
     started = time.monotonic()
+    found: dict[str, Any] = {"error": "", "silent": []}
     try:
         comm(torch.ones(4, 64))
-        return {"error": "", "seconds": time.monotonic() - started}
     except arfuse.ArfuseError as exc:
-        found = {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started,
-                 "backend": comm.backend, "silent": list(getattr(exc, "silent", None) or [])}
+        found = {"error": f"{type(exc).__name__}: {exc}",
+                 "silent": list(getattr(exc, "silent", None) or [])}
+    found["seconds"] = time.monotonic() - started
     try:
         comm(torch.ones(4, 64))
         found["next"] = ""
     except arfuse.ArfuseError as exc:
         found["next"] = type(exc).__name__
     return found
+
+
+def over_capacity(rank: int, world: int,
+                  alone_max: int | None = None) -> dict[str, Any]:
+    """Calls over the capacity (on the torch backend, announced on hier's steps) between calls
+    under it, with a residual and RMSNorm: the residual_out values and the workspace's count
+    of calls over capacity."""
+    import arfuse
+
+    _alone_up_to(alone_max)
+    comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=64, dtype=torch.float32,
+                                 timeout_s=20)
+    got = []
+    for t in (4, 17, 17, 4, 40, 1):
+        out = comm(torch.full((t, 64), float(rank + 1)), residual=torch.ones(t, 64),
+                   weight=torch.ones(64))
+        assert out.residual_out is not None
+        got.append(float(out.residual_out.mean()))
+    found = {"backend": comm.backend, "values": got, "stats": comm.stats()}
+    comm.close()
+    return found
+
+
+def first_link_down(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0's exchange between hosts never happens (its link is down) in a call of few
+    tokens, which crosses on each host's first rank alone: every rank must raise within the
+    timeouts, the next call ``WorkspaceBroken``."""
+    import time
+
+    import arfuse
+    from arfuse import collective
+
+    comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=64, dtype=torch.float32,
+                                 timeout_s=10)
+    comm(torch.ones(4, 64))
+    if rank == 0:
+        real = collective.gather_rows
+
+        def down(x: torch.Tensor, ctx: Any, phase: str, backend: str, call: int,
+                 *args: Any) -> Any:
+            if phase != "call-signature":
+                return real(x, ctx, phase, backend, call, *args)
+            time.sleep(ctx.timeout_s)
+            raise arfuse.CallTimeout(phase, backend, None, ctx.timeout_s)
+
+        collective.gather_rows = down  # type: ignore[assignment]
+    return _the_call_and_the_next(comm)
 
 
 def negotiated(rank: int, world: int) -> dict[str, Any]:

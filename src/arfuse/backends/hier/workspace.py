@@ -15,7 +15,11 @@ One call, on every rank (H hosts of L ranks; rank l of host h):
    chunk l of the sum is ``P_0 + P_1 + ...`` in host order, in fp32. The chunk rides in the
    verdicts' message when it has the size of the last call's (which every rank of the
    subgroup knows alike), so a steady decode crosses once per call; otherwise it crosses
-   after the verdicts;
+   after the verdicts. Few tokens (the host's whole partial within the riding limit, in the
+   last call that went through, which every rank knows alike): the first rank of each host
+   crosses the whole ``P_h`` alone, and the others wait in step 3 with empty chunks; when the
+   call fails between hosts, the first rank records what it raises in the store and meets
+   them there with another op word, which stops them (the kernel's mismatch) to raise it too;
 3. host step again, fused: each rank writes its chunk of the sum, rounded to the activation
    dtype as the epilogue's first step rounds it, into a slot of -0.0 (the additive identity of
    IEEE addition, so the slots' sum is that chunk exactly, signed zeros and NaN included), and
@@ -37,12 +41,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -73,6 +78,10 @@ _OK, _HOST_MISMATCH, _HOST_FAILED = 0, 1, 2
 # host's silent ranks as a mask, the signature's two words, the proposed way of the chunks'
 # exchange: ``collective.PieceChoice``)
 VERDICT_BYTES = 40
+
+ALONE_MAX_BYTES = collective.RIDE_MAX_BYTES
+"""The largest host partial (bytes) that crosses on each host's first rank alone
+(``HierWorkspace.crosses_alone``): all of it rides with the verdict."""
 
 # Subgroups by their global ranks, made once per process and kept: a gloo group's name (and
 # so its keys in the store) is a hash of its ranks, so one destroyed and made again would meet
@@ -159,6 +168,10 @@ class HierWorkspace(Workspace):
         self.finisher = finisher
         self.host, self.local = layout.where(ctx.rank)
         self._calls = 0
+        # whether calls cross on each host's first rank alone: as the last call that went
+        # through did (``crosses_alone``), which every rank knows alike, so that calls which
+        # differ in size still meet in the same steps and fail there
+        self._alone = True
         self._broken = ""
         self._poisoned = False
         self._lock = threading.Lock()
@@ -205,8 +218,18 @@ class HierWorkspace(Workspace):
         slot.view(-1)[start:start + chunk.numel()].copy_(round_to(chunk, slot.dtype))
         return finisher.run(replace(call, x=slot, moe=None))
 
-    def _chunk(self, n: int) -> tuple[int, int]:
-        """[start, end) of this rank's share of ``n`` elements (local index l of L)."""
+    def crosses_alone(self, n: int) -> bool:
+        """Whether a call after one of ``n`` elements crosses on each host's first rank alone:
+        while the host's whole partial fits the riding message (one exchange between hosts
+        then, and the host's other ranks need no link of their own: with more ranks than
+        cores, theirs took the CPU that the first ranks' exchange waited for)."""
+        return self.layout.local_size > 1 and n * PARTIAL_BYTES <= ALONE_MAX_BYTES
+
+    def _chunk(self, n: int, alone: bool = False) -> tuple[int, int]:
+        """[start, end) of this rank's share of ``n`` elements (local index l of L; ``alone``:
+        the first rank's all of them)."""
+        if alone:
+            return (0, n) if self.local == 0 else (n, n)
         parts = self.layout.local_size
         return n * self.local // parts, n * (self.local + 1) // parts
 
@@ -302,31 +325,116 @@ class HierWorkspace(Workspace):
         x = torch.zeros_like(call.x) if self._poisoned else call.x
         words = call.signature_words(self.spec.dtype)
         op = _op_word(words)
+        alone = self._alone
         partial, flag, detail, why = self._host_step(x, op)
-        start, end = self._chunk(call.tokens * call.x.shape[1])
+        n = call.tokens * call.x.shape[1]
+        start, end = self._chunk(n, alone)
         mine = None if partial is None else partial.reshape(-1)[start:end]
+        if alone and self.local != 0:
+            if mine is None:
+                self._judge(self._own_verdicts(words, flag, detail), why)
+            assert mine is not None
+            done = self._follow(lambda way: self._gather(call, way, start, mine), op)
+            self._alone = self.crosses_alone(n)
+            return done
         chunk_bytes = (end - start) * PARTIAL_BYTES
-        verdicts, parts = self._exchange_verdicts(words, flag, detail, mine,
-                                                  self.pieces.propose(chunk_bytes))
-        self._judge(verdicts, why)
-        assert mine is not None
-        if parts is None:
-            way = verdicts[0][4]  # host 0's proposal: every rank follows the same
-            with self.pieces.timed(chunk_bytes, way):
-                parts = self._cross(mine.contiguous(), "call", way)
+        try:
+            verdicts, parts = self._exchange_verdicts(words, flag, detail, mine,
+                                                      self.pieces.propose(chunk_bytes))
+            self._judge(verdicts, why)
+            assert mine is not None
+            if parts is None:
+                way = verdicts[0][4]  # host 0's proposal: every rank follows the same
+                with self.pieces.timed(chunk_bytes, way):
+                    parts = self._cross(mine.contiguous(), "call", way)
+        except (CallTimeout, MismatchedCall) as error:
+            if alone and mine is not None:  # the host's other ranks wait in the gather
+                self._release(error, lambda way: self._gather(call, way, n, mine[:0]), op)
+            raise
         # the calls matched: the same size on every rank
         collective.agree_size(self.cross_ctx.group,
                               chunk_bytes if chunk_bytes <= collective.RIDE_MAX_BYTES else 0,
                               verdicts[0][4])
-        chunk = rank_order_sum(parts)  # host order, fp32
+        done = self._gather(call, op, start, rank_order_sum(parts))  # host order, fp32
+        self._alone = self.crosses_alone(n)
+        return done
+
+    def _gather(self, call: CallArgs, op: int, start: int,
+                chunk: torch.Tensor) -> FusedOutput:
+        """Step 3: this rank's ``chunk`` of the sum (elements from ``start``) gathered with the
+        host's others' and finished."""
+        assert self.inner is not None
         try:
             if self.finisher is not None and not call.pattern.output.problem(self.spec.dtype,
                                                                              self.spec.hidden):
                 return self._host_gather(self.finisher, replace(call, op=op), start, chunk)
-            total = self._host_gather(self.inner, CallArgs(x=call.x, op=op), start, chunk).out
+            total = self._host_gather(self.inner, CallArgs(x=call.x, op=op), start,
+                                      chunk).out
         except (CallTimeout, WorkspaceBroken) as error:
             raise self._host_failed(error, "host gather") from None
         return apply(total.view(call.tokens, call.x.shape[1]), call)
+
+    def _own_verdicts(self, words: tuple[int, int], flag: int,
+                      detail: int) -> list[tuple[int, ...]]:
+        """What a rank that does not cross knows of the verdicts: its own host's."""
+        return [(flag if h == self.host else _OK, detail if h == self.host else 0, *words, 0)
+                for h in range(self.layout.host_count)]
+
+    def _follow(self, meet: Callable[[int], _Met], op: int) -> _Met:
+        """A call that crosses on the host's first rank alone, on another of its ranks: the
+        host's meeting after the crossing (``meet(op)``: the gather, or an announcement's
+        second meeting), which the first rank joins with another op word when the call failed
+        between hosts (``_release``); this rank then raises what the first rank raised."""
+        leader = self.layout.ranks[self.host][0]
+        crosses = (f"rank {leader}, the first of {self.layout.hosts[self.host]}, crosses this "
+                   f"call for its host")
+        try:
+            return meet(op)
+        except MismatchedCall:
+            stop = self._stop_of_the_first()
+        except CallTimeout as error:
+            # its own exchange, with a deadline as long, may have held it
+            failed = CallTimeout(error.phase, self.backend, error.silent, self.ctx.timeout_s,
+                                 message=f"{error} ({crosses}: its exchange between hosts may "
+                                         "be what held it, its error says)")
+            self._broken = str(failed)
+            raise failed from None
+        if stop is not None and stop.get("type") == "MismatchedCall":
+            raise MismatchedCall(f"{stop['text']} ({crosses} and raised this)")
+        failed = CallTimeout(
+            "call" if stop is None else str(stop["phase"]), self.backend,
+            None if stop is None else stop["silent"], self.ctx.timeout_s,
+            message=f"{stop['text']} ({crosses} and raised this)" if stop is not None else
+            f"arfuse hier: call {self._calls} failed between hosts ({crosses} and stopped it; "
+            "its error says why)")
+        self._broken = str(failed)
+        raise failed
+
+    def _stop_key(self) -> str:
+        return f"hier-stop/{self.host}/{self._calls}"
+
+    def _release(self, error: CallTimeout | MismatchedCall, meet: Callable[[int], Any],
+                 op: int) -> None:
+        """A call that crosses on this rank alone failed between hosts, and the host's other
+        ranks wait for it (``meet``): what failed goes to the store for them, then meeting them
+        with another op word stops each of them at once (the kernel's mismatch, before any
+        rank reads a peer's data)."""
+        silent = getattr(error, "silent", None)
+        record = json.dumps({"type": type(error).__name__, "phase": getattr(error, "phase", ""),
+                             "silent": None if silent is None else list(silent),
+                             "text": str(error)})
+        _bounded(lambda: self.ctx.channel.post(self._stop_key(), record))
+        with contextlib.suppress(MismatchedCall, CallTimeout, WorkspaceBroken):
+            meet(op ^ 1)
+
+    def _stop_of_the_first(self) -> dict[str, Any] | None:
+        """What the host's first rank recorded when it stopped this call (``None``: the store
+        did not say)."""
+        channel = self.ctx.channel
+        key = f"{channel.prefix}/{self._stop_key()}"
+        found = _bounded(lambda: json.loads(channel.store.get(key))
+                         if channel.store.check([key]) else None)
+        return found if isinstance(found, dict) else None
 
     def _host_step(self, x: torch.Tensor,
                    op: int) -> tuple[torch.Tensor | None, int, int, str]:
@@ -388,16 +496,37 @@ class HierWorkspace(Workspace):
                 raise WorkspaceBroken.after("arfuse hier", self._broken, group_out_of_step=True)
             self._calls += 1
             words = call.signature_words(self.spec.dtype)
+            op = _op_word(words)
             flag, detail, why = _OK, 0, ""
             empty = torch.empty((0, self.spec.hidden), dtype=torch.float32)
             try:
-                self.inner.announce(CallArgs(x=empty, op=_op_word(words)))
+                self.inner.announce(CallArgs(x=empty, op=op))
             except MismatchedCall as error:
                 flag, why = _HOST_MISMATCH, str(error)
             except (CallTimeout, WorkspaceBroken) as error:
                 flag, why = _HOST_FAILED, str(error)
                 self._broken = why
-            self._judge(self._exchange_verdicts(words, flag, detail)[0], why)
+
+            def meet(way: int) -> None:  # the host's second meeting, after the crossing
+                assert self.inner is not None
+                try:
+                    self.inner.announce(CallArgs(x=empty, op=way))
+                except (CallTimeout, WorkspaceBroken) as error:
+                    raise self._host_failed(error, "host step") from None
+
+            if self._alone and self.local != 0:
+                if flag != _OK:
+                    self._judge(self._own_verdicts(words, flag, detail), why)
+                self._follow(meet, op)
+                return
+            try:
+                self._judge(self._exchange_verdicts(words, flag, detail)[0], why)
+            except (CallTimeout, MismatchedCall) as error:
+                if self._alone and flag == _OK:
+                    self._release(error, meet, op)
+                raise
+            if self._alone:
+                meet(op)
 
     # --- creation's check, and the end -------------------------------------------------------
 
@@ -435,6 +564,25 @@ class HierWorkspace(Workspace):
         if self.inner is not None:
             self.inner.destroy()
             self.inner = None
+
+
+_Met = TypeVar("_Met")
+
+
+def _bounded(ask: Callable[[], Any]) -> Any:
+    """``ask()`` on a thread of its own, waited for at most ``collective.STORE_ANSWER_S``
+    (``None`` then, or on an error): a store on a host this one cannot reach would hold the
+    call until TCP gives up."""
+    found: list[Any] = []
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            found.append(ask())
+
+    asking = threading.Thread(target=run, name="arfuse-hier-store", daemon=True)
+    asking.start()
+    asking.join(collective.STORE_ANSWER_S)
+    return found[0] if found else None
 
 
 def _torch_dtype(name: str) -> torch.dtype:
