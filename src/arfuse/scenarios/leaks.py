@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..backends.hier import workspace as hier_workspace
+from ..backends.hier import backend as hier_backend
 from ..backends.shm import cache as shm_cache
 
 NAMED_SEGMENT = re.compile(r"arfuse-\d+-\d+-[0-9a-f]+")
@@ -84,7 +84,7 @@ class LeakBaseline:
     tasks: int = field(default_factory=task_count)
     children: frozenset[int] = field(default_factory=lambda: frozenset(child_pids()))
     # the OS threads hier's process-lifetime subgroups held then (more may be made later)
-    lifetime_tasks: int = field(default_factory=lambda: hier_workspace.held_for_the_process()[1])
+    lifetime_tasks: int = field(default_factory=lambda: hier_backend.held_for_the_process()[1])
 
     def leaks(self) -> list[str]:
         """What is held now and was not before (segments, descriptors, threads, children),
@@ -103,7 +103,7 @@ class LeakBaseline:
             found.append(f"segments still mapped: {maps}")
         now = fd_targets()
         # the kernel's binary and hier's subgroups between hosts, kept for the process
-        lifetime_fds, lifetime_tasks = hier_workspace.held_for_the_process()
+        lifetime_fds, lifetime_tasks = hier_backend.held_for_the_process()
         kept = set(shm_cache.held_descriptors()) | lifetime_fds
         extra = {fd: t for fd, t in now.items() if fd not in self.fds and fd not in kept}
         if extra:

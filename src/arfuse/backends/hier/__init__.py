@@ -130,5 +130,5 @@ def footprint(world_size: int, spec: Spec, topology: Topology) -> Footprint:
 
 DESCRIPTORS = (BackendDescriptor(
     name="hier", fused=True, devices=("cpu",), auto_rank=1,
-    implementation="arfuse.backends.hier.workspace:HierBackend",
+    implementation="arfuse.backends.hier.backend:HierBackend",
     unmet=unmet, fuses=fuses, notes=notes, footprint=footprint),)
