@@ -20,7 +20,7 @@ import re
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,26 +310,37 @@ def keep_for_the_process(group: Any) -> None:
 
 def silent_ranks(ctx: Any, phase: str, call: int) -> list[int] | None:
     """Ranks that timed out at this call say so in the store; the others are silent. ``None``
-    (unknown) when the store does not answer within ``SILENT_GRACE_S + STORE_ANSWER_S``: a
-    store on a host this one cannot reach (a link that went down) would hold a socket call
-    until TCP gives up, minutes later; the lookup runs on a thread of its own, left behind."""
+    (unknown) when the store does not answer within ``SILENT_GRACE_S + STORE_ANSWER_S``
+    (``ask_store``)."""
     store = ctx.channel.store
     if store is None:
         return None
     key = f"timeout/{phase}/{call}"
     prefix = f"{ctx.channel.prefix}/{key}"
-    found: list[list[int]] = []
 
-    def ask() -> None:
+    def ask() -> list[int]:
+        ctx.channel.post(f"{key}/{ctx.rank}", "1")
+        time.sleep(SILENT_GRACE_S)
+        return [r for r in range(ctx.world_size) if not store.check([f"{prefix}/{r}"])]
+
+    found: list[int] | None = ask_store(ask, SILENT_GRACE_S + STORE_ANSWER_S)
+    return found
+
+
+def ask_store(ask: Callable[[], Any], seconds: float = STORE_ANSWER_S) -> Any:
+    """``ask()`` (calls on a store) on a thread of its own, waited for at most ``seconds``:
+    ``None`` then, or on an error. A store on a host this one cannot reach (a link that went
+    down) would hold a socket call until TCP gives up, minutes later; the thread is left
+    behind."""
+    found: list[Any] = []
+
+    def run() -> None:
         with contextlib.suppress(Exception):
-            ctx.channel.post(f"{key}/{ctx.rank}", "1")
-            time.sleep(SILENT_GRACE_S)
-            found.append([r for r in range(ctx.world_size)
-                          if not store.check([f"{prefix}/{r}"])])
+            found.append(ask())
 
-    asking = threading.Thread(target=ask, name="arfuse-silent-ranks", daemon=True)
+    asking = threading.Thread(target=run, name="arfuse-store", daemon=True)
     asking.start()
-    asking.join(SILENT_GRACE_S + STORE_ANSWER_S)
+    asking.join(seconds)
     return found[0] if found else None
 
 

@@ -358,12 +358,12 @@ class HierWorkspace(Workspace):
         """A call that crosses on this rank alone failed between hosts, and the host's other
         ranks wait for it (``meet``): what failed goes to the store for them, then meeting them
         with another op word stops each of them at once (the kernel's mismatch, before any
-        rank reads a peer's data)."""
+        rank reads a peer's data). The store may sit on a host this one cannot reach."""
         silent = getattr(error, "silent", None)
         record = json.dumps({"type": type(error).__name__, "phase": getattr(error, "phase", ""),
                              "silent": None if silent is None else list(silent),
                              "text": str(error)})
-        _bounded(lambda: self.ctx.channel.post(self._stop_key(), record))
+        collective.ask_store(lambda: self.ctx.channel.post(self._stop_key(), record))
         with contextlib.suppress(MismatchedCall, CallTimeout, WorkspaceBroken):
             meet(op ^ 1)
 
@@ -372,7 +372,7 @@ class HierWorkspace(Workspace):
         did not say)."""
         channel = self.ctx.channel
         key = f"{channel.prefix}/{self._stop_key()}"
-        found = _bounded(lambda: json.loads(channel.store.get(key))
+        found = collective.ask_store(lambda: json.loads(channel.store.get(key))
                          if channel.store.check([key]) else None)
         return found if isinstance(found, dict) else None
 
@@ -508,22 +508,6 @@ class HierWorkspace(Workspace):
 
 
 _Met = TypeVar("_Met")
-
-
-def _bounded(ask: Callable[[], Any]) -> Any:
-    """``ask()`` on a thread of its own, waited for at most ``collective.STORE_ANSWER_S``
-    (``None`` then, or on an error): a store on a host this one cannot reach would hold the
-    call until TCP gives up."""
-    found: list[Any] = []
-
-    def run() -> None:
-        with contextlib.suppress(Exception):
-            found.append(ask())
-
-    asking = threading.Thread(target=run, name="arfuse-hier-store", daemon=True)
-    asking.start()
-    asking.join(collective.STORE_ANSWER_S)
-    return found[0] if found else None
 
 
 def _torch_dtype(name: str) -> torch.dtype:
