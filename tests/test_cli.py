@@ -144,6 +144,41 @@ def test_bad_settings_exit_2_with_one_line(args: list[str], env: dict[str, str],
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+NO_TORCH = ("import sys\nsys.modules['torch'] = None  # importing torch fails\n"
+            "from arfuse.cli import main\nsys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["explain"], {"ARFUSE_STRICT": "yes"}, "ARFUSE_STRICT"),
+    (["explain", "--quant", "int4"], {}, "quant"),
+    (["run", *RUN_SMALL, "--tokens", f"1,{HUGE}"], {}, "use 1..2147483647"),
+    (["run", *RUN_SMALL, "--quant", "fp8_group", "--group-size", "96"], {}, "group_size=96"),
+    (["run", *RUN_SMALL, "--pattern", "moe_finalize", "--experts", "4"], {},
+     "--experts 4 is fewer than --top-k 8"),
+    (["bench", "--tokens", "1", "--min-seconds", "0"], {}, "--min-seconds"),
+    (["bench", "--tokens", "1", "--world-size", "65536"], {}, "more ranks than this machine"),
+    (["scenario", "run", "/no/such/dir"], {}, "neither a file nor a directory"),
+])
+def test_a_bad_flag_is_refused_before_torch_is_imported(args: list[str], env: dict[str, str],
+                                                        message: str) -> None:
+    """The verbs check what needs no torch first (its import is seconds)."""
+    result = subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True,
+                            text=True, env={**os.environ, **env}, timeout=300, cwd=ROOT)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_packages_torch_names_load_on_first_use() -> None:
+    import arfuse
+    from arfuse import ops, registry, result
+
+    assert arfuse.FusedAllReduce is ops.FusedAllReduce
+    assert arfuse.FusedOutput is result.FusedOutput and arfuse.destroy_all is registry.destroy_all
+    assert set(arfuse.__all__) <= set(dir(arfuse))
+    with pytest.raises(AttributeError, match="no attribute 'FusedAllreduce'"):
+        arfuse.FusedAllreduce  # noqa: B018
+
+
 @pytest.mark.parametrize("content", ['{"device": "tpu"}', "{not json", '{"hosts": "n0"}',
                                      '{"world_size": 2, "hosts": ["a"]}', '{"sm": "90"}',
                                      '{"multicast": "yes"}', '{"gpus": 8}', "[]"])

@@ -22,11 +22,10 @@ from .arg_checks import OpShape, Span, check_plain, fp32_number, overlap, span
 from .dtypes import DTYPES
 from .moe import ExpertStep
 from .pattern import (
-    DEFAULT_GROUP_SIZE,
-    GROUP_SIZES,
     QUANT_OUTPUTS,
     Pattern,
     QuantOutput,
+    check_group_size,
     quant_output,
 )
 from .spec import parse_quant
@@ -143,21 +142,6 @@ def check_call(shape: OpShape, x: Any, residual: Any, weight: Any, eps: Any, wei
     _check_memory(x, residual, weight, out, residual_out, shared, slot_start)
     return CallArgs(x, residual, weight, eps_f, bias_f, quant_name, scale_f, layout_name, out,
                     residual_out, op, group)
-
-
-def check_group_size(group_size: Any, hidden: int) -> int:
-    """fp8_group's group size: None is the default (128); else an int of ``GROUP_SIZES``
-    that divides ``hidden``."""
-    allowed = ", ".join(map(str, GROUP_SIZES))
-    if group_size is None:
-        group_size = DEFAULT_GROUP_SIZE
-    elif isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(f"group_size must be None or an int ({allowed} dividing hidden_dim), "
-                        f"got {type(group_size).__name__}")
-    if group_size not in GROUP_SIZES or hidden % group_size:
-        raise ValueError(f"group_size={group_size!r} is not valid with hidden_dim={hidden}; "
-                         f"use one of {allowed} dividing hidden_dim")
-    return int(group_size)
 
 
 def _check_x(shape: OpShape, x: Any) -> None:

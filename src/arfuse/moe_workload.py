@@ -5,16 +5,18 @@ offers: what an engine runs before an unfused all-reduce.
 Finalize inputs are laid out as a grouped GEMM leaves them: each token picks ``top_k``
 distinct experts of ``experts``, and the expanded rows are sorted by expert (then token), so
 ``index[t, k]`` points into that order. Reduction inputs are expert-major, ``[top_k, T, H]``.
+The sizes and their checks need no torch (the verbs check flags before importing it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .pattern import REDUCTIONS
+
+if TYPE_CHECKING:
+    import torch
 
 MOE_PATTERNS = tuple(name for name in REDUCTIONS if name.startswith("moe_"))
 
@@ -77,6 +79,8 @@ def make_expert_rows(pattern: str, tokens: int, hidden: int, top_k: int, experts
     """One rank's random inputs of a ``pattern`` call. ``none_every``: every that many (t, k)
     entries of a finalize index is -1 (an expert not on this rank; 0: none); ``shared``: with a
     shared expert's rows."""
+    import torch
+
     if pattern == "moe_reduce":
         rows = torch.randn(top_k, tokens, hidden, generator=gen).to(dtype)
         scales = torch.rand(top_k, tokens, generator=gen)
@@ -99,6 +103,8 @@ def make_expert_rows(pattern: str, tokens: int, hidden: int, top_k: int, experts
 
 def expert_step_float64(inputs: ExpertRows) -> torch.Tensor:
     """The expert step with no rounding: each rank's ``x`` for the float64 reference."""
+    import torch
+
     scales = inputs.scales.double()
     if inputs.index is None:
         total = (scales.unsqueeze(-1) * inputs.rows.double()).sum(dim=0)
@@ -116,6 +122,8 @@ def torch_expert_step(inputs: ExpertRows, has_none: bool = True) -> torch.Tensor
     (finalize), a ``bmm`` over the experts (reduction). ``has_none=False``: the index has no
     -1 entry (every token has all top_k experts here, as in tensor parallelism), so the scales
     need no mask."""
+    import torch
+
     dtype = inputs.rows.dtype
     if inputs.index is None:
         assert inputs.add is not None  # a reduction's token input

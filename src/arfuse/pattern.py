@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from . import ctables
 
@@ -68,6 +68,20 @@ GROUP_SIZES_TEXT = ", ".join(map(str, GROUP_SIZES))
 def group_code(group_size: int) -> int:
     """The signature's code of a group size (0: no group)."""
     return GROUP_SIZES.index(group_size) + 1 if group_size in GROUP_SIZES else 0
+
+
+def check_group_size(group_size: Any, hidden: int) -> int:
+    """fp8_group's group size: None is the default (128); else an int of ``GROUP_SIZES``
+    that divides ``hidden``."""
+    if group_size is None:
+        group_size = DEFAULT_GROUP_SIZE
+    elif isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be None or an int ({GROUP_SIZES_TEXT} dividing "
+                        f"hidden_dim), got {type(group_size).__name__}")
+    if group_size not in GROUP_SIZES or hidden % group_size:
+        raise ValueError(f"group_size={group_size!r} is not valid with hidden_dim={hidden}; "
+                         f"use one of {GROUP_SIZES_TEXT} dividing hidden_dim")
+    return int(group_size)
 
 
 def _round_up(value: int, to: int) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..dtypes import DTYPES
 from ..moe_workload import expert_rows_bytes
-from ..torch_types import TORCH_DTYPES
 
 EPS = 1e-6
 BASELINE = "torch"  # the row every other is compared with: the user's two lines
@@ -53,7 +53,7 @@ def memory_needs(tokens: int, hidden: int, dtypes: tuple[str, ...], pattern: str
     """Lower bounds of what one rank allocates at once, keyed by the flags that size each: the
     largest size's input and residual, of the widest dtype, and for a MoE pattern its expert
     rows and shared expert (``moe_workload.expert_rows_bytes``)."""
-    itemsize = max(TORCH_DTYPES[d].itemsize for d in dtypes)
+    itemsize = max(DTYPES[d].size for d in dtypes)
     sizes = f"--tokens {tokens} --hidden {hidden}"
     needs = {f"{sizes}, the inputs and residuals": 2 * tokens * hidden * itemsize}
     if pattern != "residual_rmsnorm":

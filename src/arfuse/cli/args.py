@@ -8,7 +8,13 @@ from typing import NoReturn
 
 from .. import settings
 from ..dtypes import parse_dtype
-from ..pattern import DEFAULT_GROUP_SIZE, GROUP_SIZES_TEXT, QUANT_OUTPUTS, quant_output
+from ..pattern import (
+    DEFAULT_GROUP_SIZE,
+    GROUP_SIZES_TEXT,
+    QUANT_OUTPUTS,
+    check_group_size,
+    quant_output,
+)
 from ..spec import QUANTS, parse_quant
 from ..topology import MAX_WORLD_SIZE
 
@@ -135,8 +141,6 @@ def check_quant_format(quant: str | None, group_size: int | None, scale_format: 
                        hidden: int) -> None:
     """``--group-size`` and ``--scale-format`` as the call checks take them (ValueError,
     which the CLI prints as one line and exit 2)."""
-    from ..call_checks import check_group_size
-
     rows = [o for o in QUANT_OUTPUTS if o.quant == quant]
     if group_size is not None and not any(o.grouped for o in rows):
         raise ValueError(f"--group-size is for --quant {_grouped_quants()}, got --quant "

@@ -1,7 +1,8 @@
 """``arfuse bench``: latency sweep of the fused op against what users run without arfuse.
 
 This verb parses its flags, checks once what every rank would fail on, starts the ranks
-(``arfuse.launch``) and prints the report; what is measured and how is ``arfuse.bench``.
+(``arfuse.launch``) and prints the report; what is measured and how is ``arfuse.bench``,
+imported by the ranks (a bad flag is refused before torch is imported).
 """
 
 from __future__ import annotations
@@ -11,10 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..bench.baselines import prebuild_deepspeed
-from ..bench.body import bench_body
 from ..bench.options import BENCH_TOKENS, BENCH_TOKENS_MOE, ROWS, BenchOptions, memory_needs
-from ..bench.report import write_plot, write_table
 from ..moe_workload import MOE_PATTERNS, check_moe_sizes
 from ..pattern import QUANT_OUTPUTS, quant_output
 from . import args as cli_args
@@ -71,6 +69,9 @@ def _backends(text: str) -> tuple[str, ...]:
 
 def bench_rank(rank: int, world: int, opts: BenchOptions) -> int:
     """One rank: the run (``arfuse.bench.body``); rank 0 writes and prints the report."""
+    from ..bench.body import bench_body
+    from ..bench.report import write_plot, write_table
+
     report = bench_body(rank, world, opts)
     if report is not None:
         out = Path(opts.out)
@@ -133,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
 def _prebuild_deepspeed() -> bool:
     """DeepSpeed's shm op built before the ranks start; whether it is available (why not:
     printed)."""
+    from ..bench.baselines import prebuild_deepspeed
+
     why = prebuild_deepspeed()
     if why:
         print(f"arfuse bench: deepspeed unavailable: {why}")

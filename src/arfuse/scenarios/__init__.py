@@ -17,10 +17,25 @@ Modules: ``language`` (load a scenario), ``calls`` (inputs, call forms, the chec
 steps), ``job`` (one scenario's ranks and verdict), ``runner`` (jobs under hard limits).
 """
 
-from .calls import check_result, make_inputs, run_pattern
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .. import lazy
 from .language import Scenario, load_scenario, scenario_files
-from .leaks import LeakBaseline, child_pids, fd_targets, is_segment, mapped_segments
 from .runner import Outcome, run_one
+
+if TYPE_CHECKING:
+    from .calls import check_result, make_inputs, run_pattern
+    from .leaks import LeakBaseline, child_pids, fd_targets, is_segment, mapped_segments
+
+# what a rank uses loads on first use: the runner (``arfuse scenario run``) needs no torch
+_IN_RANKS = {**dict.fromkeys(("check_result", "make_inputs", "run_pattern"), "calls"),
+             **dict.fromkeys(("LeakBaseline", "child_pids", "fd_targets", "is_segment",
+                              "mapped_segments"), "leaks")}
+
+
+__getattr__ = lazy.attributes(__name__, _IN_RANKS, globals())
 
 __all__ = ["LeakBaseline", "Outcome", "Scenario", "check_result", "child_pids", "fd_targets",
            "is_segment", "load_scenario", "make_inputs", "mapped_segments", "run_one",

@@ -18,7 +18,6 @@ from typing import Any
 from ..launch import die_with_parent, store_listener
 from .decision import run_decision
 from .language import Scenario, load_scenario, mentions, resolve_path, step_expect
-from .ranks import rank_main
 
 # --- one job (one scenario) -------------------------------------------------------------------
 
@@ -277,6 +276,10 @@ def run_job(scn: Scenario, deadline_s: float, tmp: Path | None = None) -> dict[s
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
         _prepare_ranks(envs)
+        # imported here, in the job before it forks (each rank inherits torch), not by the
+        # runner, which starts jobs and needs no torch
+        from .ranks import rank_main
+
         ctx = mp.get_context("fork")
         reports = [tmp / f"rank{r}.jsonl" for r in range(world)]
         with store_listener() as listener:  # rank 0 serves the store on it; forks inherit it
