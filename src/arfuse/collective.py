@@ -18,6 +18,7 @@ import ctypes
 import os
 import re
 import statistics
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -200,6 +201,41 @@ class Buffers:
 
     def clear(self) -> None:
         self._kept.clear()
+
+
+class Heads:
+    """Fixed-size heads of int64 words at given offsets of a uint8 message buffer (the
+    signature a call's message starts each destination's part with). On a CPU they are
+    written and read in the buffer's memory directly: a torch op per head costs more than the
+    message's bytes at few tokens, and every rank pays it before the exchange."""
+
+    def __init__(self, words: int) -> None:
+        self._format = struct.Struct(f"<{words}q")
+        self.nbytes = self._format.size
+
+    @staticmethod
+    def _memory(buffer: torch.Tensor) -> Any:
+        assert buffer.dtype == torch.uint8 and buffer.is_contiguous()
+        return (ctypes.c_char * buffer.numel()).from_address(buffer.data_ptr())
+
+    def write(self, buffer: torch.Tensor, starts: list[int], words: tuple[int, ...]) -> None:
+        """``words`` at each of ``starts``."""
+        if buffer.device.type == "cpu":
+            memory = self._memory(buffer)
+            for start in starts:
+                self._format.pack_into(memory, start, *words)
+            return
+        head = torch.tensor(words, dtype=torch.int64).view(torch.uint8).to(buffer.device)
+        for start in starts:
+            buffer[start:start + self.nbytes].copy_(head)
+
+    def read(self, buffer: torch.Tensor, starts: list[int]) -> list[tuple[int, ...]]:
+        """The words at each of ``starts`` (one host synchronisation on a GPU)."""
+        if buffer.device.type == "cpu":
+            memory = self._memory(buffer)
+            return [self._format.unpack_from(memory, start) for start in starts]
+        heads = torch.stack([buffer[start:start + self.nbytes] for start in starts])
+        return [tuple(row) for row in heads.view(torch.int64).tolist()]
 
 
 # Per process group (by id: the entry is reset whenever a backend is made on it, at the same

@@ -73,7 +73,8 @@ _OK, _HOST_MISMATCH, _HOST_FAILED = 0, 1, 2
 # the verdict: five int64 words at the head of the message between hosts (flag, the failed
 # host's silent ranks as a mask, the signature's two words, the proposed way of the chunks'
 # exchange: ``collective.PieceChoice``)
-VERDICT_BYTES = 40
+VERDICTS = collective.Heads(5)
+VERDICT_BYTES = VERDICTS.nbytes
 
 ALONE_MAX_BYTES = collective.RIDE_MAX_BYTES
 """The largest host partial (bytes) that crosses on each host's first rank alone
@@ -234,8 +235,7 @@ class HierWorkspace(Workspace):
         bytes), so that calls which differ fail in it."""
         riding = collective.agreed_size(self.cross_ctx.group)
         message = self._buffers.get("verdicts", VERDICT_BYTES + riding)
-        message[:VERDICT_BYTES].copy_(
-            torch.tensor([flag, detail, *words, way], dtype=torch.int64).view(torch.uint8))
+        VERDICTS.write(message, [0], (flag, detail, *words, way))
         rides = chunk is not None and chunk.numel() * chunk.element_size() == riding
         if rides:
             assert chunk is not None
@@ -245,8 +245,8 @@ class HierWorkspace(Workspace):
         riding_way = collective.agreed_way(self.cross_ctx.group)
         with self.pieces.timed(riding, riding_way):
             every = self._cross(message, "call-signature", riding_way)
-        verdicts = torch.stack([e[:VERDICT_BYTES] for e in every]).view(torch.int64).tolist()
-        return ([tuple(int(word) for word in verdict) for verdict in verdicts],
+        verdicts = [VERDICTS.read(e, [0])[0] for e in every]
+        return (verdicts,
                 [e[VERDICT_BYTES:].view(torch.float32) for e in every] if rides else None)
 
     def run(self, call: CallArgs) -> FusedOutput:

@@ -54,9 +54,10 @@ from ..base import Backend, Workspace
 from ..shm import build as shm_build
 from .finish import finish
 
-SIGNATURE_BYTES = 24
+HEADS = collective.Heads(3)
 """The head of a message: the call's two signature words and the sender's proposed way for
 the rows' exchange (``collective.PieceChoice``), int64."""
+SIGNATURE_BYTES = HEADS.nbytes
 
 
 class TorchWorkspace(Workspace):
@@ -114,9 +115,8 @@ class TorchWorkspace(Workspace):
         splits = [SIGNATURE_BYTES + (riding if j != me else 0) for j in range(world)]
         starts = [sum(splits[:j]) for j in range(world)]
         send = self._buffers.get("send", sum(splits), device)
-        head = torch.tensor((*words, way), dtype=torch.int64).view(torch.uint8)
+        HEADS.write(send, starts, (*words, way))
         for j in range(world):
-            send[starts[j]:starts[j] + SIGNATURE_BYTES].copy_(head)
             if shares is not None and j != me:
                 piece = shares(j)
                 data = starts[j] + SIGNATURE_BYTES
@@ -134,8 +134,7 @@ class TorchWorkspace(Workspace):
             every = receive
         else:
             every = self._exchange(send, receive, splits, splits, "call-signature")
-        heads = torch.stack([every[start:start + SIGNATURE_BYTES] for start in starts])
-        values = heads.view(torch.int64).tolist()
+        values = HEADS.read(every, starts)
         found = [(int(a), int(b)) for a, b, _ in values]
         if any(pair != found[0] for pair in found):
             raise MismatchedCall(signature.mismatch_message(self.backend, self._calls, found))
