@@ -15,9 +15,9 @@
 # Debian arm64 packages unpacked into a tree (not installed: a multiarch install would remove
 # the native python3), torch's aarch64 wheel (2.8.0: the last CPU-only one on PyPI) and the
 # test tools, installed there with pip --target. .venv (scripts/setup.sh) provides pip and
-# ninja. Arguments go to pytest. For time (CI runs it cold, beside the suite): pip's download
-# runs beside the apt and Debian steps, and the kernels of the three instruction sets compile
-# side by side before pytest starts.
+# ninja. Arguments go to pytest. For time (CI prepares it cold beside the suite, with
+# ARM_CHECK_PREPARE=1, then runs it): pip's download runs beside the apt and Debian steps,
+# and the kernels of the three instruction sets compile side by side before pytest starts.
 #
 # ARM_GCC=13 or 14: the kernel compiled by Debian 13's (trixie's) aarch64 cross compiler of
 # that version instead of Debian 12's GCC 12 (not in CI: the trixie root is another 700 MB to
@@ -132,6 +132,13 @@ if [ -n "$pip_job" ]; then
     exit 1
   fi
   touch "$site/.done"
+fi
+# ARM_CHECK_PREPARE=1: the downloads and the trees alone, then stop (CI prepares them beside
+# the suite, mostly waiting on the network and the disk, and runs the rest after it: the
+# compiles and the emulated tests would take the suite's cores and it theirs)
+if [ -n "${ARM_CHECK_PREPARE:-}" ]; then
+  echo "arm_check: prepared"
+  exit 0
 fi
 
 # The compiler the emulated cpp_extension calls: the cross compiler, given the tree's Python

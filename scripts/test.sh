@@ -11,8 +11,10 @@
 # The suite runs on two pytest-xdist workers that take tests as they free up (much of it waits
 # on ranks and timeouts; `-n 0` as an argument runs it in one process).
 # The aarch64 job (scripts/arm_check.sh: the kernel cross-compiled, its instruction-set tests
-# and the cross-machine bytes under qemu) runs in the background too, from the start; its
-# output and time follow the suite's. ARM_CHECK=0 leaves it out (a machine without root).
+# and the cross-machine bytes under qemu) is prepared in the background from the start (its
+# downloads and trees), and runs after the suite, alone: beside it the two would share two
+# cores. Its output and time follow the suite's. ARM_CHECK=0 leaves it out (a machine
+# without root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -31,8 +33,9 @@ ARM_SELECTION=(-k "not (numerics_matrix or each_process_runs or one_rank_with_na
 arm_job=""
 if [ "${ARM_CHECK:-1}" != 0 ]; then
   (start=$SECONDS; status=0
-   ./scripts/arm_check.sh "${ARM_SELECTION[@]}" || status=$?
-   echo "arm_check: $((SECONDS - start)) s"; exit $status) >"$arm_log" 2>&1 &
+   ARM_CHECK_PREPARE=1 ./scripts/arm_check.sh || status=$?
+   echo "arm_check: prepared in $((SECONDS - start)) s, beside the suite"; exit $status) \
+    >"$arm_log" 2>&1 &
   arm_job=$!
 fi
 (./scripts/flashinfer_contract.sh && ./scripts/sglang_check.sh) >"$checks_log" 2>&1 &
@@ -57,6 +60,11 @@ cat "$checks_log"
 arm=0
 if [ -n "$arm_job" ]; then
   wait "$arm_job" || arm=$?
+  if [ "$arm" -eq 0 ]; then
+    start=$SECONDS
+    ./scripts/arm_check.sh "${ARM_SELECTION[@]}" >>"$arm_log" 2>&1 || arm=$?
+    echo "arm_check: $((SECONDS - start)) s after the suite" >>"$arm_log"
+  fi
   cat "$arm_log"
 fi
 if [ "$checks" -ne 0 ]; then
