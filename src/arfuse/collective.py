@@ -207,21 +207,27 @@ class Heads:
     """Fixed-size heads of int64 words at given offsets of a uint8 message buffer (the
     signature a call's message starts each destination's part with). On a CPU they are
     written and read in the buffer's memory directly: a torch op per head costs more than the
-    message's bytes at few tokens, and every rank pays it before the exchange."""
+    message's bytes at few tokens, and every rank pays it before the exchange. A caller that
+    reuses a buffer may keep its ``memory`` and pass it to each ``write`` and ``read``."""
 
     def __init__(self, words: int) -> None:
         self._format = struct.Struct(f"<{words}q")
         self.nbytes = self._format.size
 
     @staticmethod
-    def _memory(buffer: torch.Tensor) -> Any:
+    def memory(buffer: torch.Tensor) -> Any:
+        """``buffer``'s bytes as Python can pack into them (CPU), or ``None`` (another device)."""
         assert buffer.dtype == torch.uint8 and buffer.is_contiguous()
+        if buffer.device.type != "cpu":
+            return None
         return (ctypes.c_char * buffer.numel()).from_address(buffer.data_ptr())
 
-    def write(self, buffer: torch.Tensor, starts: list[int], words: tuple[int, ...]) -> None:
-        """``words`` at each of ``starts``."""
-        if buffer.device.type == "cpu":
-            memory = self._memory(buffer)
+    def write(self, buffer: torch.Tensor, starts: list[int], words: tuple[int, ...],
+              memory: Any = None) -> None:
+        """``words`` at each of ``starts`` (``memory``: ``buffer``'s, when kept)."""
+        if memory is None:
+            memory = self.memory(buffer)
+        if memory is not None:
             for start in starts:
                 self._format.pack_into(memory, start, *words)
             return
@@ -229,10 +235,12 @@ class Heads:
         for start in starts:
             buffer[start:start + self.nbytes].copy_(head)
 
-    def read(self, buffer: torch.Tensor, starts: list[int]) -> list[tuple[int, ...]]:
+    def read(self, buffer: torch.Tensor, starts: list[int],
+             memory: Any = None) -> list[tuple[int, ...]]:
         """The words at each of ``starts`` (one host synchronisation on a GPU)."""
-        if buffer.device.type == "cpu":
-            memory = self._memory(buffer)
+        if memory is None:
+            memory = self.memory(buffer)
+        if memory is not None:
             return [self._format.unpack_from(memory, start) for start in starts]
         heads = torch.stack([buffer[start:start + self.nbytes] for start in starts])
         return [tuple(row) for row in heads.view(torch.int64).tolist()]
@@ -295,7 +303,9 @@ def wait_within_deadline(work: Any, ctx: Any, phase: str, backend: str, call: in
     ``CallTimeout`` naming the ranks that never joined call number ``call``."""
     if deadline is None:
         deadline = time.monotonic() + ctx.timeout_s
-    spin = _spin_records.setdefault((id(ctx.group), phase), SpinRecord())
+    spin = _spin_records.get((id(ctx.group), phase))
+    if spin is None:
+        spin = _spin_records[(id(ctx.group), phase)] = SpinRecord()
     try:
         _wait(work, deadline, spin)
     except Exception as exc:
@@ -425,9 +435,8 @@ def exchange_pair(mine: torch.Tensor, theirs: torch.Tensor, ctx: Any, phase: str
         size = min(step, total - start)
         splits = [0, size] if ctx.rank == 0 else [size, 0]
         TRAFFIC.count(size * mine.element_size())
-        works.append(dist.all_to_all_single(theirs[start:start + size],
-                                            mine[start:start + size], splits, splits,
-                                            group=ctx.group, async_op=True))
+        works.append(issue_all_to_all(ctx.group, theirs[start:start + size],
+                                      mine[start:start + size], splits, splits))
     deadline = time.monotonic() + ctx.timeout_s
     for work in works:
         wait_within_deadline(work, ctx, phase, backend, call, deadline)
@@ -439,10 +448,30 @@ def all_to_all(send: torch.Tensor, receive: torch.Tensor, send_splits: list[int]
     """``receive`` gets ``receive_splits[j]`` elements from rank j, in rank order; ``send``
     gives rank j the next ``send_splits[j]`` (both 1-D, contiguous), within the deadline."""
     TRAFFIC.count((sum(send_splits) - send_splits[ctx.rank]) * send.element_size())
-    wait_within_deadline(dist.all_to_all_single(
-        receive, send, receive_splits, send_splits, group=ctx.group, async_op=True), ctx,
-        phase, backend, call)
+    wait_within_deadline(issue_all_to_all(ctx.group, receive, send, receive_splits,
+                                          send_splits), ctx, phase, backend, call)
     return receive
+
+
+# the process group's own all-to-all (only ``alltoall_base`` in older torch), and
+# its options (asynchronous: the wait is ours, within the deadline)
+_ALL_TO_ALL = ("all_to_all_single" if hasattr(dist.ProcessGroup, "all_to_all_single")
+               else "alltoall_base")
+_ALL_TO_ALL_OPTIONS = dist.AllToAllOptions()
+if hasattr(_ALL_TO_ALL_OPTIONS, "asyncOp"):
+    _ALL_TO_ALL_OPTIONS.asyncOp = True
+
+
+def issue_all_to_all(group: Any, receive: torch.Tensor, send: torch.Tensor,
+                     receive_splits: list[int], send_splits: list[int]) -> Any:
+    """``dist.all_to_all_single(receive, send, receive_splits, send_splits, group=group,
+    async_op=True)``, called on the process group itself: the wrapper's checks (a member of
+    the group, one plain tensor of one dtype each side, not complex) hold for every caller
+    here (rows already checked, buffers this module's own), and at few tokens they cost a
+    call more than its bytes. Returns the work."""
+    process_group = group if group is not None else dist.group.WORLD
+    return getattr(process_group, _ALL_TO_ALL)(receive, send, receive_splits, send_splits,
+                                               _ALL_TO_ALL_OPTIONS)
 
 
 _gloo: dict[int, bool] = {}

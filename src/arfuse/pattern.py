@@ -256,6 +256,7 @@ class Pattern:
                                  f"({q!r}, {lay!r})" for q, lay in OUTPUTS))
 
     @classmethod
+    @functools.cache  # every call asks for its pattern; few patterns exist
     def of_call(cls, norm: bool, residual: bool, quant: str | None,
                 layout: str | None, reduction: str = "all_reduce") -> Pattern:
         """The pattern of a call with (``norm``: a weight was given) and ``residual``,

@@ -15,6 +15,8 @@ contract test compares them).
 
 from __future__ import annotations
 
+import functools
+
 from . import ctables
 from .pattern import GROUP_UNIT, Pattern, group_code
 
@@ -64,6 +66,7 @@ def moe_bits(fan_in: int, shared: bool, rows: int, routed_scaling_bits: int) -> 
             | digest << MOE_DIGEST_SHIFT)
 
 
+@functools.lru_cache(maxsize=4096)  # every call computes its words; decode repeats them
 def words(tokens: int, dtype_code: int, hidden: int, pattern: int, twoshot: bool = False,
           op: int = 0, moe: int = 0, group_size: int = 0) -> tuple[int, int]:
     """The two words of a call, as signed int64 like the segment holds them (``moe``: the

@@ -33,6 +33,7 @@ call can name the ones that did not, and the workspace refuses every later call.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +61,37 @@ the rows' exchange (``collective.PieceChoice``), int64."""
 SIGNATURE_BYTES = HEADS.nbytes
 
 
+@dataclass
+class _Message:
+    """The signature message of one riding size on this rank: each destination's part (its
+    size and start) and the buffers it goes from and into, with the heads' memory and two
+    ranks' rows views, kept while calls repeat the size: making them per call cost more than
+    a few tokens' bytes take to cross."""
+
+    riding: int
+    splits: list[int]
+    starts: list[int]
+    send: torch.Tensor
+    receive: torch.Tensor
+    send_memory: Any
+    receive_memory: Any
+    rows: dict[tuple[torch.dtype, torch.Size], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict)
+
+    def pair_rows(self, me: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two ranks: where ``x``'s bytes ride to the peer, and where the peer's arrive, each
+        typed and shaped as ``x``."""
+        key = (x.dtype, x.shape)
+        views = self.rows.get(key)
+        if views is None:
+            data = self.starts[1 - me] + SIGNATURE_BYTES
+            end = data + x.numel() * x.element_size()
+            views = (self.send[data:end].view(x.dtype).view(x.shape),
+                     self.receive[data:end].view(x.dtype).view(x.shape))
+            self.rows[key] = views
+        return views
+
+
 class TorchWorkspace(Workspace):
     backend = "torch"
 
@@ -69,6 +101,7 @@ class TorchWorkspace(Workspace):
         self._calls = 0
         self._broken = ""
         self._buffers = collective.Buffers()
+        self._kept_message: _Message | None = None
         # ``link``: how the log names what the rows cross
         self.pieces = collective.PieceChoice(link, enabled=collective.is_gloo(ctx.group))
 
@@ -102,26 +135,44 @@ class TorchWorkspace(Workspace):
             self._broken = str(error)
             raise
 
+    def _message(self, device: torch.device) -> _Message:
+        """The signature message of the group's agreed size (``SIGNATURE_BYTES + riding``
+        bytes to each peer, the signature alone to this rank), kept while calls repeat it."""
+        riding = collective.agreed_size(self.ctx.group)
+        kept = self._kept_message
+        if kept is not None and kept.riding == riding and kept.send.device == device:
+            return kept
+        self._kept_message = None  # its buffers may be remade below
+        world, me = self.ctx.world_size, self.ctx.rank
+        splits = [SIGNATURE_BYTES + (riding if j != me else 0) for j in range(world)]
+        send = self._buffers.get("send", sum(splits), device)
+        receive = self._buffers.get("receive", sum(splits), device)
+        message = _Message(riding, splits, [sum(splits[:j]) for j in range(world)], send,
+                           receive, HEADS.memory(send), HEADS.memory(receive))
+        self._kept_message = message
+        return message
+
     def _meet(self, words: tuple[int, int], shares: Callable[[int], torch.Tensor] | None,
               device: torch.device, way: int = collective.PieceChoice.WHOLE,
-              ) -> tuple[list[torch.Tensor], int]:
-        """The signature's exchange; with ``shares`` (the call rides) each peer's row carries
-        the share meant for it after the signature (``SIGNATURE_BYTES + riding`` bytes to each
-        peer, the signature alone to this rank). Returns what each rank sent this one after
-        its signature, and the way rank 0 proposed for the rows' exchange (``way``: this
-        rank's); raises ``MismatchedCall`` on every rank where the signatures differ."""
+              ) -> tuple[_Message, int]:
+        """The signature's exchange; with ``shares`` (the call rides) each peer's part
+        carries the share meant for it after the signature (``_Message.pair_rows`` for two
+        ranks: there ``shares`` is ``None`` and the caller has put its rows in place). Returns
+        the message (what each rank sent this one follows its signature in ``receive``) and
+        the way rank 0 proposed for the rows' exchange (``way``: this rank's); raises
+        ``MismatchedCall`` on every rank where the signatures differ."""
         world, me = self.ctx.world_size, self.ctx.rank
-        riding = collective.agreed_size(self.ctx.group)
-        splits = [SIGNATURE_BYTES + (riding if j != me else 0) for j in range(world)]
-        starts = [sum(splits[:j]) for j in range(world)]
-        send = self._buffers.get("send", sum(splits), device)
-        HEADS.write(send, starts, (*words, way))
-        for j in range(world):
-            if shares is not None and j != me:
-                piece = shares(j)
-                data = starts[j] + SIGNATURE_BYTES
-                send[data:data + piece.numel()].copy_(piece)
-        receive = self._buffers.get("receive", sum(splits), device)
+        message = self._message(device)
+        splits, starts, send, receive = (message.splits, message.starts, message.send,
+                                         message.receive)
+        HEADS.write(send, starts, (*words, way), message.send_memory)
+        if shares is not None:
+            for j in range(world):
+                if j != me:
+                    piece = shares(j)
+                    data = starts[j] + SIGNATURE_BYTES
+                    send[data:data + piece.numel()].copy_(piece)
+        riding = message.riding
         if world == 2 and self.pieces.enabled and riding > collective.PIECE_BYTES:
             # rows over a piece ride: the way rank 0 proposed for their size in the last
             # agreed call (no proposal can precede this message), timed for the choice
@@ -131,16 +182,14 @@ class TorchWorkspace(Workspace):
             riding_way = collective.agreed_way(self.ctx.group)
             with self.pieces.timed(riding, riding_way):
                 self._pair(send[peer], receive[peer], "call-signature", riding_way)
-            every = receive
         else:
-            every = self._exchange(send, receive, splits, splits, "call-signature")
-        values = HEADS.read(every, starts)
-        found = [(int(a), int(b)) for a, b, _ in values]
-        if any(pair != found[0] for pair in found):
+            self._exchange(send, receive, splits, splits, "call-signature")
+        values = HEADS.read(receive, starts, message.receive_memory)
+        first = values[0][:2]
+        if any(value[:2] != first for value in values):
+            found = [(int(value[0]), int(value[1])) for value in values]
             raise MismatchedCall(signature.mismatch_message(self.backend, self._calls, found))
-        return ([every[start + SIGNATURE_BYTES:start + size]
-                 for start, size in zip(starts, splits, strict=True)],
-                int(values[0][2]))
+        return message, int(values[0][2])
 
     def _parts(self, call: CallArgs, rows: bool = True) -> list[torch.Tensor]:
         """Every rank's rows (W = 2), or the whole rank-order sum rounded to the activation
@@ -148,18 +197,25 @@ class TorchWorkspace(Workspace):
         rank refused), and nothing."""
         x = (torch.zeros_like(call.x) if self._poisoned else call.x).contiguous()
         world, me, device = self.ctx.world_size, self.ctx.rank, x.device
-        flat, elem = x.view(-1).view(torch.uint8), x.element_size()
         whole = world == 2  # two ranks: each sends its peer all its rows
+        elem = x.element_size()
         share = x.numel() if whole else -(-x.numel() // world)  # elements per owner
-        bounds = [min(j * share, x.numel()) * elem for j in range(world + 1)]
-
-        def piece(j: int) -> torch.Tensor:  # what rank j gets: all of x, or share j
-            return flat if whole else flat[bounds[j]:bounds[j + 1]]
-
         size = share * elem
         rides = rows and size == collective.agreed_size(self.ctx.group)
-        every, way = self._meet(call.signature_words(self.spec.dtype), piece if rides else None,
-                                device, self.pieces.propose(size) if whole else 0)
+        words = call.signature_words(self.spec.dtype)
+        if whole:
+            if rides:  # x's bytes go in the message itself
+                outgoing, incoming = self._message(device).pair_rows(me, x)
+                outgoing.copy_(x)
+            message, way = self._meet(words, None, device, self.pieces.propose(size))
+        else:
+            flat = x.view(-1).view(torch.uint8)
+            bounds = [min(j * share, x.numel()) * elem for j in range(world + 1)]
+
+            def piece(j: int) -> torch.Tensor:  # what rank j gets: share j
+                return flat[bounds[j]:bounds[j + 1]]
+
+            message, way = self._meet(words, piece if rides else None, device)
         if not rows:
             return []
         # agreed: alike on every rank
@@ -167,22 +223,24 @@ class TorchWorkspace(Workspace):
                               way)
         if whole:
             if rides:
-                theirs = every[1 - me][:size]
+                theirs = incoming
             else:
-                theirs = self._buffers.get("rows", size, device)
+                received = self._buffers.get("rows", size, device)
                 with self.pieces.timed(size, way):
-                    self._pair(flat, theirs, "call", way)
-            both = [x, theirs.view(x.dtype).view(x.shape)]
-            return both if me == 0 else both[::-1]
+                    self._pair(x.view(-1).view(torch.uint8), received, "call", way)
+                theirs = received.view(x.dtype).view(x.shape)
+            return [x, theirs] if me == 0 else [theirs, x]
         mine = bounds[me + 1] - bounds[me]
         if rides:
-            received = [piece(me) if j == me else every[j][:mine] for j in range(world)]
+            data = [start + SIGNATURE_BYTES for start in message.starts]
+            received_shares = [piece(me) if j == me else
+                               message.receive[data[j]:data[j] + mine] for j in range(world)]
         else:
             block = self._buffers.get("rows", world * mine, device)
             self._exchange(flat, block, [bounds[j + 1] - bounds[j] for j in range(world)],
                            [mine] * world, "call")
-            received = list(block.view(world, mine))
-        return [self._gathered_sum(received, x, bounds)]
+            received_shares = list(block.view(world, mine))
+        return [self._gathered_sum(received_shares, x, bounds)]
 
     def _gathered_sum(self, received: list[torch.Tensor], x: torch.Tensor,
                       bounds: list[int]) -> torch.Tensor:
@@ -251,6 +309,7 @@ class TorchWorkspace(Workspace):
 
     def _free(self) -> None:
         """The kept message buffers."""
+        self._kept_message = None
         self._buffers.clear()
 
 
