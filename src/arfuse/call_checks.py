@@ -196,10 +196,14 @@ def _check_memory(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
         return
     if residual_out is not None and weight is None:
         raise ValueError("residual_out needs weight: without RMSNorm there is no residual_out")
-    wanted = [("out", out, x, "x"),
-              ("residual_out", residual_out, residual if residual is not None else x,
-               "residual" if residual is not None else "x")]
-    for name, dest, own, own_name in wanted:
+    inputs = {"x": span(x)}  # each span once: the checks below ask for them repeatedly
+    if residual is not None:
+        inputs["residual"] = span(residual)
+    if weight is not None:
+        inputs["weight"] = span(weight)
+    own_of_residual_out = "residual" if residual is not None else "x"
+    for name, dest, own_name in (("out", out, "x"),
+                                 ("residual_out", residual_out, own_of_residual_out)):
         if dest is None:
             continue
         check_like(dest, x, name)
@@ -211,13 +215,14 @@ def _check_memory(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
         if shared is not None and overlap(dest_span, shared):
             raise ValueError(f"{name} is in the shared input slot (input_buffer()); the other "
                              "ranks read it during the call, so it cannot take an output")
-        if overlap(dest_span, span(own)) and dest_span != span(own):
+        own = inputs[own_name]
+        if overlap(dest_span, own) and dest_span != own:
             raise ValueError(f"{name} overlaps {own_name} only partly; pass {own_name} itself "
                              "(in place) or memory of its own")
-        for other_name, other in (("x", x), ("residual", residual), ("weight", weight)):
-            if other is None or other_name == own_name or span(other) == span(own):
+        for other_name, other in inputs.items():
+            if other_name == own_name or other == own:
                 continue
-            if overlap(dest_span, span(other)):
+            if overlap(dest_span, other):
                 raise ValueError(f"{name} overlaps {other_name}; it may only be {own_name} "
                                  "itself (in place) or memory of its own")
     if out is not None and residual_out is not None and overlap(span(out), span(residual_out)):
