@@ -38,10 +38,12 @@ SUM_LANES = ctables.int_constant("numerics.h", "kSumLanes")
 """The lanes of the sum of squares (the kernel's ``kSumLanes``)."""
 
 
-def rank_order_sum(parts: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-    """Every rank's rows (or every host's), in order -> a new fp32 tensor: rank 0, then 1, ...
-    added one at a time (bit-identical anywhere; never the callers' memory)."""
-    acc = parts[0].to(torch.float32, copy=True)
+def rank_order_sum(parts: Sequence[torch.Tensor] | torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every rank's rows (or every host's), in order -> fp32: rank 0, then 1, ... added one at
+    a time (bit-identical anywhere; never the callers' memory): a new tensor, or ``out`` (fp32,
+    shaped as a part; memory of its own, a kept buffer spares a large call its page faults)."""
+    acc = parts[0].to(torch.float32, copy=True) if out is None else out.copy_(parts[0])
     for part in parts[1:]:
         acc.add_(part)
     return acc

@@ -150,14 +150,23 @@ class HierWorkspace(Workspace):
         return self.inner.run(CallArgs(x=slot, op=op)).out
 
     def _host_gather(self, finisher: ShmWorkspace, call: CallArgs, start: int,
-                     chunk: torch.Tensor) -> FusedOutput:
+                     parts: list[torch.Tensor]) -> FusedOutput:
         """Every rank's chunk of the sum gathered through one shm call of ``call``'s epilogue
-        (or sum only): each rank's slot is -0.0 but for its own chunk, rounded to the slot's
-        dtype as the epilogue's ``T(acc)`` rounds it, and ``-0.0 + v == v`` for every ``v``."""
-        slot = finisher.input_buffer(call.tokens)
-        slot.fill_(-0.0)
-        slot.view(-1)[start:start + chunk.numel()].copy_(round_to(chunk, slot.dtype))
-        return finisher.run(replace(call, x=slot, moe=None))
+        (or sum only): each rank's slot is -0.0 but for its own chunk, the host-order sum of
+        ``parts`` (every host's chunk) rounded to the slot's dtype as the epilogue's ``T(acc)``
+        rounds it, and ``-0.0 + v == v`` for every ``v``. An fp32 slot takes the sum in place;
+        another, from a kept fp32 buffer (fresh memory's page faults cost a large call)."""
+        slot = finisher.input_buffer(call.tokens).view(-1)
+        end = start + parts[0].numel()
+        slot[:start].fill_(-0.0)
+        slot[end:].fill_(-0.0)
+        if slot.dtype == torch.float32:
+            rank_order_sum(parts, out=slot[start:end])
+        else:
+            kept = self._buffers.get("sum", parts[0].numel() * PARTIAL_BYTES)
+            chunk = rank_order_sum(parts, out=kept.view(torch.float32))
+            slot[start:end].copy_(round_to(chunk, slot.dtype))
+        return finisher.run(replace(call, x=slot.view(call.tokens, -1), moe=None))
 
     def crosses_alone(self, n: int) -> bool:
         """Whether a call after one of ``n`` elements crosses on each host's first rank alone:
@@ -274,7 +283,7 @@ class HierWorkspace(Workspace):
             if mine is None:
                 self._judge(self._own_verdicts(words, flag, detail), why)
             assert mine is not None
-            done = self._follow(lambda way: self._gather(call, way, start, mine), op)
+            done = self._follow(lambda way: self._gather(call, way, start, [mine]), op)
             self._alone = self.crosses_alone(n)
             return done
         chunk_bytes = (end - start) * PARTIAL_BYTES
@@ -289,27 +298,27 @@ class HierWorkspace(Workspace):
                     parts = self._cross(mine.contiguous(), "call", way)
         except (CallTimeout, MismatchedCall) as error:
             if alone and mine is not None:  # the host's other ranks wait in the gather
-                self._release(error, lambda way: self._gather(call, way, n, mine[:0]), op)
+                self._release(error, lambda way: self._gather(call, way, n, [mine[:0]]), op)
             raise
         # the calls matched: the same size on every rank
         collective.agree_size(self.cross_ctx.group,
                               chunk_bytes if chunk_bytes <= collective.RIDE_MAX_BYTES else 0,
                               verdicts[0][4])
-        done = self._gather(call, op, start, rank_order_sum(parts))  # host order, fp32
+        done = self._gather(call, op, start, parts)
         self._alone = self.crosses_alone(n)
         return done
 
     def _gather(self, call: CallArgs, op: int, start: int,
-                chunk: torch.Tensor) -> FusedOutput:
-        """Step 3: this rank's ``chunk`` of the sum (elements from ``start``) gathered with the
-        host's others' and finished."""
+                parts: list[torch.Tensor]) -> FusedOutput:
+        """Step 3: this rank's chunk of the sum (elements from ``start``; ``parts``: every
+        host's, to add in host order) gathered with the host's others' and finished."""
         assert self.inner is not None
         try:
             if self.finisher is not None and not call.pattern.output.problem(self.spec.dtype,
                                                                              self.spec.hidden):
-                return self._host_gather(self.finisher, replace(call, op=op), start, chunk)
+                return self._host_gather(self.finisher, replace(call, op=op), start, parts)
             total = self._host_gather(self.inner, CallArgs(x=call.x, op=op), start,
-                                      chunk).out
+                                      parts).out
         except (CallTimeout, WorkspaceBroken) as error:
             raise self._host_failed(error, "host gather") from None
         return apply(total.view(call.tokens, call.x.shape[1]), call)
