@@ -4,6 +4,8 @@
 * the kernel's fast entry declines (returns ``None``) every call that ``call_checks`` refuses,
   so the Python path raises the error that names the argument, and accepts the boundary values
   that ``call_checks`` accepts; its checked entry ``run`` refuses them too (``ValueError``);
+* the torch backend's fast path, the same checks without shared memory, makes the
+  ``CallArgs`` that ``check_call`` makes, or declines where it raises;
 * ``torch.ops.arfuse.shm_fused_allreduce`` gives the fast path's bits, and traces under
   ``torch.compile``;
 * mismatch messages are the same text from C++ and from the pure-torch path;
@@ -24,6 +26,7 @@ from arfuse import ctables, signature
 from arfuse.arg_checks import FP32_MAX, FP32_TINY, OpShape
 from arfuse.backends.shm import build as shm_build
 from arfuse.backends.shm import layout as shm_layout
+from arfuse.backends.torch import workspace as torch_workspace
 from arfuse.call_checks import check_call
 from arfuse.pattern import QUANT_OUTPUTS, Pattern, output_code
 from arfuse.result import FusedOutput
@@ -441,6 +444,39 @@ def test_fast_path_accepts_the_boundaries_call_checks_accepts(comms: dict[str, C
     call = build(c)
     checked(c, call)
     assert isinstance(fast(c, call), FusedOutput), name
+
+
+# --- the torch backend's fast path: the same rules, without shared memory ----------------------
+
+CALL_FIELDS = ("x", "residual", "weight", "eps", "weight_bias", "quant", "scale", "layout",
+               "out", "residual_out", "op", "group_size", "moe")
+
+
+@pytest.mark.parametrize("name", [*BAD, *GOOD])
+def test_torch_backend_checks_make_what_call_checks_makes(comms: dict[str, Comm],
+                                                          name: str) -> None:
+    """Every call of both tables on a workspace without shared memory (the torch backend's):
+    where check_call raises, the kernel's checks decline; where it accepts (the segment's
+    rules do not apply here), they make the same CallArgs, field for field."""
+    comm_name, build = {**BAD, **GOOD}[name]
+    c = comms[comm_name]
+    call = build(c)
+    try:
+        expected = check_call(c.shape, *full(call), None, None, 7, call.get("group_size"))
+    except (ValueError, TypeError):
+        expected = None
+    got = torch_workspace.kernel_checked(kernel(), c.hidden, DTYPE[c.dtype][0], *full(call), 7,
+                                         call.get("group_size"))
+    if expected is None:
+        assert got is None, f"{name}: the torch backend's checks took a call check_call refuses"
+        return
+    assert got is not None, f"{name}: declined a call check_call accepts"
+    for field in CALL_FIELDS:
+        want, have = getattr(expected, field), getattr(got, field)
+        if isinstance(want, torch.Tensor) or want is None:
+            assert have is want, f"{name}: {field}"
+        else:
+            assert type(have) is type(want) and have == want, f"{name}: {field} {have!r}"
 
 
 # --- the torch operator ----------------------------------------------------------------------

@@ -89,6 +89,7 @@ class FusedAllReduce:
         plain_path = bool(ws.call_fault) or self._check_residual  # every call through Python
         self._fast = None if plain_path else ws.fast_call
         self._fast_moe = None if plain_path else ws.fast_moe_call
+        self._fast_fuses = ws.descriptor.fused  # what stats() counts the fast calls as
 
     # --- what was decided --------------------------------------------------------------------
 
@@ -158,9 +159,10 @@ class FusedAllReduce:
         """Calls so far: fused, and unfused (over capacity, or an unfused backend); those run
         through ``kernel_entry()`` included (``count_calls_from``)."""
         fast = self._fast_calls + (self._native_calls() if self._native_calls else 0)
-        return {"calls": self._calls + fast, "fused": self._fused_calls + fast,
+        fused = self._fused_calls + (fast if self._fast_fuses else 0)
+        return {"calls": self._calls + fast, "fused": fused,
                 "unfused_over_capacity": self._over_capacity,
-                "unfused": self._calls - self._fused_calls}
+                "unfused": self._calls + fast - fused}
 
     # --- the hot path -------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ import torch
 from ... import collective, moe, signature
 from ...call_checks import CallArgs
 from ...catalog import UNLIMITED
+from ...dtypes import DTYPES
 from ...errors import (
     CallTimeout,
     CreationFailed,
@@ -48,6 +49,7 @@ from ...errors import (
     NegotiationTimeout,
     WorkspaceBroken,
 )
+from ...pattern import QUANT_OUTPUTS
 from ...result import FusedOutput
 from ...spec import Spec
 from ...torch_types import device_of
@@ -59,6 +61,7 @@ HEADS = collective.Heads(3)
 """The head of a message: the call's two signature words and the sender's proposed way for
 the rows' exchange (``collective.PieceChoice``), int64."""
 SIGNATURE_BYTES = HEADS.nbytes
+OUTPUT_OF_CODE = {output.code: output for output in QUANT_OUTPUTS}
 
 
 @dataclass
@@ -295,6 +298,28 @@ class TorchWorkspace(Workspace):
         if self.ctx.world_size > 1:
             self._parts(call, rows=False)
 
+    @property
+    def fast_call(self) -> Any:
+        """On a CPU whose process has the kernel: ``kernel_checked`` (``check_call``'s rules
+        in C++, a fraction of their Python cost), then ``run``; ``None`` from it (anything
+        unusual, every bad argument) sends the call to the checked Python path, which
+        raises."""
+        module = shm_build.loaded()
+        if module is None or self.ctx.device != "cpu":
+            return None
+        hidden, dtype = self.spec.hidden, DTYPES[self.spec.dtype].code
+
+        def call(x: Any, residual: Any, weight: Any, eps: Any, weight_bias: Any, quant: Any,
+                 scale: Any, layout: Any, out: Any, residual_out: Any, op: int,
+                 group_size: Any) -> FusedOutput | None:
+            checked = kernel_checked(module, hidden, dtype, x, residual, weight, eps,
+                                     weight_bias, quant, scale, layout, out, residual_out, op,
+                                     group_size)
+            if checked is None or self.destroyed:  # the Python path says why
+                return None
+            return self.run(checked)
+        return call
+
     def run(self, call: CallArgs) -> FusedOutput:
         if self._broken:
             raise WorkspaceBroken.after(f"arfuse {self.backend}", self._broken,
@@ -311,6 +336,24 @@ class TorchWorkspace(Workspace):
         """The kept message buffers."""
         self._kept_message = None
         self._buffers.clear()
+
+
+def kernel_checked(module: Any, hidden: int, dtype: int, x: Any, residual: Any, weight: Any,
+                   eps: Any, weight_bias: Any, quant: Any, scale: Any, layout: Any, out: Any,
+                   residual_out: Any, op: int, group_size: Any) -> CallArgs | None:
+    """What ``check_call`` makes of a call on a CPU workspace of ``hidden`` and kernel dtype
+    code ``dtype`` with no shared memory, from the kernel's checks (``module``: the loaded
+    kernel); ``None`` where it would raise, or for anything the kernel leaves to Python
+    (numbers that are tensors or NumPy scalars, a call of no tokens)."""
+    numbers = module.checked_numbers(hidden, dtype, x, residual, weight, eps, weight_bias,
+                                     quant, scale, layout, out, residual_out, group_size)
+    if numbers is None:
+        return None
+    eps_f, bias_f, code, scale_f, group = numbers
+    output = OUTPUT_OF_CODE[code]
+    return CallArgs(x, residual, weight, eps_f, bias_f, output.quant,
+                    None if output.scale_in == "none" else scale_f, output.layout, out,
+                    residual_out, op, group)
 
 
 class TorchBackend(Backend):

@@ -187,6 +187,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hidden"), py::arg("handle"));
   m.def("compiled_route_calls", &compiled_route_calls, py::arg("group"), py::arg("dtype"),
         py::arg("hidden"));
+  m.def("checked_numbers", &checked_numbers, py::arg("hidden"), py::arg("dtype"), py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("weight_bias"),
+        py::arg("quant"), py::arg("scale"), py::arg("layout"), py::arg("out"),
+        py::arg("residual_out"), py::arg("group_size"));
   m.def("finish_parts", &finish_parts, py::arg("parts"), py::arg("residual"), py::arg("weight"),
         py::arg("eps"), py::arg("weight_bias"), py::arg("quant"), py::arg("scale"),
         py::arg("out"), py::arg("residual_out"), py::arg("group_size") = 0);

@@ -70,8 +70,8 @@ py::object ShmComm::call(py::handle x_obj, py::handle residual_obj, py::handle w
   n.op = op;
   t.x = &THPVariable_Unpack(x_obj.ptr());
   if (!take_tensor(weight_obj, &t.weight) || !take_tensor(residual_obj, &t.residual) ||
-      !take_numbers(t.weight != nullptr, eps_obj, bias_obj, quant_obj, scale_obj, layout_obj,
-                    group_obj, &n) ||
+      !CallRules::take_numbers(t.weight != nullptr, eps_obj, bias_obj, quant_obj, scale_obj,
+                               layout_obj, group_obj, &n) ||
       !take_tensor(out_obj, &t.out) || !take_tensor(residual_out_obj, &t.residual_out)) {
     return py::none();
   }
@@ -82,8 +82,10 @@ py::object ShmComm::call(py::handle x_obj, py::handle residual_obj, py::handle w
 
 bool ShmComm::try_run(const Tensors& t, const Numbers& n, bool release_gil,
                       std::array<at::Tensor, 4>* r) {
-  if (failed() || n.op < 0 || n.op > signature::kMaxOp || x_problem(*t.x, true) ||
-      tensors_problem(t) || numbers_problem(t.weight != nullptr, n) || memory_problem(t)) {
+  const CallRules rules_now = rules();
+  if (failed() || n.op < 0 || n.op > signature::kMaxOp || rules_now.x_problem(*t.x, true) ||
+      rules_now.tensors_problem(t) || rules_now.numbers_problem(t.weight != nullptr, n) ||
+      rules_now.memory_problem(t)) {
     return false;
   }
   *r = execute(t, n, release_gil);
@@ -106,7 +108,8 @@ py::object ShmComm::call_moe(py::handle rows_obj, py::handle index_obj, py::hand
       !plain_number(routed_obj, &routed) || !(std::fabs(routed) <= kFp32Max)) {
     return py::none();
   }
-  const int64_t tokens = moe_tokens(*rows, index, *scales, add);
+  const CallRules rules_now = rules();
+  const int64_t tokens = rules_now.moe_tokens(*rows, index, *scales, add);
   if (tokens < 1 || tokens > max_tokens_) return py::none();
   const at::Tensor x = at::from_blob(next_slot(), {tokens, hidden_},
                                      at::TensorOptions().dtype(scalar_type()));
@@ -115,11 +118,11 @@ py::object ShmComm::call_moe(py::handle rows_obj, py::handle index_obj, py::hand
   n.op = op;
   t.x = &x;
   if (!take_tensor(weight_obj, &t.weight) || !take_tensor(residual_obj, &t.residual) ||
-      tensors_problem(t) ||
-      !take_numbers(t.weight != nullptr, eps_obj, bias_obj, quant_obj, scale_obj, layout_obj,
-                    group_obj, &n) ||
-      numbers_problem(t.weight != nullptr, n) || !take_tensor(out_obj, &t.out) ||
-      !take_tensor(residual_out_obj, &t.residual_out) || memory_problem(t)) {
+      rules_now.tensors_problem(t) ||
+      !CallRules::take_numbers(t.weight != nullptr, eps_obj, bias_obj, quant_obj, scale_obj,
+                               layout_obj, group_obj, &n) ||
+      rules_now.numbers_problem(t.weight != nullptr, n) || !take_tensor(out_obj, &t.out) ||
+      !take_tensor(residual_out_obj, &t.residual_out) || rules_now.memory_problem(t)) {
     return py::none();
   }
   const float routed_f32 = float(routed);
@@ -159,12 +162,13 @@ py::object ShmComm::make_result(std::array<at::Tensor, 4>& r) const {
 // ---- the checked entry -----------------------------------------------------------------------
 
 std::array<at::Tensor, 4> ShmComm::run(const Tensors& t, const Numbers& n, bool release_gil) {
-  const char* why = x_problem(*t.x, false);
-  if (!why) why = tensors_problem(t);
-  if (!why) why = numbers_problem(t.weight != nullptr, n);
+  const CallRules rules_now = rules();
+  const char* why = rules_now.x_problem(*t.x, false);
+  if (!why) why = rules_now.tensors_problem(t);
+  if (!why) why = rules_now.numbers_problem(t.weight != nullptr, n);
   if (!why && (n.op < 0 || n.op > signature::kMaxOp)) why = "op must be 0..536870911";
   if (!why && !signature::moe_bits_only(n.moe)) why = "moe must hold MoE bits of word 0 only";
-  if (!why && !failed()) why = memory_problem(t);
+  if (!why && !failed()) why = rules_now.memory_problem(t);
   TORCH_CHECK_VALUE(why == nullptr, "arfuse shm: ", why);
   return execute(t, n, release_gil);
 }

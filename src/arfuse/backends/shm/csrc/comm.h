@@ -73,6 +73,48 @@ struct Numbers {  // the scalars of one call
   int64_t group_size = 0;  // a per-token-group output's group size (0 for the other outputs)
 };
 
+// The rules of one call (arfuse.call_checks.check_call's, rule for rule; comm_checks.cpp) for
+// a workspace of `hidden` elements of `dtype` (kBF16, kFP16, kFP32) taking up to `max_tokens`
+// rows: each *_problem says why a call breaks a rule (nullptr: it does not). `shared`: the
+// memory the peers read during a call, where no argument may lie but x starting exactly at
+// `slot` (the next input slot); empty where there is none (the torch backend's calls).
+struct CallRules {
+  int64_t hidden = 0, max_tokens = 0;
+  int dtype = kFP32;
+  const char* shared_begin = nullptr;
+  const char* shared_end = nullptr;
+  const char* slot = nullptr;
+
+  at::ScalarType scalar_type() const {
+    return dtype == kBF16 ? at::kBFloat16 : dtype == kFP16 ? at::kHalf : at::kFloat;
+  }
+  const char* x_problem(const at::Tensor& x, bool fast) const;
+  const char* tensors_problem(const Tensors& t) const;
+  const char* numbers_problem(bool norm, const Numbers& n) const;
+  const char* memory_problem(const Tensors& t) const;
+  const char* destination_problem(const Tensors& t, const at::Tensor& dest, bool is_out) const;
+  bool like_x(const at::Tensor& t, const at::Tensor& x) const;
+  // A MoE input: a contiguous, plain CPU tensor of `dim` dimensions outside `shared`.
+  bool moe_input_ok(const at::Tensor& t, int64_t dim) const;
+  // The expert rows, scales and index of a MoE call, checked; the call's tokens (0: declined).
+  int64_t moe_tokens(const at::Tensor& rows, const at::Tensor* index, const at::Tensor& scales,
+                     const at::Tensor* add) const;
+  // The call's Python numbers (eps, weight_bias, quant, scale, layout, group_size) into `n`;
+  // false for a value of another kind (declined: the checked Python path names it).
+  static bool take_numbers(bool norm, py::handle eps, py::handle weight_bias, py::handle quant,
+                           py::handle scale, py::handle layout, py::handle group_size,
+                           Numbers* n);
+};
+
+// The fast path's checks alone, for a backend that runs its calls elsewhere (the torch
+// backend, on a CPU): None where check_call would raise or for anything unusual (that call
+// then takes the checked Python path), else (eps, weight_bias, output code, scale,
+// group_size) as check_call makes them (a call without weight: eps 1e-6, weight_bias 0).
+py::object checked_numbers(int64_t hidden, int64_t dtype, py::handle x, py::handle residual,
+                           py::handle weight, py::handle eps, py::handle weight_bias,
+                           py::handle quant, py::handle scale, py::handle layout,
+                           py::handle out, py::handle residual_out, py::handle group_size);
+
 // Makes one output tensor of a call (the workspace's pool, or plain memory).
 using MakeOutput = std::function<at::Tensor(at::IntArrayRef, const at::TensorOptions&)>;
 // quant_out and scale_out of a call of `tokens` rows, as the output's row of kQuantOutputs
@@ -208,18 +250,10 @@ class ShmComm {
   }
 
  private:
-  const char* x_problem(const at::Tensor& x, bool fast) const;
-  const char* tensors_problem(const Tensors& t) const;
-  const char* numbers_problem(bool norm, const Numbers& n) const;
-  const char* memory_problem(const Tensors& t) const;
-  const char* destination_problem(const Tensors& t, const at::Tensor& dest, bool is_out) const;
-  bool like_x(const at::Tensor& t, const at::Tensor& x) const;
-  bool moe_input_ok(const at::Tensor& t, int64_t dim) const;
-  int64_t moe_tokens(const at::Tensor& rows, const at::Tensor* index, const at::Tensor& scales,
-                     const at::Tensor* add) const;
-  static bool take_numbers(bool norm, py::handle eps, py::handle weight_bias, py::handle quant,
-                           py::handle scale, py::handle layout, py::handle group_size,
-                           Numbers* n);
+  // This call's rules: the workspace's sizes, its segment, the next input slot.
+  CallRules rules() const {
+    return CallRules{hidden_, max_tokens_, dtype_, seg_.base, seg_.end(), next_slot()};
+  }
   py::object make_result(std::array<at::Tensor, 4>& r) const;
   std::array<at::Tensor, 4> execute(const Tensors& t, const Numbers& n, bool release_gil);
   [[noreturn]] void throw_broken() const;

@@ -1,6 +1,7 @@
-// ShmComm (comm.h): the fast paths' argument checks, rule for rule those of
+// CallRules (comm.h): the fast paths' argument checks, rule for rule those of
 // arfuse.call_checks and arfuse.moe: a call they would refuse is declined (the caller then
-// runs the checked Python path, which raises), never run.
+// runs the checked Python path, which raises), never run. ShmComm's calls check against its
+// segment; checked_numbers, the torch backend's, against no shared memory.
 #include "arguments.h"
 #include "comm.h"
 
@@ -57,31 +58,31 @@ static bool plain_tensor(const at::Tensor& t) {
          !t.is_neg();
 }
 
-const char* ShmComm::x_problem(const at::Tensor& x, bool fast) const {
+const char* CallRules::x_problem(const at::Tensor& x, bool fast) const {
   if (!plain_tensor(x)) return "x must be a dense tensor (not sparse, nested, quantized, a view)";
   if (x.dim() != 2) return "x must be 2-D [tokens, hidden]";
   if (x.scalar_type() != scalar_type()) return "x has another dtype than this workspace";
-  if (x.size(1) != hidden_) return "x has another hidden size than this workspace";
+  if (x.size(1) != hidden) return "x has another hidden size than this workspace";
   if (!x.is_cpu()) return "x must be a CPU tensor";
   if (!x.is_contiguous()) return "x must be contiguous";
-  if (x.size(0) > max_tokens_) return "x has more tokens than the workspace holds";
+  if (x.size(0) > max_tokens) return "x has more tokens than the workspace holds";
   if (fast && x.size(0) < 1) return "no tokens";  // the Python path handles those
   return nullptr;
 }
 
-bool ShmComm::like_x(const at::Tensor& t, const at::Tensor& x) const {
+bool CallRules::like_x(const at::Tensor& t, const at::Tensor& x) const {
   return plain_tensor(t) && t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() &&
          t.is_cpu() && t.is_contiguous();
 }
 
-const char* ShmComm::tensors_problem(const Tensors& t) const {
+const char* CallRules::tensors_problem(const Tensors& t) const {
   if (t.residual) {
     if (!t.weight) return "residual needs weight (the residual pattern includes RMSNorm)";
     if (!like_x(*t.residual, *t.x)) return "residual must be shaped, typed and laid out as x";
   }
   if (t.weight) {
     const at::Tensor& w = *t.weight;
-    if (!plain_tensor(w) || w.dim() != 1 || w.size(0) != hidden_ ||
+    if (!plain_tensor(w) || w.dim() != 1 || w.size(0) != hidden ||
         w.scalar_type() != t.x->scalar_type() || !w.is_cpu() || !w.is_contiguous()) {
       return "weight must be a contiguous CPU tensor of shape (hidden,) typed as x";
     }
@@ -89,7 +90,7 @@ const char* ShmComm::tensors_problem(const Tensors& t) const {
   return nullptr;
 }
 
-const char* ShmComm::numbers_problem(bool norm, const Numbers& n) const {
+const char* CallRules::numbers_problem(bool norm, const Numbers& n) const {
   if (norm && !(n.eps >= kFp32Tiny && n.eps <= kFp32Max)) {
     return "eps must be in [1.4e-45, 3.4e38] (> 0 and finite in float32)";
   }
@@ -106,15 +107,15 @@ const char* ShmComm::numbers_problem(bool norm, const Numbers& n) const {
     return "an encode scale (nvfp4) must be in [1.4e-45, 3.4e38] (> 0 and finite in float32)";
   }
   if (q->block == kGroupOfCall) {
-    if (group_code_of(n.group_size) == 0 || hidden_ % n.group_size != 0) {
+    if (group_code_of(n.group_size) == 0 || hidden % n.group_size != 0) {
       thread_local std::string why;
-      why = "group_size must be one of " + group_sizes_text() + " dividing hidden_dim";
+      why = "group_size must be one of " + group_sizes_text() + " dividing hiddendim";
       return why.c_str();
     }
   } else if (n.group_size != 0) {
     return "group_size must be 0 for an output without groups";
   }
-  if ((dtype_ == kFP32 && !q->fp32) || (q->block > 0 && hidden_ % q->block != 0)) {
+  if ((dtype == kFP32 && !q->fp32) || (q->block > 0 && hidden % q->block != 0)) {
     thread_local std::string why;
     why = std::string(q->quant) + " needs " + (q->fp32 ? "" : "dtype bf16 or fp16 and ") +
           "hidden a multiple of " + std::to_string(q->block);
@@ -125,10 +126,10 @@ const char* ShmComm::numbers_problem(bool norm, const Numbers& n) const {
 
 // Inputs may not lie in the shared segment (a peer's copy or ours would overwrite them),
 // except x written exactly at input_buffer(); outputs as destination_problem says.
-const char* ShmComm::memory_problem(const Tensors& t) const {
-  const Span segment{seg_.base, seg_.end()};
+const char* CallRules::memory_problem(const Tensors& t) const {
+  const Span segment{shared_begin, shared_end};
   const Span x = span(*t.x);
-  if (overlap(x, segment) && x.begin != next_slot()) {
+  if (overlap(x, segment) && x.begin != slot) {
     return "x lies in the shared segment but does not start where input_buffer() does";
   }
   if (t.residual && overlap(span(*t.residual), segment)) {
@@ -153,7 +154,7 @@ const char* ShmComm::memory_problem(const Tensors& t) const {
 
 // out is x or memory of its own; residual_out is residual (x without one) or memory of its
 // own; neither lies in the shared segment nor requires grad.
-const char* ShmComm::destination_problem(const Tensors& t, const at::Tensor& dest,
+const char* CallRules::destination_problem(const Tensors& t, const at::Tensor& dest,
                                          bool is_out) const {
   if (!like_x(dest, *t.x)) {
     return is_out ? "out must be a contiguous CPU tensor shaped and typed like x"
@@ -163,7 +164,7 @@ const char* ShmComm::destination_problem(const Tensors& t, const at::Tensor& des
     return is_out ? "out requires grad" : "residual_out requires grad";
   }
   const Span d = span(dest);
-  if (overlap(d, Span{seg_.base, seg_.end()})) {
+  if (overlap(d, Span{shared_begin, shared_end})) {
     return is_out ? "out is in the shared segment (input_buffer())"
                   : "residual_out is in the shared segment (input_buffer())";
   }
@@ -183,7 +184,7 @@ const char* ShmComm::destination_problem(const Tensors& t, const at::Tensor& des
   return nullptr;
 }
 
-bool ShmComm::take_numbers(bool norm, py::handle eps, py::handle weight_bias, py::handle quant,
+bool CallRules::take_numbers(bool norm, py::handle eps, py::handle weight_bias, py::handle quant,
                            py::handle scale, py::handle layout, py::handle group_size,
                            Numbers* n) {
   if (norm && (!plain_number(eps, &n->eps) || !plain_number(weight_bias, &n->weight_bias))) {
@@ -227,17 +228,17 @@ bool ShmComm::take_numbers(bool norm, py::handle eps, py::handle weight_bias, py
 // ---- the MoE fast path's checks (arfuse.moe's, rule for rule) ---------------------------
 
 // A MoE input: a contiguous, plain CPU tensor of `dim` dimensions outside the shared segment.
-bool ShmComm::moe_input_ok(const at::Tensor& t, int64_t dim) const {
+bool CallRules::moe_input_ok(const at::Tensor& t, int64_t dim) const {
   return plain_tensor(t) && t.dim() == dim && t.is_cpu() && t.is_contiguous() &&
-         !overlap(span(t), Span{seg_.base, seg_.end()});
+         !overlap(span(t), Span{shared_begin, shared_end});
 }
 
 // The expert rows, scales and index of a MoE call, checked; the call's tokens (0: declined).
-int64_t ShmComm::moe_tokens(const at::Tensor& rows, const at::Tensor* index,
+int64_t CallRules::moe_tokens(const at::Tensor& rows, const at::Tensor* index,
                             const at::Tensor& scales, const at::Tensor* add) const {
   const bool finalize = index != nullptr;
   if (!moe_input_ok(rows, finalize ? 2 : 3) || rows.scalar_type() != scalar_type() ||
-      rows.size(rows.dim() - 1) != hidden_ || !moe_input_ok(scales, 2)) {
+      rows.size(rows.dim() - 1) != hidden || !moe_input_ok(scales, 2)) {
     return 0;
   }
   if (scales.scalar_type() != at::kFloat && scales.scalar_type() != scalar_type()) return 0;
@@ -254,10 +255,33 @@ int64_t ShmComm::moe_tokens(const at::Tensor& rows, const at::Tensor* index,
   }
   if (fan_in < 1 || fan_in > signature::kMaxMoeFanIn || tokens < 1) return 0;
   if (add != nullptr && (!moe_input_ok(*add, 2) || add->scalar_type() != scalar_type() ||
-                         add->size(0) != tokens || add->size(1) != hidden_)) {
+                         add->size(0) != tokens || add->size(1) != hidden)) {
     return 0;
   }
   return tokens;
+}
+
+// ---- the torch backend's fast path: the checks alone ------------------------------------------
+
+py::object checked_numbers(int64_t hidden, int64_t dtype, py::handle x, py::handle residual,
+                           py::handle weight, py::handle eps, py::handle weight_bias,
+                           py::handle quant, py::handle scale, py::handle layout,
+                           py::handle out, py::handle residual_out, py::handle group_size) {
+  if (dtype != kBF16 && dtype != kFP16 && dtype != kFP32) return py::none();
+  const CallRules rules{hidden, INT64_MAX, int(dtype)};  // no shared memory, no token bound
+  Tensors t;
+  Numbers n;
+  if (!THPVariable_Check(x.ptr())) return py::none();
+  t.x = &THPVariable_Unpack(x.ptr());
+  if (!take_tensor(weight, &t.weight) || !take_tensor(residual, &t.residual) ||
+      !CallRules::take_numbers(t.weight != nullptr, eps, weight_bias, quant, scale, layout,
+                               group_size, &n) ||
+      !take_tensor(out, &t.out) || !take_tensor(residual_out, &t.residual_out) ||
+      rules.x_problem(*t.x, true) || rules.tensors_problem(t) ||
+      rules.numbers_problem(t.weight != nullptr, n) || rules.memory_problem(t)) {
+    return py::none();
+  }
+  return py::make_tuple(n.eps, n.weight_bias, n.output, n.scale, n.group_size);
 }
 
 }  // namespace arfuse
