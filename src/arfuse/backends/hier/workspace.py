@@ -258,6 +258,21 @@ class HierWorkspace(Workspace):
         return (verdicts,
                 [e[VERDICT_BYTES:].view(torch.float32) for e in every] if rides else None)
 
+    @property
+    def fast_call(self) -> Any:
+        """One rank per host: the torch backend's fast call on the link (``HostRows``), under
+        this workspace's lock as ``run``; else none (the checked Python path)."""
+        rows_call = None if self.rows_only is None else self.rows_only.fast_call
+        if rows_call is None:
+            return None
+        lock = self._lock
+
+        def call(*args: Any) -> FusedOutput | None:
+            with lock:
+                result: FusedOutput | None = rows_call(*args)
+                return result
+        return call
+
     def run(self, call: CallArgs) -> FusedOutput:
         with self._lock:
             return self._run(call)
