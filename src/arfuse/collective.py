@@ -110,15 +110,12 @@ class PieceChoice:
     window, slows the next call the other way: taken in turn, the ways measured each other's
     aftermath); then every call takes the way with the lower mean (a way that is slow only in
     some calls, as one whole message over a shaped link is, costs by its mean: a median of a
-    few lucky calls could keep it), pieces only where their mean is under ``PIECES_GAIN`` of
-    whole's: where they pay they save about half, and a fast link's noise over a few calls
-    must not keep them where they cost. Both ranks must exchange alike: each proposes
+    few lucky calls could keep it). Both ranks must exchange alike: each proposes
     (``propose``), the proposal rides in the message that precedes the exchange, and both
     follow the group's first rank's."""
 
     SAMPLES = 5
     RUN = SAMPLES + 1
-    PIECES_GAIN = 0.9
     WHOLE, PIECES = 0, 1
 
     def __init__(self, link: str, enabled: bool = True) -> None:
@@ -158,8 +155,7 @@ class PieceChoice:
         if calls + 1 < 2 * self.RUN or min(len(t) for t in times) == 0:
             return
         means = [statistics.fmean(t) for t in times]
-        way = (self.PIECES if means[self.PIECES] < self.PIECES_GAIN * means[self.WHOLE]
-               else self.WHOLE)
+        way = self.PIECES if means[self.PIECES] < means[self.WHOLE] else self.WHOLE
         self._chosen[size_class] = way
         low = 1 << (size_class - 1)
         log.logger.info(
