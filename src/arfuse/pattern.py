@@ -187,6 +187,10 @@ OUTPUTS: dict[tuple[str | None, str | None], int] = {(o.quant, o.layout): o.code
 """(quant, layout) -> output code."""
 
 
+OUTPUT_OF_CODE: dict[int, QuantOutput] = {o.code: o for o in QUANT_OUTPUTS}
+"""Output code -> its row (the kernels' codes, which a checked call's numbers carry)."""
+
+
 def quant_output_of_code(code: object, name: str = "quant") -> QuantOutput:
     """The row of output code ``code``; another value raises ``ValueError`` naming ``name``."""
     for output in QUANT_OUTPUTS:

@@ -49,7 +49,7 @@ from ...errors import (
     NegotiationTimeout,
     WorkspaceBroken,
 )
-from ...pattern import QUANT_OUTPUTS
+from ...pattern import OUTPUT_OF_CODE
 from ...result import FusedOutput
 from ...spec import Spec
 from ...torch_types import device_of
@@ -61,7 +61,6 @@ HEADS = collective.Heads(3)
 """The head of a message: the call's two signature words and the sender's proposed way for
 the rows' exchange (``collective.PieceChoice``), int64."""
 SIGNATURE_BYTES = HEADS.nbytes
-OUTPUT_OF_CODE = {output.code: output for output in QUANT_OUTPUTS}
 
 
 @dataclass
