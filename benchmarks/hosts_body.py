@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import arfuse
+from arfuse import collective
 from arfuse.collective import PieceChoice
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -81,9 +82,15 @@ def main(out: str, tokens: list[int], dtypes: list[str], repeats: int, rounds: i
             names = list(calls)
             # an op's first calls of a size learn how its rows cross (PieceChoice), half of
             # them the slower way; a decode makes them once: every row makes as many first
+            learnt = {b: set(op.workspace.pieces.chosen())  # type: ignore[attr-defined]
+                      for b, op in ops.items()}
             for b in names:
                 for _ in range(2 * PieceChoice.RUN):
                     calls[b]()
+            # what a hier call sends (it sends only between hosts)
+            before = collective.TRAFFIC.bytes_sent
+            calls["hier"]()
+            hier_sent = collective.TRAFFIC.bytes_sent - before
             for turn in range(rounds):
                 # each round starts one row later: no row always follows the same one (a row
                 # right after the user's all_reduce met its aftermath in every round)
@@ -91,7 +98,7 @@ def main(out: str, tokens: list[int], dtypes: list[str], repeats: int, rounds: i
                     times[b] += _times(calls[b], repeats)
             medians = {b: statistics.median(v) for b, v in times.items()}
             every: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(every, medians)
+            dist.all_gather_object(every, {**medians, "hier_sent": hier_sent})
             row: dict[str, Any] = {"dtype": name, "tokens": t}
             row.update({b: max(m[b] for m in every) for b in calls})
             row.update({f"{b}_over_user": row[b] / row["user"] for b in ("hier", "torch")})
@@ -99,17 +106,15 @@ def main(out: str, tokens: list[int], dtypes: list[str], repeats: int, rounds: i
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
             # bytes over the link per call, each direction (docs/design.md 4, hier, torch)
             row["link_bytes_torch"] = 2 * (world - 1) * t * hidden * elem // world
-            # fp32 partials and the verdicts (few tokens: the first rank's alone); with one
-            # rank per host the torch backend's call
-            hier_workspace: Any = ops["hier"].workspace
-            alone = local > 1 and hier_workspace.crosses_alone(t * hidden)
-            row["link_bytes_hier"] = (t * hidden * 4 + 40 * (1 if alone else local) if local > 1
-                                      else t * hidden * elem + 24)
-            # how each op's rows crossed once learnt (collective.PieceChoice; 2 hosts x 1)
-            size_class = (t * hidden * elem).bit_length()
-            row["ways"] = {b: ["whole", "pieces"][
-                op.workspace.pieces.chosen().get(size_class, 0)]  # type: ignore[attr-defined]
-                for b, op in ops.items()}
+            # hier's, measured: what the first host's ranks sent in a call
+            row["link_bytes_hier"] = sum(m["hier_sent"] for m in every[:local])
+            # how each op's rows crossed once learnt (collective.PieceChoice: the size class
+            # this row's calls learnt; none learnt, whole)
+            row["ways"] = {}
+            for b, op in ops.items():
+                chosen = op.workspace.pieces.chosen()  # type: ignore[attr-defined]
+                new = [way for size_class, way in chosen.items() if size_class not in learnt[b]]
+                row["ways"][b] = "pieces" if PieceChoice.PIECES in new else "whole"
             rows.append(row)
         for op in ops.values():
             op.close()

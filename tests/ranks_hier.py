@@ -45,8 +45,18 @@ def _alone_up_to(limit: int | None) -> None:
         workspace.ALONE_MAX_BYTES = limit
 
 
+def _halves_over(limit: int | None) -> None:
+    """Chunks of more than ``limit`` fp32 bytes cross in halves where they can (``None``: the
+    library's limit)."""
+    if limit is not None:
+        from arfuse.backends.hier import workspace
+
+        workspace.HALVES_MIN_BYTES = limit
+
+
 def numerics(rank: int, world: int, dtypes: list[str], tokens: list[int],
-             hidden: int, alone_max: int | None = None) -> dict[str, Any]:
+             hidden: int, alone_max: int | None = None,
+             halves_min: int | None = None) -> dict[str, Any]:
     """Every pattern against the float64 reference; digests of every output (the test
     compares them across ranks); the out bytes against the documented sum order."""
     import arfuse
@@ -55,6 +65,7 @@ def numerics(rank: int, world: int, dtypes: list[str], tokens: list[int],
     from arfuse.torch_types import TORCH_DTYPES
 
     _alone_up_to(alone_max)
+    _halves_over(halves_min)
     ranks = list(range(world))
     report: dict[str, Any] = {"digests": {}, "worst": 0.0, "order_exact": True}
     for dtype in dtypes:
@@ -148,7 +159,7 @@ def mismatched(rank: int, world: int, kind: str,
 
 
 def crossings(rank: int, world: int, tokens: list[int],
-              alone_max: int | None = None) -> dict[str, Any]:
+              alone_max: int | None = None, halves_min: int | None = None) -> dict[str, Any]:
     """Calls of ``tokens`` in turn (bf16, with a residual and RMSNorm): how many exchanges
     between hosts each one made and the bytes this rank sent in them (the data rides with the
     verdicts, or the signature, when its size is the last call's), how many were finished by
@@ -159,6 +170,7 @@ def crossings(rank: int, world: int, tokens: list[int],
     from arfuse.backends.torch import workspace
 
     _alone_up_to(alone_max)
+    _halves_over(halves_min)
     comm = arfuse.FusedAllReduce(max_token_num=16, hidden_dim=64, dtype=torch.bfloat16,
                                  timeout_s=20)
     real_finish, epilogues = workspace.finish, []

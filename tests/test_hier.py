@@ -23,18 +23,21 @@ ENV = {"ARFUSE_TOPOLOGY": TOPOLOGY, "ARFUSE_LOG": "warning"}
 # host partials of up to 1 KiB (hidden 64: 4 tokens) cross on each host's first rank alone,
 # larger ones on every rank: the tests' sizes take both ways, and turn from one to the other
 BOTH_WAYS = 1024
+# chunks over 12 KiB cross in halves at bf16: 64 tokens on the first rank alone (16 KiB, after
+# 3 tokens), 200 on every rank (25 KiB each); fp32's go whole
+HALVES_OVER = 12 << 10
 
 
 def test_auto_picks_hier_every_pattern_within_tolerance_and_bit_identical() -> None:
-    _check_numerics(4, [1, 3, 64, 200], ENV, "2 hosts x 2 ranks", BOTH_WAYS)
+    _check_numerics(4, [1, 3, 64, 200], ENV, "2 hosts x 2 ranks", BOTH_WAYS, HALVES_OVER)
 
 
 def _check_numerics(world: int, tokens: list[int], env: dict[str, str], layout: str,
-                    alone_max: int | None = None) -> None:
+                    alone_max: int | None = None, halves_min: int | None = None) -> None:
     """``auto`` picks hier for ``layout``; every pattern within tolerance of the reference,
     out in the documented sum order, the same bytes on every rank, nothing over capacity."""
     got = values(run_ranks(ranks_hier.numerics, world, ["fp32", "bf16"], tokens, 64, alone_max,
-                           env=env, timeout=300))
+                           halves_min, env=env, timeout=300))
     assert {g["backend"] for g in got} == {"hier"}, got[0]["explain"]
     assert layout in got[0]["explain"]
     for g in got:
@@ -95,6 +98,24 @@ def test_a_steady_call_crosses_between_hosts_once(tmp_path: Path, world: int, he
         steady = [b for b, c in zip(g["bytes"], g["counts"], strict=True) if c == 1]
         assert steady == [head + t * 64 * wire_bytes // share
                           for t, c in zip(tokens, g["counts"], strict=True) if c == 1], g
+
+
+def test_a_large_16_bit_chunk_crosses_a_rings_bytes_in_halves() -> None:
+    """2 x 2, every rank crossing, every chunk in halves (over 0 bytes): after its verdict
+    (nothing rides), a rank sends its host's fp32 partial of the other host's half of its
+    chunk, then its own half finished in bf16: 3/4 of the whole fp32 chunk's bytes, so the two
+    local indices together cross a ring all-reduce's bytes each way (``1.5 T D`` bf16
+    elements, ``docs/design.md`` 4), and every rank gets the sum."""
+    tokens = [4, 4, 2]
+    got = values(run_ranks(ranks_hier.crossings, 4, tokens, 0, 0, env=ENV, timeout=200))
+    for rank, g in enumerate(got):
+        assert g["values"] == [11.0] * 3, (rank, g["values"])
+        assert g["finished_apart"] == 0, g
+        assert g["counts"] == [3, 3, 3], (rank, g["counts"])
+        half = [t * 64 // 4 for t in tokens]  # of this rank's chunk (1/2 of the host's rows)
+        assert g["bytes"] == [VERDICT_BYTES + h * 4 + h * 2 for h in half], (rank, g)
+        ring = [3 * t * 64 for t in tokens]  # bf16 bytes a ring sends over each edge that crosses
+        assert [2 * (b - VERDICT_BYTES) for b in g["bytes"]] == ring
 
 
 def test_one_rank_per_host_every_pattern_in_the_documented_order(tmp_path: Path) -> None:

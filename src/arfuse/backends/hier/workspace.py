@@ -17,7 +17,9 @@ One call, on every rank (H hosts of L ranks; rank l of host h):
    subgroup knows alike), so a steady decode crosses once per call; otherwise it crosses
    after the verdicts. Few tokens (the host's whole partial within the riding limit, in the
    last call that went through, which every rank knows alike): the first rank of each host
-   crosses the whole ``P_h`` alone, and the others wait in step 3 with empty chunks; when the
+   crosses the whole ``P_h`` alone, and the others wait in step 3 with empty chunks. Two hosts,
+   a 16-bit activation, a chunk too large to ride: the chunk crosses in halves
+   (``_cross_halves``), a ring all-reduce's bytes instead of 4/3 of them; when the
    call fails between hosts, the first rank records what it raises in the store and meets
    them there with another op word, which stops them (the kernel's mismatch) to raise it too;
 3. host step again, fused: each rank writes its chunk of the sum, rounded to the activation
@@ -43,7 +45,7 @@ import functools
 import hashlib
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -79,6 +81,10 @@ VERDICT_BYTES = VERDICTS.nbytes
 ALONE_MAX_BYTES = collective.RIDE_MAX_BYTES
 """The largest host partial (bytes) that crosses on each host's first rank alone
 (``HierWorkspace.crosses_alone``): all of it rides with the verdict."""
+
+HALVES_MIN_BYTES = collective.RIDE_MAX_BYTES
+"""Chunks of more fp32 bytes than this cross in halves where they can
+(``HierWorkspace.in_halves``): never one that could ride with the verdict."""
 
 @functools.lru_cache(maxsize=256)
 def _op_word(words: tuple[int, int]) -> int:
@@ -156,17 +162,26 @@ class HierWorkspace(Workspace):
         ``parts`` (every host's chunk) rounded to the slot's dtype as the epilogue's ``T(acc)``
         rounds it, and ``-0.0 + v == v`` for every ``v``. An fp32 slot takes the sum in place;
         another, from a kept fp32 buffer (fresh memory's page faults cost a large call)."""
-        slot = finisher.input_buffer(call.tokens).view(-1)
-        end = start + parts[0].numel()
+        slot = self._slot(finisher, call.tokens, start, start + parts[0].numel())
+        self._sum_into(slot[start:start + parts[0].numel()], parts)
+        return finisher.run(replace(call, x=slot.view(call.tokens, -1), moe=None))
+
+    @staticmethod
+    def _slot(finisher: ShmWorkspace, tokens: int, start: int, end: int) -> torch.Tensor:
+        """``finisher``'s input slot for ``tokens`` rows, flat, -0.0 outside [start, end)."""
+        slot = finisher.input_buffer(tokens).view(-1)
         slot[:start].fill_(-0.0)
         slot[end:].fill_(-0.0)
-        if slot.dtype == torch.float32:
-            rank_order_sum(parts, out=slot[start:end])
-        else:
-            kept = self._buffers.get("sum", parts[0].numel() * PARTIAL_BYTES)
-            chunk = rank_order_sum(parts, out=kept.view(torch.float32))
-            slot[start:end].copy_(round_to(chunk, slot.dtype))
-        return finisher.run(replace(call, x=slot.view(call.tokens, -1), moe=None))
+        return slot
+
+    def _sum_into(self, out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        """The host-order sum of ``parts`` into ``out`` (a slot's span): in place for fp32;
+        else in a kept fp32 buffer, rounded to ``out``'s dtype as the epilogue's ``T(acc)``."""
+        if out.dtype == torch.float32:
+            rank_order_sum(parts, out=out)
+            return
+        kept = self._buffers.get("sum", out.numel() * PARTIAL_BYTES)
+        out.copy_(round_to(rank_order_sum(parts, out=kept.view(torch.float32)), out.dtype))
 
     def crosses_alone(self, n: int) -> bool:
         """Whether a call after one of ``n`` elements crosses on each host's first rank alone:
@@ -174,6 +189,45 @@ class HierWorkspace(Workspace):
         then, and the host's other ranks need no link of their own: with more ranks than
         cores, theirs took the CPU that the first ranks' exchange waited for)."""
         return self.layout.local_size > 1 and n * PARTIAL_BYTES <= ALONE_MAX_BYTES
+
+    def in_halves(self, call: CallArgs, start: int, end: int) -> bool:
+        """Whether this rank's chunk [start, end) crosses in halves (``_cross_halves``): two
+        hosts, a 16-bit activation the kernel finishes, and a chunk too large to ride, so
+        that the extra exchange costs less than the quarter of the bytes it saves (it never
+        replaces a call's only exchange: such a chunk never rides). Alike on every rank
+        whose call matches."""
+        return (self.layout.host_count == 2 and self.finisher is not None
+                and self.finisher is not self.inner and (end - start) % 2 == 0
+                and (end - start) * PARTIAL_BYTES > HALVES_MIN_BYTES
+                and not call.pattern.output.problem(self.spec.dtype, self.spec.hidden))
+
+    def _cross_halves(self, call: CallArgs, start: int, mine: torch.Tensor,
+                      way: int) -> torch.Tensor:
+        """Two hosts, a chunk of fp32 partial ``mine`` (elements from ``start``): host h owns
+        half h of it. Its partial of the other half goes over (fp32), the other host's of
+        this half comes back; this half's sum in host order, rounded to the activation dtype,
+        goes into the finisher's slot and over, and the other half's comes back into the slot:
+        a ring's bytes (``3/4`` of the whole chunk's crossing: 16-bit halves come back), the
+        same sum. Returns the slot, -0.0 outside the chunk."""
+        assert self.finisher is not None
+        half = mine.numel() // 2
+        own, other = self.host * half, (1 - self.host) * half
+        slot = self._slot(self.finisher, call.tokens, start, start + mine.numel())
+        theirs = self._buffers.get("halves", half * PARTIAL_BYTES).view(torch.float32)
+        piece_bytes = collective.PieceChoice.piece_bytes(way)
+        with self._between_hosts("call"):
+            collective.exchange_pair(mine[other:other + half].contiguous(), theirs,
+                                     self.cross_ctx, "call", self.backend, self._calls,
+                                     piece_bytes)
+        mine_half = mine[own:own + half]
+        self._sum_into(slot[start + own:start + own + half],
+                       [mine_half, theirs] if self.host == 0 else [theirs, mine_half])
+        with self._between_hosts("call-finished"):
+            collective.exchange_pair(
+                slot[start + own:start + own + half].view(torch.uint8),
+                slot[start + other:start + other + half].view(torch.uint8),
+                self.cross_ctx, "call-finished", self.backend, self._calls, piece_bytes)
+        return slot
 
     def _chunk(self, n: int, alone: bool = False) -> tuple[int, int]:
         """[start, end) of this rank's share of ``n`` elements (local index l of L; ``alone``:
@@ -191,10 +245,17 @@ class HierWorkspace(Workspace):
         hosts = self.layout.host_count
         rows = self._buffers.get(phase, hosts * payload.numel() * payload.element_size()
                                  ).view(payload.dtype).view(hosts, *payload.shape)
-        try:
+        with self._between_hosts(phase):
             return collective.gather_rows(payload, self.cross_ctx, phase, self.backend,
                                           self._calls, rows,
                                           collective.PieceChoice.piece_bytes(way))
+
+    @contextlib.contextmanager
+    def _between_hosts(self, phase: str) -> Iterator[None]:
+        """An exchange on the link's group: its timeout, in the group's rank numbers and
+        naming hosts, leaves the workspace broken."""
+        try:
+            yield
         except CallTimeout as error:
             silent = (None if error.silent is None else
                       [self.layout.ranks[h][self.local] for h in error.silent])
@@ -302,12 +363,21 @@ class HierWorkspace(Workspace):
             self._alone = self.crosses_alone(n)
             return done
         chunk_bytes = (end - start) * PARTIAL_BYTES
+        halves = self.in_halves(call, start, end)
+        # the exchange to learn a way for: in halves, the partial's half that crosses
+        crossing = chunk_bytes // 2 if halves else chunk_bytes
+        slot = None
         try:
-            verdicts, parts = self._exchange_verdicts(words, flag, detail, mine,
-                                                      self.pieces.propose(chunk_bytes))
+            verdicts, parts = self._exchange_verdicts(words, flag, detail,
+                                                      None if halves else mine,
+                                                      self.pieces.propose(crossing))
             self._judge(verdicts, why)
             assert mine is not None
-            if parts is None:
+            if halves:
+                way = verdicts[0][4]
+                with self.pieces.timed(crossing, way):
+                    slot = self._cross_halves(call, start, mine, way)
+            elif parts is None:
                 way = verdicts[0][4]  # host 0's proposal: every rank follows the same
                 with self.pieces.timed(chunk_bytes, way):
                     parts = self._cross(mine.contiguous(), "call", way)
@@ -316,12 +386,25 @@ class HierWorkspace(Workspace):
                 self._release(error, lambda way: self._gather(call, way, n, [mine[:0]]), op)
             raise
         # the calls matched: the same size on every rank
-        collective.agree_size(self.cross_ctx.group,
-                              chunk_bytes if chunk_bytes <= collective.RIDE_MAX_BYTES else 0,
+        rides = chunk_bytes <= collective.RIDE_MAX_BYTES and not halves
+        collective.agree_size(self.cross_ctx.group, chunk_bytes if rides else 0,
                               verdicts[0][4])
-        done = self._gather(call, op, start, parts)
+        if slot is not None:
+            done = self._finish(call, op, slot)
+        else:
+            assert parts is not None
+            done = self._gather(call, op, start, parts)
         self._alone = self.crosses_alone(n)
         return done
+
+    def _finish(self, call: CallArgs, op: int, slot: torch.Tensor) -> FusedOutput:
+        """Step 3 after ``_cross_halves``: the slot holds this rank's chunk of the sum."""
+        assert self.finisher is not None
+        try:
+            return self.finisher.run(replace(call, x=slot.view(call.tokens, -1), op=op,
+                                             moe=None))
+        except (CallTimeout, WorkspaceBroken) as error:
+            raise self._host_failed(error, "host gather") from None
 
     def _gather(self, call: CallArgs, op: int, start: int,
                 parts: list[torch.Tensor]) -> FusedOutput:
