@@ -49,9 +49,9 @@ def _halves_over(limit: int | None) -> None:
     """Chunks of more than ``limit`` fp32 bytes cross in halves where they can (``None``: the
     library's limit)."""
     if limit is not None:
-        from arfuse.backends.hier import workspace
+        from arfuse.backends.hier import link
 
-        workspace.HALVES_MIN_BYTES = limit
+        link.HALVES_MIN_BYTES = limit
 
 
 def numerics(rank: int, world: int, dtypes: list[str], tokens: list[int],

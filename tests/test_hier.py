@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from arfuse.backends.hier.workspace import VERDICT_BYTES
+from arfuse.backends.hier.link import VERDICT_BYTES
 from arfuse.backends.torch.workspace import SIGNATURE_BYTES
 
 import ranks_hier
