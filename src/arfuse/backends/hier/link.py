@@ -79,10 +79,15 @@ class BetweenHosts:
         that the extra exchange costs less than the quarter of the bytes it saves (it never
         replaces a call's only exchange: such a chunk never rides). Alike on every rank
         whose call matches."""
-        return (self.layout.host_count == 2 and self.finisher is not None
-                and self.finisher is not self.inner and (end - start) % 2 == 0
-                and (end - start) * PARTIAL_BYTES > HALVES_MIN_BYTES
-                and not call.pattern.output.problem(self.spec.dtype, self.spec.hidden))
+        return (self.layout.host_count == 2 and self.finisher is not self.inner
+                and (end - start) % 2 == 0 and (end - start) * PARTIAL_BYTES > HALVES_MIN_BYTES
+                and self.kernel_finishes(call))
+
+    def kernel_finishes(self, call: CallArgs) -> bool:
+        """Whether step 3's shm call runs ``call``'s epilogue (the kernel fuses its outputs
+        for these rows); else that call sums in fp32 and the torch epilogue finishes."""
+        return self.finisher is not None and not call.pattern.output.problem(
+            self.spec.dtype, self.spec.hidden)
 
     def _cross_halves(self, call: CallArgs, start: int, mine: torch.Tensor,
                       way: int) -> torch.Tensor:

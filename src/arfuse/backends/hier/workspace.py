@@ -141,16 +141,16 @@ class HierWorkspace(BetweenHosts, Workspace):
         slot.copy_(rows)
         return self.inner.run(CallArgs(x=slot, op=op)).out
 
-    def _host_gather(self, finisher: ShmWorkspace, call: CallArgs, start: int,
-                     parts: list[torch.Tensor]) -> FusedOutput:
-        """Every rank's chunk of the sum gathered through one shm call of ``call``'s epilogue
-        (or sum only): each rank's slot is -0.0 but for its own chunk, the host-order sum of
-        ``parts`` (every host's chunk) rounded to the slot's dtype as the epilogue's ``T(acc)``
-        rounds it, and ``-0.0 + v == v`` for every ``v``. An fp32 slot takes the sum in place;
-        another, from a kept fp32 buffer (fresh memory's page faults cost a large call)."""
-        slot = self._slot(finisher, call.tokens, start, start + parts[0].numel())
-        self._sum_into(slot[start:start + parts[0].numel()], parts)
-        return finisher.run(replace(call, x=slot.view(call.tokens, -1), moe=None))
+    def _filled_slot(self, finisher: ShmWorkspace, tokens: int, start: int,
+                     parts: list[torch.Tensor]) -> torch.Tensor:
+        """``finisher``'s slot for step 3: -0.0 but for this rank's chunk, the host-order sum
+        of ``parts`` (every host's chunk) rounded to the slot's dtype as the epilogue's
+        ``T(acc)`` rounds it; ``-0.0 + v == v`` for every ``v``, so the host's slots add up to
+        the whole sum."""
+        end = start + parts[0].numel()
+        slot = self._slot(finisher, tokens, start, end)
+        self._sum_into(slot[start:end], parts)
+        return slot
 
     def crosses_alone(self, n: int) -> bool:
         """Whether a call after one of ``n`` elements crosses on each host's first rank alone:
@@ -256,34 +256,27 @@ class HierWorkspace(BetweenHosts, Workspace):
         rides = chunk_bytes <= collective.RIDE_MAX_BYTES and not halves
         collective.agree_size(self.cross_ctx.group, chunk_bytes if rides else 0,
                               verdicts[0][4])
-        if slot is not None:
-            done = self._finish(call, op, slot)
-        else:
-            assert parts is not None
-            done = self._gather(call, op, start, parts)
+        done = self._gather(call, op, start, parts or [], slot)
         self._alone = self.crosses_alone(n)
         return done
 
-    def _finish(self, call: CallArgs, op: int, slot: torch.Tensor) -> FusedOutput:
-        """Step 3 after ``_cross_halves``: the slot holds this rank's chunk of the sum."""
-        assert self.finisher is not None
-        try:
-            return self.finisher.run(replace(call, x=slot.view(call.tokens, -1), op=op,
-                                             moe=None))
-        except (CallTimeout, WorkspaceBroken) as error:
-            raise self._host_failed(error, "host gather") from None
-
-    def _gather(self, call: CallArgs, op: int, start: int,
-                parts: list[torch.Tensor]) -> FusedOutput:
+    def _gather(self, call: CallArgs, op: int, start: int, parts: list[torch.Tensor],
+                slot: torch.Tensor | None = None) -> FusedOutput:
         """Step 3: this rank's chunk of the sum (elements from ``start``; ``parts``: every
-        host's, to add in host order) gathered with the host's others' and finished."""
+        host's, to add in host order; or ``slot``, the finisher's slot already holding it,
+        after ``_cross_halves``) gathered with the host's others' through one shm call, which
+        runs the call's epilogue where the kernel finishes it (else sum only, in fp32, and the
+        torch epilogue)."""
         assert self.inner is not None
         try:
-            if self.finisher is not None and not call.pattern.output.problem(self.spec.dtype,
-                                                                             self.spec.hidden):
-                return self._host_gather(self.finisher, replace(call, op=op), start, parts)
-            total = self._host_gather(self.inner, CallArgs(x=call.x, op=op), start,
-                                      parts).out
+            if self.kernel_finishes(call):
+                assert self.finisher is not None
+                if slot is None:
+                    slot = self._filled_slot(self.finisher, call.tokens, start, parts)
+                return self.finisher.run(replace(call, x=slot.view(call.tokens, -1), op=op,
+                                                 moe=None))
+            total = self.inner.run(CallArgs(x=self._filled_slot(
+                self.inner, call.tokens, start, parts).view(call.tokens, -1), op=op)).out
         except (CallTimeout, WorkspaceBroken) as error:
             raise self._host_failed(error, "host gather") from None
         return apply(total.view(call.tokens, call.x.shape[1]), call)
